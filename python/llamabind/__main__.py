@@ -1,0 +1,87 @@
+"""Command line: ``python -m llamabind generate|info``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_PROMPT = "The three most useful things to know about the Python programming language are"
+
+
+def _generate(args) -> int:
+    from . import Model, models
+
+    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads) as m:
+        stream = m.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=True)
+        out = sys.stdout
+        if args.prompt is None or args.echo:
+            out.write(prompt)
+        try:
+            for piece in stream:
+                out.write(piece)
+                out.flush()
+        except KeyboardInterrupt:
+            out.write("\n")
+            print("[interrupted]", file=sys.stderr)
+            return 130
+        out.write("\n")
+        out.flush()
+        r = stream.result
+        name = args.model if args.model in models.KNOWN else str(m.path)
+        print(f"[{name} | {m.description} | {r.timings.summary()} | finish: {r.finish_reason}]",
+              file=sys.stderr)
+    return 0
+
+
+def _info(args) -> int:
+    from . import build_info
+
+    info = build_info()
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"llamabind {info['version']}")
+    print(f"llama.cpp {info['upstream_release']} ({info['upstream_commit']})")
+    print("patches:  " + (", ".join(info["patches"]) or "none"))
+    print("backends: " + ", ".join(info["backends"]))
+    for d in info["devices"]:
+        mem = f", {d['memory_total'] / 2**30:.1f} GiB" if d["memory_total"] else ""
+        print(f"  device {d['name']}: {d['description']} ({d['type']}{mem})")
+    print("flags:    " + " ".join(f"{k}={v}" for k, v in info["compile_flags"].items()))
+    print("system:   " + info["system_info"].strip())
+    print(f"tools:    {'built (llamabind/bin)' if info['tools'] else 'not built'}")
+    return 0
+
+
+def main(argv=None) -> int:
+    from . import models
+
+    ap = argparse.ArgumentParser(prog="python -m llamabind", description="llamabind: llama.cpp from Python")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="stream a continuation of PROMPT")
+    g.add_argument("prompt", nargs="?", help="the prompt (default: a short example prompt)")
+    g.add_argument("--model", "-m", default=models.DEFAULT, help=f"model name or GGUF path (default {models.DEFAULT})")
+    g.add_argument("--max-tokens", "-n", type=int, default=128)
+    g.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", "-s", type=int, default=None)
+    g.add_argument("--n-ctx", type=int, default=4096)
+    g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    g.set_defaults(fn=_generate)
+    i = sub.add_parser("info", help="print build_info()")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=_info)
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, ConnectionError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

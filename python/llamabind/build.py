@@ -1,0 +1,35 @@
+"""What this build of llamabind contains: :func:`build_info` and upstream's tools."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import _core
+
+
+def build_info() -> dict:
+    """Facts about this build.
+
+    Returns a dict with ``version``; ``upstream_commit`` and ``upstream_release`` (the llama.cpp
+    pin, e.g. ``"b11312"``); ``patches`` (names from patches/series applied to the compiled tree);
+    ``compile_flags`` (CMake build type, compiler, GGML_* options); ``backends`` (compiled-in ggml
+    backend registries, e.g. ``["CPU"]`` or ``["CUDA", "CPU"]``); ``devices`` (see
+    :func:`llamabind.devices`); ``system_info`` (llama_print_system_info: CPU features);
+    ``tools`` (whether upstream's llama-bench etc. were built, see :func:`tool_path`).
+    """
+    return _core.build_info()
+
+
+def devices() -> list[dict]:
+    """ggml backend devices of this build: name, description, type, backend, memory (bytes)."""
+    return _core.devices()
+
+
+def tool_path(name: str) -> Path | None:
+    """Path of an upstream tool built from the same tree (``llama-bench``, ``llama-simple``,
+    ``llama-completion``, ``ggml-rpc-server``), or None when this build has no tools
+    (build with ``LLAMABIND_BUILD_TOOLS=ON``)."""
+    p = Path(__file__).resolve().parent / "bin" / name
+    if os.name == "nt":
+        p = p.with_suffix(".exe")
+    return p if p.exists() else None

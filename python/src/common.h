@@ -1,0 +1,39 @@
+// Shared declarations of the llamabind._core extension (one .cpp per area).
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace nb = nanobind;
+
+namespace lb {
+
+// ---- errors.cpp: Python exceptions with messages that name the argument and the expected value
+struct LlamaError : std::runtime_error {  // -> llamabind.LlamaError (a RuntimeError)
+    using std::runtime_error::runtime_error;
+};
+[[noreturn]] void raise_file_not_found(const std::string & msg);
+[[noreturn]] void raise_value(const std::string & msg);
+[[noreturn]] void raise_type(const std::string & msg);
+[[noreturn]] void raise_keyboard_interrupt();
+void register_errors(nb::module_ & m);
+
+// ---- logging.cpp: llama.cpp/ggml logs -> Python logging
+void register_logging(nb::module_ & m);
+void install_log_callback();
+// The last error/warning lines that llama.cpp logged on this thread (drained by the call).
+std::string take_recent_errors();
+void clear_recent_errors();
+
+// ---- backends.cpp: build info, devices
+void register_backends(nb::module_ & m);
+
+// ---- model.cpp / context.cpp / sampling.cpp
+void register_model(nb::module_ & m);
+void register_context(nb::module_ & m);
+void register_sampling(nb::module_ & m);
+
+}  // namespace lb

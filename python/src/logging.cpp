@@ -1,0 +1,116 @@
+// llama.cpp and ggml log through one callback (llama_log_set sets ggml's too). Lines at or above
+// the threshold go to a Python callable (llamabind._log forwards them to logging.getLogger
+// ("llamabind")); lines below it are dropped here without touching the interpreter. The
+// threshold follows the logger's effective level, so the default (WARNING, and a NullHandler)
+// keeps llama.cpp quiet.
+#include "common.h"
+
+#include <llama.h>
+
+#include <Python.h>
+
+#include <atomic>
+#include <deque>
+#include <mutex>
+
+namespace lb {
+
+static std::atomic<int> g_min_level{GGML_LOG_LEVEL_WARN};
+static std::mutex g_handler_mutex;
+static PyObject * g_handler = nullptr;  // strong reference, owned; callable(level: int, text: str)
+
+thread_local std::string t_line;
+thread_local int t_level = GGML_LOG_LEVEL_INFO;
+thread_local std::deque<std::string> t_recent;  // recent WARN/ERROR lines, for exception messages
+
+static bool is_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
+}
+
+static void emit(int level, const std::string & line) {
+    if (level >= GGML_LOG_LEVEL_WARN) {
+        t_recent.push_back(line);
+        while (t_recent.size() > 6) t_recent.pop_front();
+    }
+    if (level < g_min_level.load(std::memory_order_relaxed)) return;
+    if (!Py_IsInitialized() || is_finalizing()) return;
+    PyGILState_STATE st = PyGILState_Ensure();
+    PyObject * handler = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(g_handler_mutex);
+        handler = g_handler;
+        Py_XINCREF(handler);
+    }
+    if (handler) {
+        // Keep any exception that is already pending (e.g. KeyboardInterrupt) intact.
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyObject * r = PyObject_CallFunction(handler, "is#", level, line.data(), (Py_ssize_t) line.size());
+        if (!r) PyErr_Clear();  // a failing log handler must never break a decode
+        Py_XDECREF(r);
+        Py_DECREF(handler);
+        PyErr_Restore(et, ev, tb);
+    }
+    PyGILState_Release(st);
+}
+
+static void log_callback(enum ggml_log_level level, const char * text, void *) {
+    if (!text) return;
+    if (level != GGML_LOG_LEVEL_CONT) {
+        if (!t_line.empty()) {  // a new record starts: flush an unterminated previous one
+            emit(t_level, t_line);
+            t_line.clear();
+        }
+        t_level = level;
+    }
+    // Drop below-threshold records early, unless they may be needed for error messages.
+    if (t_level < g_min_level.load(std::memory_order_relaxed) && t_level < GGML_LOG_LEVEL_WARN) return;
+    t_line += text;
+    size_t nl;
+    while ((nl = t_line.find('\n')) != std::string::npos) {
+        std::string line = t_line.substr(0, nl);
+        t_line.erase(0, nl + 1);
+        if (!line.empty()) emit(t_level, line);
+    }
+}
+
+void install_log_callback() { llama_log_set(log_callback, nullptr); }
+
+std::string take_recent_errors() {
+    std::string out;
+    for (auto & l : t_recent) {
+        if (!out.empty()) out += "\n";
+        out += "  llama.cpp: " + l;
+    }
+    t_recent.clear();
+    return out;
+}
+
+void clear_recent_errors() { t_recent.clear(); }
+
+void register_logging(nb::module_ & m) {
+    m.def("set_log_level", [](int level) { g_min_level.store(level); }, nb::arg("level"),
+          "Lowest ggml_log_level forwarded to the handler (1 debug, 2 info, 3 warn, 4 error, 5 none).");
+    m.def("get_log_level", []() { return g_min_level.load(); });
+    m.def(
+        "set_log_handler",
+        [](nb::object handler) {
+            PyObject * h = handler.is_none() ? nullptr : handler.ptr();
+            Py_XINCREF(h);
+            PyObject * old;
+            {
+                std::lock_guard<std::mutex> lock(g_handler_mutex);
+                old = g_handler;
+                g_handler = h;
+            }
+            Py_XDECREF(old);
+        },
+        nb::arg("handler").none(),
+        "Set the callable(level: int, text: str) that receives llama.cpp/ggml log lines, or None.");
+}
+
+}  // namespace lb

@@ -1,0 +1,220 @@
+// Model: a GGUF file loaded by llama.cpp (weights + vocabulary), and its tokenizer.
+#include "objects.h"
+
+#include <gguf.h>
+
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <Python.h>
+
+#include <cstdio>
+#include <cstring>
+#include <sys/stat.h>
+
+namespace lb {
+
+void Model::close() {
+    for (auto * c : std::set<Context *>(contexts)) c->close();
+    contexts.clear();
+    if (model) {
+        llama_model_free(model);
+        model = nullptr;
+        vocab = nullptr;
+    }
+}
+
+// What llama.cpp would otherwise only log: missing file, not a file, not GGUF.
+static void check_gguf_file(const std::string & path) {
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0) raise_file_not_found("no such GGUF file: '" + path + "'");
+    if (!S_ISREG(st.st_mode)) raise_value("path must be a GGUF file, but '" + path + "' is not a regular file");
+    FILE * f = std::fopen(path.c_str(), "rb");
+    if (!f) raise_value("cannot open '" + path + "': " + std::strerror(errno));
+    char magic[4] = {0, 0, 0, 0};
+    size_t n = std::fread(magic, 1, 4, f);
+    std::fclose(f);
+    if (n < 4 || std::memcmp(magic, "GGUF", 4) != 0) {
+        std::string got;
+        for (size_t i = 0; i < n; ++i) {
+            char buf[8];
+            std::snprintf(buf, sizeof buf, "\\x%02x", (unsigned char) magic[i]);
+            got += buf;
+        }
+        raise_value("'" + path + "' is not a GGUF file: it starts with b'" + got + "', expected the magic b'GGUF'");
+    }
+}
+
+static nb::object gguf_value(const gguf_context * g, int64_t id, enum gguf_type t, const void * data, size_t i) {
+    switch (t) {
+        case GGUF_TYPE_UINT8: return nb::int_(((const uint8_t *) data)[i]);
+        case GGUF_TYPE_INT8: return nb::int_(((const int8_t *) data)[i]);
+        case GGUF_TYPE_UINT16: return nb::int_(((const uint16_t *) data)[i]);
+        case GGUF_TYPE_INT16: return nb::int_(((const int16_t *) data)[i]);
+        case GGUF_TYPE_UINT32: return nb::int_(((const uint32_t *) data)[i]);
+        case GGUF_TYPE_INT32: return nb::int_(((const int32_t *) data)[i]);
+        case GGUF_TYPE_UINT64: return nb::int_(((const uint64_t *) data)[i]);
+        case GGUF_TYPE_INT64: return nb::int_(((const int64_t *) data)[i]);
+        case GGUF_TYPE_FLOAT32: return nb::float_(((const float *) data)[i]);
+        case GGUF_TYPE_FLOAT64: return nb::float_(((const double *) data)[i]);
+        case GGUF_TYPE_BOOL: return nb::bool_(((const int8_t *) data)[i] != 0);
+        case GGUF_TYPE_STRING: {
+            const char * s = data ? gguf_get_val_str(g, id) : gguf_get_arr_str(g, id, i);
+            return nb::steal(PyUnicode_DecodeUTF8(s, (Py_ssize_t) std::strlen(s), "replace"));
+        }
+        default: return nb::none();
+    }
+}
+
+// GGUF key/values with their types (ints, floats, bools, strings, lists), read by ggml's gguf.
+static nb::dict read_metadata(const std::string & path) {
+    check_gguf_file(path);
+    gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/nullptr};
+    gguf_context * g;
+    {
+        nb::gil_scoped_release release;
+        clear_recent_errors();
+        g = gguf_init_from_file(path.c_str(), params);
+    }
+    if (!g) raise_value("cannot read the GGUF header of '" + path + "'\n" + take_recent_errors());
+    nb::dict out;
+    const int64_t n = gguf_get_n_kv(g);
+    for (int64_t id = 0; id < n; ++id) {
+        const char * key = gguf_get_key(g, id);
+        const enum gguf_type t = gguf_get_kv_type(g, id);
+        if (t == GGUF_TYPE_ARRAY) {
+            const enum gguf_type at = gguf_get_arr_type(g, id);
+            const size_t len = gguf_get_arr_n(g, id);
+            const void * data = at == GGUF_TYPE_STRING ? nullptr : gguf_get_arr_data(g, id);
+            nb::list l;
+            for (size_t i = 0; i < len; ++i) l.append(gguf_value(g, id, at, data, i));
+            out[key] = l;
+        } else if (t == GGUF_TYPE_STRING) {
+            out[key] = gguf_value(g, id, t, (const void *) 1, 0);
+        } else {
+            out[key] = gguf_value(g, id, t, gguf_get_val_data(g, id), 0);
+        }
+    }
+    gguf_free(g);
+    return out;
+}
+
+static void model_init(Model * self, const std::string & path, int n_gpu_layers, int load_mode, bool vocab_only) {
+    new (self) Model();
+    if (n_gpu_layers < -1) raise_value("n_gpu_layers must be >= 0, or -1 for all layers; got " + std::to_string(n_gpu_layers));
+    check_gguf_file(path);
+    llama_model_params p = llama_model_default_params();
+    p.n_gpu_layers = n_gpu_layers;
+    p.vocab_only = vocab_only;
+    if (load_mode < LLAMA_LOAD_MODE_AUTO || load_mode > LLAMA_LOAD_MODE_DIRECT_IO) {
+        raise_value("load_mode must be one of llama_load_mode (-1 auto, 0 none, 1 mmap, ...); got " + std::to_string(load_mode));
+    }
+    p.load_mode = (enum llama_load_mode) load_mode;
+    llama_model * m;
+    {
+        nb::gil_scoped_release release;
+        clear_recent_errors();
+        m = llama_model_load_from_file(path.c_str(), p);
+    }
+    if (!m) raise_value("failed to load the GGUF model '" + path + "'\n" + take_recent_errors());
+    self->model = m;
+    self->vocab = llama_model_get_vocab(m);
+    self->path = path;
+    self->vocab_only = vocab_only;
+}
+
+static std::vector<int32_t> tokenize(Model & self, const std::string & text, bool add_special, bool parse_special) {
+    const llama_vocab * vocab = self.get_vocab();
+    if (text.size() > (size_t) INT32_MAX / 2) raise_value("text is too long to tokenize: " + std::to_string(text.size()) + " bytes");
+    std::vector<int32_t> out(text.size() + 8);
+    int32_t n;
+    {
+        nb::gil_scoped_release release;
+        n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special, parse_special);
+        if (n < 0 && n != INT32_MIN) {
+            out.resize((size_t) -n);
+            n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special, parse_special);
+        }
+    }
+    if (n < 0) throw LlamaError("llama_tokenize failed (result too large)");
+    out.resize((size_t) n);
+    return out;
+}
+
+static std::vector<int32_t> checked_tokens(const Model & self, const std::vector<int64_t> & tokens) {
+    std::vector<int32_t> t(tokens.size());
+    for (size_t i = 0; i < tokens.size(); ++i) {
+        self.check_token(tokens[i]);
+        t[i] = (int32_t) tokens[i];
+    }
+    return t;
+}
+
+static nb::str detokenize(Model & self, const std::vector<int64_t> & tokens, bool remove_special, bool unparse_special) {
+    const llama_vocab * vocab = self.get_vocab();
+    std::vector<int32_t> t = checked_tokens(self, tokens);
+    std::string buf(t.size() * 8 + 16, '\0');
+    int32_t n = llama_detokenize(vocab, t.data(), (int32_t) t.size(), buf.data(), (int32_t) buf.size(), remove_special, unparse_special);
+    if (n < 0) {
+        buf.resize((size_t) -n);
+        n = llama_detokenize(vocab, t.data(), (int32_t) t.size(), buf.data(), (int32_t) buf.size(), remove_special, unparse_special);
+    }
+    if (n < 0) throw LlamaError("llama_detokenize failed");
+    return nb::steal<nb::str>(PyUnicode_DecodeUTF8(buf.data(), n, "replace"));
+}
+
+static nb::bytes token_to_piece(Model & self, int64_t token, bool special) {
+    self.check_token(token);
+    char buf[256];
+    int32_t n = llama_token_to_piece(self.get_vocab(), (int32_t) token, buf, sizeof buf, 0, special);
+    if (n < 0) {
+        std::string big((size_t) -n, '\0');
+        n = llama_token_to_piece(self.get_vocab(), (int32_t) token, big.data(), (int32_t) big.size(), 0, special);
+        return nb::bytes(big.data(), (size_t) std::max(n, 0));
+    }
+    return nb::bytes(buf, (size_t) n);
+}
+
+static nb::object opt_token(llama_token t) { return t == LLAMA_TOKEN_NULL ? nb::object(nb::none()) : nb::object(nb::int_(t)); }
+
+void register_model(nb::module_ & m) {
+    nb::class_<Model>(m, "Model", "A GGUF model loaded by llama_model_load_from_file (see llamabind.Model).")
+        .def("__init__", &model_init, nb::arg("path"), nb::arg("n_gpu_layers") = -1, nb::arg("load_mode") = -1,
+             nb::arg("vocab_only") = false,
+             "Load a GGUF file. Raises FileNotFoundError (no file), ValueError (not GGUF, corrupt, truncated).")
+        .def("close", &Model::close, "Free the weights and every context opened on this model.")
+        .def_prop_ro("closed", [](const Model & s) { return s.model == nullptr; })
+        .def_prop_ro("path", [](const Model & s) { return s.path; })
+        .def_prop_ro("vocab_only", [](const Model & s) { return s.vocab_only; })
+        .def_prop_ro("n_vocab", &Model::n_vocab)
+        .def_prop_ro("n_ctx_train", [](const Model & s) { return llama_model_n_ctx_train(s.get()); })
+        .def_prop_ro("n_embd", [](const Model & s) { return llama_model_n_embd(s.get()); })
+        .def_prop_ro("n_layer", [](const Model & s) { return llama_model_n_layer(s.get()); })
+        .def_prop_ro("n_params", [](const Model & s) { return llama_model_n_params(s.get()); })
+        .def_prop_ro("size", [](const Model & s) { return llama_model_size(s.get()); }, "Size of the weights in bytes.")
+        .def_prop_ro("description", [](const Model & s) {
+            char buf[256];
+            int n = llama_model_desc(s.get(), buf, sizeof buf);
+            return std::string(buf, (size_t) std::max(0, std::min(n, (int) sizeof buf - 1)));
+        })
+        .def_prop_ro("token_bos", [](const Model & s) { return opt_token(llama_vocab_bos(s.get_vocab())); })
+        .def_prop_ro("token_eos", [](const Model & s) { return opt_token(llama_vocab_eos(s.get_vocab())); })
+        .def_prop_ro("add_bos", [](const Model & s) { return llama_vocab_get_add_bos(s.get_vocab()); })
+        .def("is_eog", [](const Model & s, int64_t t) { s.check_token(t); return llama_vocab_is_eog(s.get_vocab(), (llama_token) t); },
+             nb::arg("token"), "True for end-of-generation tokens (EOS, EOT, ...). Wraps llama_vocab_is_eog.")
+        .def("chat_template", [](const Model & s, const nb::object & name) -> nb::object {
+                 std::string n = name.is_none() ? std::string() : nb::cast<std::string>(name);
+                 const char * t = llama_model_chat_template(s.get(), name.is_none() ? nullptr : n.c_str());
+                 return t ? nb::cast(std::string(t)) : nb::none();
+             }, nb::arg("name") = nb::none(), "The GGUF chat template (tokenizer.chat_template), or None.")
+        .def("tokenize", &tokenize, nb::arg("text"), nb::arg("add_special") = true, nb::arg("parse_special") = false,
+             "str -> list of token ids. Wraps llama_tokenize.")
+        .def("detokenize", &detokenize, nb::arg("tokens"), nb::arg("remove_special") = false, nb::arg("unparse_special") = false,
+             "Token ids -> str (invalid UTF-8 replaced by U+FFFD). Wraps llama_detokenize.")
+        .def("token_to_piece", &token_to_piece, nb::arg("token"), nb::arg("special") = false,
+             "One token id -> its UTF-8 bytes (possibly part of a character). Wraps llama_token_to_piece.");
+    m.def("read_metadata", &read_metadata, nb::arg("path"),
+          "GGUF key/values of a file as a dict (typed: int, float, bool, str, list). Wraps gguf_init_from_file.");
+}
+
+}  // namespace lb

@@ -1,0 +1,16 @@
+// llamabind._core: the nanobind extension. One file per area; this one wires them together.
+#include "common.h"
+
+#include <llama.h>
+
+NB_MODULE(_core, m) {
+    m.doc() = "llamabind's compiled core over the pinned llama.cpp/ggml (use the llamabind package API).";
+    lb::install_log_callback();  // before anything logs
+    llama_backend_init();
+    lb::register_errors(m);
+    lb::register_logging(m);
+    lb::register_backends(m);
+    lb::register_model(m);
+    lb::register_context(m);
+    lb::register_sampling(m);
+}

@@ -1,0 +1,70 @@
+// The native objects behind llamabind.Model / Context / Sampler. Python owns them; closing is
+// explicit (close(), context managers) or at garbage collection.
+#pragma once
+
+#include "common.h"
+
+#include <llama.h>
+
+#include <atomic>
+#include <set>
+
+namespace lb {
+
+struct Context;
+
+struct Model {
+    llama_model * model = nullptr;
+    const llama_vocab * vocab = nullptr;
+    std::string path;
+    bool vocab_only = false;
+    std::set<Context *> contexts;  // open contexts on this model; closed with it
+
+    ~Model() { close(); }
+    void close();
+    llama_model * get() const {
+        if (!model) raise_value("the model is closed");
+        return model;
+    }
+    const llama_vocab * get_vocab() const {
+        get();
+        return vocab;
+    }
+    int32_t n_vocab() const { return llama_vocab_n_tokens(get_vocab()); }
+    void check_token(int64_t token, const char * what = "token") const {
+        const int32_t n = n_vocab();
+        if (token < 0 || token >= n) {
+            raise_value(std::string(what) + " id " + std::to_string(token) + " is out of range: expected 0 <= id < n_vocab (" +
+                        std::to_string(n) + ")");
+        }
+    }
+};
+
+struct Context {
+    Model * owner = nullptr;
+    llama_context * ctx = nullptr;
+    std::atomic<bool> busy{false};
+    bool has_logits = false;  // the last decode asked for logits of its last token
+    uint32_t n_past = 0;      // tokens in sequence 0 of the KV cache
+
+    ~Context() { close(); }
+    void close();
+    llama_context * get() const {
+        if (!ctx) raise_value("the context is closed");
+        return ctx;
+    }
+};
+
+// Held while native code works on a context: a second thread gets an exception, not a race.
+struct BusyGuard {
+    Context & c;
+    explicit BusyGuard(Context & c_) : c(c_) {
+        bool expected = false;
+        if (!c.busy.compare_exchange_strong(expected, true)) {
+            throw LlamaError("the context is in use by another thread; create one context per thread");
+        }
+    }
+    ~BusyGuard() { c.busy.store(false); }
+};
+
+}  // namespace lb
