@@ -199,13 +199,13 @@ def unpack(archive: Path, lock: dict, dest: Path, only: set[str] | None = None) 
 # patches
 
 
-def _git(args: list[str], cwd: Path, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def _git(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ if env is None else env)
     # Never let git discover an enclosing repository (ours): act as a plain 'patch' on cwd.
     env["GIT_CEILING_DIRECTORIES"] = str(Path(cwd).resolve().parent)
     env.pop("GIT_DIR", None)
     env.pop("GIT_WORK_TREE", None)
-    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, **kw)
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def check_patch(patch: Path, tree: Path, reverse: bool = False) -> tuple[bool, str]:
@@ -424,7 +424,7 @@ def cmd_refresh(args) -> int:
         text += "\n"
     text += "-- \nllamabind vendor.py refresh\n"
     patch.write_text(text)
-    say(f"refreshed {patch.relative_to(ROOT)} ({len(files)} file(s)); run sync to rebuild the stamp")
+    say(f"refreshed {patch} ({len(files)} file(s)); run sync to rebuild the stamp")
     return 0
 
 

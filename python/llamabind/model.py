@@ -183,7 +183,8 @@ class Context:
 
     Args:
         model: the Model.
-        n_ctx: context size in tokens (0: the model's n_ctx_train); >= 8.
+        n_ctx: context size in tokens (0: the model's n_ctx_train); >= 8. llama.cpp rounds it
+            up to a multiple of 256; :attr:`n_ctx` gives the size in effect.
         n_batch: most tokens passed to one llama_decode (prompts are split into n_batch chunks).
         n_ubatch: physical batch size (<= n_batch).
         n_threads: CPU threads for generation and batch processing (None: all available cores).

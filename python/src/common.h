@@ -35,5 +35,6 @@ void register_backends(nb::module_ & m);
 void register_model(nb::module_ & m);
 void register_context(nb::module_ & m);
 void register_sampling(nb::module_ & m);
+void register_testing(nb::module_ & m);
 
 }  // namespace lb

@@ -49,9 +49,13 @@ static void emit(int level, const std::string & line) {
         // Keep any exception that is already pending (e.g. KeyboardInterrupt) intact.
         PyObject *et, *ev, *tb;
         PyErr_Fetch(&et, &ev, &tb);
-        PyObject * r = PyObject_CallFunction(handler, "is#", level, line.data(), (Py_ssize_t) line.size());
+        PyObject * lvl = PyLong_FromLong(level);
+        PyObject * txt = PyUnicode_DecodeUTF8(line.data(), (Py_ssize_t) line.size(), "replace");
+        PyObject * r = (lvl && txt) ? PyObject_CallFunctionObjArgs(handler, lvl, txt, nullptr) : nullptr;
         if (!r) PyErr_Clear();  // a failing log handler must never break a decode
         Py_XDECREF(r);
+        Py_XDECREF(lvl);
+        Py_XDECREF(txt);
         Py_DECREF(handler);
         PyErr_Restore(et, ev, tb);
     }

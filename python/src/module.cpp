@@ -13,4 +13,5 @@ NB_MODULE(_core, m) {
     lb::register_model(m);
     lb::register_context(m);
     lb::register_sampling(m);
+    lb::register_testing(m);
 }

@@ -1,0 +1,92 @@
+"""The command line, logging, and model resolution."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+import llamabind
+from llamabind import models
+from conftest import run_python
+
+
+def test_cli_generate_streams_and_reports_speed(model_path):
+    p = subprocess.run([sys.executable, "-m", "llamabind", "generate", "The capital of France is",
+                        "--max-tokens", "12", "--temperature", "0", "--model", str(model_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    with llamabind.Model(model_path) as m:
+        want = m.generate("The capital of France is", max_tokens=12, temperature=0).text
+    assert p.stdout == want + "\n"
+    last = p.stderr.strip().splitlines()[-1]
+    assert "tokens/s" in last and "generated: 12 tokens" in last
+
+
+def test_cli_info():
+    p = subprocess.run([sys.executable, "-m", "llamabind", "info"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "b11312" in p.stdout and "0001-ggml-cpu-soft_max_back-dst-aliases-y.patch" in p.stdout
+
+
+def test_cli_bad_model_is_an_error_not_a_crash(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "llamabind", "generate", "x", "--model", str(tmp_path / "none.gguf")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "error:" in p.stderr
+
+
+def test_quiet_by_default(model_path):
+    r = run_python(f"""
+import llamabind
+with llamabind.Model({str(model_path)!r}, n_ctx=64) as m:
+    m.generate("Hi", max_tokens=2)
+""")
+    assert r.returncode == 0
+    assert r.stderr == "", r.stderr  # llama.cpp's load log would be hundreds of lines
+
+
+def test_logs_reach_python_logging(model_path, caplog):
+    with caplog.at_level(logging.INFO, logger="llamabind.native"):
+        with llamabind.Model(model_path, vocab_only=True):
+            pass
+    native = [r for r in caplog.records if r.name == "llamabind.native"]
+    assert native, "no llama.cpp log record reached logging"
+    assert any("llama_model_loader" in r.getMessage() or "print_info" in r.getMessage() for r in native)
+
+
+def test_load_error_carries_llama_cpp_reason(model_path, tmp_path):
+    p = tmp_path / "t.gguf"
+    with open(model_path, "rb") as f:
+        p.write_bytes(f.read(1 << 20))
+    with pytest.raises(ValueError) as e:
+        llamabind.Model(p)
+    assert "llama.cpp:" in str(e.value)  # the logged reason, not only "failed"
+
+
+def test_model_names_resolve_to_verified_files(model_path):
+    assert models.resolve(models.DEFAULT) == model_path
+    assert models.resolve(str(model_path)) == model_path
+    src = models.KNOWN[models.DEFAULT]
+    assert model_path.stat().st_size == src.size
+    assert models._sha256(model_path) == src.sha256
+    with pytest.raises(FileNotFoundError, match="known model name"):
+        models.resolve("no-such-model")
+
+
+def test_cache_dir_is_overridable(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLAMABIND_CACHE", str(tmp_path))
+    assert models.cache_dir() == tmp_path
+    with pytest.raises(FileNotFoundError, match="not in the cache"):
+        models.resolve(models.DEFAULT, download=False)
+
+
+def test_model_facts(model):
+    assert model.n_vocab == 49152 and model.n_ctx_train == 8192
+    assert 130e6 < model.n_params < 140e6
+    assert 0 < model.size < model.path.stat().st_size
+    md = model.metadata
+    assert md["general.architecture"] == "llama"
+    assert md["llama.context_length"] == 8192
+    assert len(md["tokenizer.ggml.tokens"]) == model.n_vocab
+    assert model.chat_template() == md["tokenizer.chat_template"]

@@ -1,0 +1,162 @@
+"""Generation: greedy against upstream's llama-simple, determinism, seeds, stop strings, streaming."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+import llamabind
+from conftest import require_tool
+
+PROMPT = "The three primary colors are"
+
+
+def test_greedy_is_deterministic(model):
+    a = model.generate(PROMPT, max_tokens=24, temperature=0)
+    b = model.generate(PROMPT, max_tokens=24, temperature=0)
+    assert a.tokens == b.tokens and a.text == b.text
+    assert len(a.tokens) == 24 and a.finish_reason == "length"
+    assert a.text.strip()
+
+
+@pytest.mark.parametrize("prompt,n_predict", [
+    (PROMPT, 32),
+    ("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n", 24),
+    ("Ünïcödé and 日本語: 🎉", 16),
+])
+def test_greedy_matches_llama_simple(model_path, prompt, n_predict):
+    """Same tokens as upstream's examples/simple (greedy sampler) built from the same tree."""
+    exe = require_tool("llama-simple")
+    p = subprocess.run([str(exe), "-m", str(model_path), "-n", str(n_predict), prompt],
+                       capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr.decode(errors="replace")[-2000:]
+    with llamabind.Model(model_path, n_threads=2) as m:
+        prompt_ids = m.tokenize(prompt, add_special=True, parse_special=True)
+        # llama-simple's context: n_ctx = n_prompt + n_predict - 1, n_batch = n_prompt
+        n_ctx = max(8, len(prompt_ids) + n_predict - 1)
+        with m.context(n_ctx=n_ctx, n_batch=len(prompt_ids)) as ctx:
+            r = ctx.generate(prompt, max_tokens=n_predict, temperature=0)
+        # llama-simple prints every prompt and generated piece (special=true), then "\n"
+        ours = b"".join(m.token_to_piece(t, special=True) for t in prompt_ids + r.tokens) + b"\n"
+    assert p.stdout == ours, (p.stdout, ours)
+    assert r.tokens  # it generated something
+
+
+def test_seeded_sampling_is_reproducible(model):
+    kw = dict(max_tokens=32, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    a = model.generate(PROMPT, seed=1234, **kw)
+    b = model.generate(PROMPT, seed=1234, **kw)
+    assert a.tokens == b.tokens
+    others = {tuple(model.generate(PROMPT, seed=s, **kw).tokens) for s in (1, 2, 3)}
+    assert len(others | {tuple(a.tokens)}) > 1, "different seeds never changed the sample"
+
+
+def test_stop_string_ends_generation_and_is_not_emitted(model):
+    full = model.generate(PROMPT, max_tokens=48, temperature=0).text
+    # pick a stop string from the middle of the greedy text
+    words = [w for w in full.split() if len(w) > 3]
+    assert words, full
+    stop = words[len(words) // 2]
+    cut = full.index(stop)
+    r = model.generate(PROMPT, max_tokens=48, temperature=0, stop=["\x00never", stop])
+    assert r.finish_reason == "stop" and r.stop == stop
+    assert r.text == full[:cut]
+    assert stop not in r.text
+    pieces = list(model.generate(PROMPT, max_tokens=48, temperature=0, stop=stop, stream=True))
+    assert "".join(pieces) == full[:cut]
+
+
+def test_stream_equals_non_stream(model):
+    for kw in (dict(temperature=0), dict(temperature=0.9, seed=7)):
+        r = model.generate(PROMPT, max_tokens=40, **kw)
+        s = model.generate(PROMPT, max_tokens=40, stream=True, **kw)
+        pieces = list(s)
+        assert "".join(pieces) == r.text
+        assert s.result is not None and s.result.tokens == r.tokens and s.result.text == r.text
+
+
+def test_stream_never_splits_utf8(model):
+    # Emoji and CJK are several tokens per character in SmolLM2's byte-level BPE.
+    prompt = "Repeat exactly: 🎉🦙日本語🎉🦙日本語 ->"
+    s = model.generate(prompt, max_tokens=48, temperature=0, stream=True)
+    pieces = list(s)
+    assert "".join(pieces) == s.result.text
+    multi = [t for t in s.result.tokens if len(model.token_to_piece(t)) and
+             not _decodes(model.token_to_piece(t))]
+    assert multi, "no token in this generation split a character: the test needs another prompt"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def _decodes(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_max_tokens_and_full_context(model):
+    r = model.generate(PROMPT, max_tokens=5, temperature=0)
+    assert r.finish_reason == "length" and len(r.tokens) == 5
+    assert model.generate(PROMPT, max_tokens=0).tokens == []
+    with model.context(n_ctx=16) as ctx:  # padded by llama.cpp to 256
+        ids = (model.tokenize(" one two three four five six seven eight nine ten") * 100)[: ctx.n_ctx - 10]
+        r = ctx.generate(ids, max_tokens=100, temperature=0)
+        assert r.finish_reason == "length" and 0 < len(r.tokens) < 100
+        assert len(ids) + len(r.tokens) == ctx.n_ctx + 1  # the last sampled token is not decoded
+
+
+def test_timings(model):
+    r = model.generate(PROMPT, max_tokens=16, temperature=0)
+    t = r.timings
+    assert t.prompt_tokens == len(model.tokenize(PROMPT)) and t.generated_tokens == 16
+    assert t.prompt_ms > 0 and t.generate_ms > 0 and t.prompt_tps > 0 and t.generated_tps > 0
+    assert "tokens/s" in t.summary()
+
+
+def test_token_prompt_and_eval(model):
+    ids = model.tokenize(PROMPT)
+    a = model.generate(ids, max_tokens=8, temperature=0)
+    assert a.tokens == model.generate(PROMPT, max_tokens=8, temperature=0).tokens
+    with model.context(n_ctx=64) as ctx:
+        ctx.decode(ids)
+        assert ctx.n_past == len(ids)
+        logits = ctx.logits()
+        assert logits.shape == (model.n_vocab,) and logits.dtype.name == "float32"
+        assert int(logits.argmax()) == a.tokens[0]  # greedy = argmax of the prompt's last logits
+
+
+def test_ctrl_c_interrupts_a_long_prompt_and_the_model_stays_usable(model):
+    ids = (model.tokenize("All work and no play makes Jack a dull boy. ") * 200)[:3000]
+    with model.context(n_ctx=4096, n_batch=4096, n_ubatch=512) as ctx:
+        timer = threading.Timer(0.3, lambda: signal.raise_signal(signal.SIGINT))
+        t0 = time.perf_counter()
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                ctx.decode(ids)
+        except pytest.fail.Exception:
+            timer.cancel()
+            pytest.skip("the decode finished before the signal arrived (fast machine)")
+        finally:
+            timer.join()
+        # interrupted inside llama_decode (abort callback): the chunk was rolled back
+        assert ctx.n_past == 0, f"interrupted only after the decode ({time.perf_counter() - t0:.2f} s)"
+        ctx.decode(ids[:8])
+        assert ctx.n_past == 8
+    assert model.generate(PROMPT, max_tokens=4, temperature=0).tokens
+
+
+def test_ctrl_c_during_streaming(model):
+    s = model.generate(PROMPT, max_tokens=64, temperature=0, stream=True)
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        for piece in s:
+            got.append(piece)
+            if len(got) == 3:
+                signal.raise_signal(signal.SIGINT)
+    assert len(got) == 3
+    assert model.generate(PROMPT, max_tokens=4, temperature=0).finish_reason == "length"

@@ -1,0 +1,39 @@
+"""Fixes carried in patches/ (and upstream fixes we rely on), tested through the real build."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llamabind import _core
+
+
+def _softmax64(a):
+    a = a.astype(np.float64)
+    e = np.exp(a - a.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("rows,n,scale", [(1, 8, 1.0), (3, 8, 1.0), (4, 33, 0.5), (2, 1024, 2.0)])
+def test_soft_max_back_dst_aliases_y(rows, n, scale):
+    """patches/0001: ggml_gallocr places dx on y; CPU soft_max_back must still be right.
+
+    Unpatched b11312 returns (dy - dot)^2 * scale here (y is overwritten by dy before the
+    multiply): off by 3.46 for the (3, 8) case below, against 2e-8 with the patch.
+    """
+    rng = np.random.default_rng(rows * 1000 + n)
+    a = rng.standard_normal((rows, n)).astype(np.float32)
+    dy = rng.standard_normal((rows, n)).astype(np.float32)
+    dx, aliased = _core._testing.soft_max_back_graph(dy, a, scale)
+    assert aliased, "the allocator did not place dx on y: this test no longer reaches the aliasing path"
+    y = _softmax64(a)
+    ref = scale * y * (dy - (y * dy).sum(axis=-1, keepdims=True))
+    assert dx.shape == (rows, n) and dx.dtype == np.float32
+    np.testing.assert_allclose(dx, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_soft_max_back_helper_validates_shapes():
+    a = np.zeros((2, 4), np.float32)
+    with pytest.raises(ValueError, match="same shape"):
+        _core._testing.soft_max_back_graph(np.zeros((2, 5), np.float32), a, 1.0)
+    with pytest.raises(TypeError):
+        _core._testing.soft_max_back_graph(np.zeros(8, np.float32), a, 1.0)  # 1-D: wrong ndim

@@ -1,0 +1,172 @@
+"""The pin and the patch tooling: vendor/vendor.py sync/verify/status/refresh and build_info."""
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import llamabind
+from conftest import ROOT
+
+PIN_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+PIN_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+PATCH = "0001-ggml-cpu-soft_max_back-dst-aliases-y.patch"
+
+
+def vendor_py(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, str(ROOT / "vendor" / "vendor.py"), *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def vendor_mod():
+    spec = importlib.util.spec_from_file_location("llamabind_vendor", ROOT / "vendor" / "vendor.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_lock_records_the_pin():
+    lock = json.loads((ROOT / "vendor" / "llama.cpp.lock").read_text())
+    assert lock["upstream"]["commit"] == PIN_COMMIT
+    assert lock["upstream"]["release"] == "b11312"
+    assert lock["source"]["package"] == "llama-cpp-python" and lock["source"]["version"] == "0.3.36"
+    assert lock["source"]["sha256"] == PIN_SDIST_SHA256
+    assert len(lock["tree_sha256"]) == 64
+
+
+def test_verify_pristine_tree_matches_the_lock(vendor_dir):
+    p = vendor_py("verify")
+    assert p.returncode == 0, p.stderr
+    assert "b11312" in p.stdout and PIN_COMMIT in p.stdout
+
+
+def test_sync_is_idempotent(vendor_dir):
+    stamp = (vendor_dir / ".llamabind-stamp.json").stat().st_mtime_ns
+    p = vendor_py("sync")
+    assert p.returncode == 0, p.stderr
+    assert "up to date" in p.stderr
+    assert (vendor_dir / ".llamabind-stamp.json").stat().st_mtime_ns == stamp
+
+
+def test_status_reports_the_patch_applied(vendor_dir):
+    p = vendor_py("status", "--json")
+    assert p.returncode == 0, p.stderr
+    rows = {r["name"]: r for r in json.loads(p.stdout)}
+    assert rows[PATCH]["state"] == "applies"  # not upstream at b11312
+    assert rows[PATCH]["vendor"] == "applied"
+
+
+def test_status_against_a_tree_that_has_the_fix_says_already_upstream(vendor_dir, tmp_path):
+    # A "newer upstream" that contains our fix: the patched file itself.
+    rel = "ggml/src/ggml-cpu/ops.cpp"
+    (tmp_path / rel).parent.mkdir(parents=True)
+    shutil.copy(vendor_dir / rel, tmp_path / rel)
+    p = vendor_py("status", "--json", "--source", str(tmp_path))
+    rows = {r["name"]: r for r in json.loads(p.stdout)}
+    assert rows[PATCH]["state"] == "already upstream"
+
+
+def test_build_info_names_the_pin_and_the_applied_patch():
+    info = llamabind.build_info()
+    assert info["upstream_release"] == "b11312"
+    assert info["upstream_commit"] == PIN_COMMIT
+    assert PATCH in info["patches"]
+    assert "CPU" in info["backends"]
+    assert info["compile_flags"]["CMAKE_BUILD_TYPE"]
+    assert any(d["type"] == "cpu" for d in info["devices"])
+
+
+def test_stubs_ship_with_the_extension():
+    pkg = Path(llamabind.__file__).parent
+    stub = (pkg / "_core.pyi").read_text()
+    assert "class Model" in stub and "def tokenize" in stub
+    assert (pkg / "py.typed").exists()
+
+
+def test_conflicting_patch_names_file_and_hunk(vendor_mod, vendor_dir, tmp_path):
+    rel = "ggml/src/ggml-cpu/ops.cpp"
+    tree = tmp_path / "tree"
+    (tree / rel).parent.mkdir(parents=True)
+    shutil.copy(vendor_dir / rel, tree / rel)  # already patched: the patch's context no longer matches
+    patch = ROOT / "patches" / PATCH
+    with pytest.raises(vendor_mod.VendorError) as e:
+        vendor_mod.apply_patch(patch, tree)
+    msg = str(e.value)
+    assert PATCH in msg and "ggml/src/ggml-cpu/ops.cpp:60" in msg and "hunk" in msg
+
+
+def test_refresh_reexports_an_edited_tree(vendor_mod, vendor_dir, tmp_path, monkeypatch):
+    # Work on a copy of patches/ so the real patch file is untouched.
+    pdir = tmp_path / "patches"
+    shutil.copytree(ROOT / "patches", pdir)
+    monkeypatch.setattr(vendor_mod, "PATCHES", pdir)
+    tree = tmp_path / "tree"
+    rel = "ggml/src/ggml-cpu/ops.cpp"
+    (tree / rel).parent.mkdir(parents=True)
+    text = (vendor_dir / rel).read_text().replace(
+        "        for (int i = 0; i < nc; ++i) {\n            dx[i] = ((dy[i] - dot_y_dy)*y[i])*scale;",
+        "        for (int i = 0; i < nc; ++i) { // refreshed\n            dx[i] = ((dy[i] - dot_y_dy)*y[i])*scale;")
+    assert "// refreshed" in text
+    (tree / rel).write_text(text)
+    monkeypatch.setattr(vendor_mod, "TREE", tree)
+    assert vendor_mod.main(["refresh", PATCH]) == 0
+    new = (pdir / PATCH).read_text()
+    assert "+        for (int i = 0; i < nc; ++i) { // refreshed" in new
+    assert new.startswith((ROOT / "patches" / PATCH).read_text().split("---\n", 1)[0])  # DEP-3 header kept
+    # and the refreshed patch applies to the pin's file
+    pristine = tmp_path / "pristine"
+    vendor_mod.pristine_files(vendor_mod.load_lock(), {rel}, pristine)
+    vendor_mod.apply_patch(pdir / PATCH, pristine)
+    assert (pristine / rel).read_text() == text
+
+
+class _Index(http.server.BaseHTTPRequestHandler):
+    """A package index on loopback that serves a corrupt llama-cpp-python sdist."""
+
+    def do_GET(self):
+        if self.path.startswith("/simple/llama-cpp-python/"):
+            body = b'<a href="/files/llama_cpp_python-0.3.36.tar.gz">llama_cpp_python-0.3.36.tar.gz</a>'
+        elif self.path == "/files/llama_cpp_python-0.3.36.tar.gz":
+            body = b"not the real archive"
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_fetch_rejects_a_hash_mismatch(tmp_path):
+    srv = http.server.HTTPServer(("127.0.0.1", 0), _Index)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        env = {**os.environ, "LLAMABIND_CACHE": str(tmp_path),
+               "PIP_INDEX_URL": f"http://127.0.0.1:{srv.server_port}/simple"}
+        p = vendor_py("fetch", env=env)
+    finally:
+        srv.shutdown()
+    assert p.returncode == 1
+    assert "hash mismatch" in p.stderr and PIN_SDIST_SHA256 in p.stderr
+    assert not list(tmp_path.rglob("*.tar.gz"))  # nothing unverified is kept
+
+
+def test_fetch_says_when_the_registry_is_unreachable(tmp_path):
+    env = {**os.environ, "LLAMABIND_CACHE": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+           "PIP_EXTRA_INDEX_URL": "", "PIP_FIND_LINKS": "", "PIP_NO_INDEX": "", "PIP_RETRIES": "0",
+           "PIP_TIMEOUT": "3", "PIP_CONFIG_FILE": os.devnull}
+    p = vendor_py("fetch", env=env, timeout=600)
+    assert p.returncode == 3, p.stderr
+    assert "could not download llama-cpp-python==0.3.36" in p.stderr
