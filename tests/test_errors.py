@@ -129,3 +129,38 @@ def test_vocab_only_model_cannot_generate(model_path):
         assert v.tokenize("Hello")
         with pytest.raises(ValueError, match="vocab_only"):
             v.generate("Hello")
+
+
+def test_a_context_in_use_by_another_thread_gives_an_exception(model_path):
+    """Two threads on one context: a clear LlamaError, never a crash, and nothing freed under it."""
+    import threading
+
+    m = llamabind.Model(model_path, n_threads=2)
+    ids = (m.tokenize("Threads share the model but not the context. ") * 300)[:2000]
+    ctx = m.context(n_ctx=2048, n_batch=2048)
+    in_decode, errors, worker_error = threading.Event(), [], []
+
+    def work():
+        try:
+            in_decode.set()
+            ctx.decode(ids)
+        except Exception as e:  # noqa: BLE001 - reported below
+            worker_error.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    in_decode.wait()
+    # While the worker is (very likely) inside llama_decode, try everything that would race with it.
+    for call in (lambda: ctx.decode([1]), ctx.clear, ctx.close, m.close):
+        try:
+            call()
+        except llamabind.LlamaError as e:
+            errors.append(str(e))
+    t.join()
+    if not errors:
+        m.close()
+        pytest.skip("the decode was not running when the other thread got in (fast machine)")
+    assert len(errors) == 4, errors  # once one call saw it busy, the decode was still running
+    assert all("in use" in e for e in errors), errors
+    assert not worker_error and ctx.n_past == len(ids) and not m.closed
+    m.close()

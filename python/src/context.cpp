@@ -54,6 +54,11 @@ struct SigintScope {
 static bool abort_callback(void *) { return g_interrupted.load(std::memory_order_relaxed); }
 
 void Context::close() {
+    if (busy.load()) throw LlamaError("the context is in use by another thread: cannot close it now");
+    release();
+}
+
+void Context::release() {
     if (ctx) {
         llama_free(ctx);
         ctx = nullptr;

@@ -15,7 +15,15 @@
 namespace lb {
 
 void Model::close() {
-    for (auto * c : std::set<Context *>(contexts)) c->close();
+    if (in_use.load()) throw LlamaError("the model is in use by another thread: cannot close it now");
+    for (auto * c : contexts) {
+        if (c->busy.load()) throw LlamaError("cannot close the model while one of its contexts is in use by another thread");
+    }
+    release();
+}
+
+void Model::release() {
+    for (auto * c : std::set<Context *>(contexts)) c->release();
     contexts.clear();
     if (model) {
         llama_model_free(model);
@@ -128,6 +136,7 @@ static std::vector<int32_t> tokenize(Model & self, const std::string & text, boo
     if (text.size() > (size_t) INT32_MAX / 2) raise_value("text is too long to tokenize: " + std::to_string(text.size()) + " bytes");
     std::vector<int32_t> out(text.size() + 8);
     int32_t n;
+    ModelUse use(self);
     {
         nb::gil_scoped_release release;
         n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special, parse_special);

@@ -19,9 +19,11 @@ struct Model {
     std::string path;
     bool vocab_only = false;
     std::set<Context *> contexts;  // open contexts on this model; closed with it
+    std::atomic<int> in_use{0};    // native calls running without the GIL (e.g. tokenize)
 
-    ~Model() { close(); }
-    void close();
+    ~Model() { release(); }
+    void close();    // raises LlamaError if a context of this model is in use by another thread
+    void release();  // frees contexts and weights; no checks (destructor)
     llama_model * get() const {
         if (!model) raise_value("the model is closed");
         return model;
@@ -47,12 +49,20 @@ struct Context {
     bool has_logits = false;  // the last decode asked for logits of its last token
     uint32_t n_past = 0;      // tokens in sequence 0 of the KV cache
 
-    ~Context() { close(); }
-    void close();
+    ~Context() { release(); }
+    void close();    // raises LlamaError while another thread is inside decode/sample on it
+    void release();  // frees the llama_context; no checks (destructor)
     llama_context * get() const {
         if (!ctx) raise_value("the context is closed");
         return ctx;
     }
+};
+
+// Held while native code uses a model without the GIL: close() then raises instead of freeing it.
+struct ModelUse {
+    Model & m;
+    explicit ModelUse(Model & m_) : m(m_) { m.in_use.fetch_add(1); }
+    ~ModelUse() { m.in_use.fetch_sub(1); }
 };
 
 // Held while native code works on a context: a second thread gets an exception, not a race.
