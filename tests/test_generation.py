@@ -160,3 +160,12 @@ def test_ctrl_c_during_streaming(model):
                 signal.raise_signal(signal.SIGINT)
     assert len(got) == 3
     assert model.generate(PROMPT, max_tokens=4, temperature=0).finish_reason == "length"
+
+
+def test_an_abandoned_stream_cannot_write_into_a_newer_generation(model):
+    old = model.generate(PROMPT, max_tokens=32, temperature=0, stream=True)
+    next(old)
+    fresh = model.generate(PROMPT, max_tokens=8, temperature=0)
+    with pytest.raises(llamabind.generation.SupersededError):
+        list(old)
+    assert fresh.tokens == model.generate(PROMPT, max_tokens=8, temperature=0).tokens

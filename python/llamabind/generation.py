@@ -11,7 +11,7 @@ from . import _core, _log
 if TYPE_CHECKING:
     from .model import Context
 
-__all__ = ["GenerationResult", "Timings", "Stream", "SamplingParams"]
+__all__ = ["GenerationResult", "Timings", "Stream", "SamplingParams", "SupersededError"]
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,13 @@ def run(ctx: "Context", prompt: str | Sequence[int], max_tokens: int, sampling: 
     return _loop(ctx, model, tokens, max_tokens, sampler, stops)
 
 
+class SupersededError(RuntimeError):
+    """A stream was resumed after a newer generate() call reused its context."""
+
+
 def _loop(ctx: "Context", model, tokens: list[int], max_tokens: int, sampler, stops: list[str]) -> Iterator[str]:
+    ctx._generation += 1
+    me = ctx._generation
     native = ctx._c
     n_ctx = native.n_ctx
     timings = Timings(prompt_tokens=len(tokens))
@@ -160,6 +166,9 @@ def _loop(ctx: "Context", model, tokens: list[int], max_tokens: int, sampler, st
     t1 = time.perf_counter()
     try:
         while len(generated) < max_tokens:
+            if ctx._generation != me:
+                raise SupersededError("a newer generate() call on this context replaced this stream's KV cache; "
+                                      "use one context per concurrent stream (Model.context())")
             tok = sampler.sample(native)
             if model.is_eog(tok):
                 finish = "stop"

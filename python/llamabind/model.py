@@ -208,6 +208,7 @@ class Context:
         n_ubatch = _check_int("n_ubatch", n_ubatch, 1, 1 << 24)
         n_threads = _default_threads() if n_threads is None else _check_int("n_threads", n_threads, 1, 512)
         self.model = model
+        self._generation = 0  # bumped by each generate(); an older stream then refuses to continue
         self._c = _core.Context(model._m, n_ctx, n_batch, n_ubatch, n_threads, n_threads)
 
     def close(self) -> None:
