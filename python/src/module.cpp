@@ -14,4 +14,6 @@ NB_MODULE(_core, m) {
     lb::register_context(m);
     lb::register_sampling(m);
     lb::register_testing(m);
+    lb::register_graph(m);
+    lb::register_ops(m);
 }
