@@ -1,0 +1,18 @@
+"""llamabind.ops: single ggml ops on numpy arrays, on any backend of the build, forward and backward.
+
+    >>> import numpy as np
+    >>> from llamabind import ops
+    >>> ops.mul_mat(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32))   # numpy a @ b
+    >>> ops.check(ops.silu, np.random.randn(64, 64).astype(np.float32), backend="cuda")  # NMSE vs CPU
+
+Shapes are numpy's (at most 4 axes; ggml's ne[0] is numpy's last axis). Every op takes
+``backend=`` ("cpu", "cuda", "cuda:1", "metal" or a device name from :func:`devices`);
+:func:`default_backend` sets the default. Inside ``with ops.graph() as g:`` ops are lazy and
+``g.compute(...)`` runs them as one ggml graph. :func:`grad` and :func:`vjp` use ggml's backward
+graph. Misuse raises ValueError or TypeError before ggml sees it.
+"""
+from ._engine import (Graph, Tensor, check, clear_cache, default_backend, devices, grad, graph, nmse, vjp)
+from .math import (abs, add, argmax, clamp, div, exp, gelu, log, mean, mul, mul_mat, neg, out_prod, relu, scale,
+                   sigmoid, silu, silu_back, sqr, sqrt, sub, sum, sum_rows, tanh)
+
+__all__ = [n for n in dir() if not n.startswith("_")]

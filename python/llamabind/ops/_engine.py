@@ -1,0 +1,521 @@
+"""The machinery behind llamabind.ops: dtypes, devices, symbolic tensors, graphs, the eager-call
+cache, gradients (ggml_build_backward_expand) and backend comparison (NMSE).
+
+Every op is written once, as a *builder* that takes symbolic :class:`Tensor` s and validates
+them. Called on numpy arrays outside a graph, an op runs eagerly: a graph of that one op is
+built, compiled for the arguments' shapes and dtypes and cached, so repeated calls only upload,
+compute and download.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .. import _core
+
+try:  # bfloat16 for numpy
+    import ml_dtypes
+
+    bfloat16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is optional
+    ml_dtypes = None
+    bfloat16 = None
+
+_TYPES = _core.ggml_types()  # name -> (id, block size, bytes per block, quantized)
+_ID2NAME = {v[0]: k for k, v in _TYPES.items()}
+
+# numpy dtype <-> ggml type name
+_NP2GGML = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.int8): "i8",
+            np.dtype(np.int16): "i16", np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
+if bfloat16 is not None:
+    _NP2GGML[bfloat16] = "bf16"
+_GGML2NP = {v: k for k, v in _NP2GGML.items()}
+
+F32, F16, I8, I16, I32, I64 = (np.dtype(t) for t in (np.float32, np.float16, np.int8, np.int16, np.int32, np.int64))
+BF16 = bfloat16
+FLOATS = tuple(t for t in (F32, F16, BF16) if t is not None)
+ALL = FLOATS + (I8, I16, I32, I64)
+
+MAX_DIMS = 4
+
+
+def type_id(dtype: np.dtype) -> int:
+    return _TYPES[_NP2GGML[np.dtype(dtype)]][0]
+
+
+def dtype_name(dtype) -> str:
+    return "bfloat16" if bfloat16 is not None and np.dtype(dtype) == bfloat16 else np.dtype(dtype).name
+
+
+# ---------------------------------------------------------------------------------------------
+# devices
+
+
+def devices() -> list[dict]:
+    """Backend devices of this build: dicts with name, description, type ('cpu', 'gpu', ...),
+    backend, memory_free and memory_total (bytes)."""
+    return _core.devices()
+
+
+_default_backend: contextvars.ContextVar[str] = contextvars.ContextVar("llamabind_ops_backend", default="cpu")
+
+
+def resolve_device(backend: str | None) -> str:
+    """Device name for ``backend``: "cpu", "cuda", "cuda:1", "metal", "vulkan", or a device name
+    as listed by :func:`devices` (e.g. "CUDA0"). None means the current default."""
+    if backend is None:
+        backend = _default_backend.get()
+    if not isinstance(backend, str) or not backend:
+        raise TypeError(f"backend must be a non-empty str such as 'cpu' or 'cuda:0'; got {backend!r}")
+    devs = devices()
+    names = [d["name"] for d in devs]
+    if backend in names:
+        return backend
+    kind, _, idx = backend.lower().partition(":")
+    if idx and not idx.isdigit():
+        raise ValueError(f"backend {backend!r}: the device index must be an integer")
+    if kind == "cpu":
+        matches = [d["name"] for d in devs if d["type"] == "cpu"]
+    else:
+        aliases = {"metal": ("mtl", "metal"), "cuda": ("cuda",), "vulkan": ("vulkan",), "rpc": ("rpc",),
+                   "sycl": ("sycl",), "opencl": ("opencl",)}
+        prefixes = aliases.get(kind, (kind,))
+        matches = [d["name"] for d in devs if d["backend"].lower().startswith(prefixes)
+                   or d["name"].lower().startswith(prefixes)]
+    i = int(idx) if idx else 0
+    if i >= len(matches):
+        raise ValueError(f"no backend device {backend!r} in this build; devices: {', '.join(names)}")
+    return matches[i]
+
+
+@contextlib.contextmanager
+def default_backend(backend: str):
+    """Context manager: ops called without ``backend=`` inside it run on ``backend``."""
+    token = _default_backend.set(resolve_device(backend))
+    try:
+        yield
+    finally:
+        _default_backend.reset(token)
+
+
+# ---------------------------------------------------------------------------------------------
+# symbolic tensors and graphs
+
+
+def shape_to_ne(shape: tuple[int, ...]) -> list[int]:
+    ne = [int(n) for n in reversed(shape)]
+    return ne + [1] * (MAX_DIMS - len(ne))
+
+
+class Tensor:
+    """A node of a :class:`Graph`: the lazy result of an op. Shape in numpy order."""
+
+    __slots__ = ("graph", "id", "shape", "dtype", "contiguous")
+
+    def __init__(self, graph: "Graph", id: int, shape: tuple[int, ...], dtype: np.dtype, contiguous: bool = True):
+        self.graph, self.id, self.shape, self.dtype, self.contiguous = graph, id, shape, dtype, contiguous
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __repr__(self) -> str:
+        return f"<ops.Tensor #{self.id} {self.shape} {dtype_name(self.dtype)} on {self.graph.device}>"
+
+    # arithmetic sugar for notebooks
+    def __add__(self, o): return _ops().add(self, o)
+    def __sub__(self, o): return _ops().sub(self, o)
+    def __mul__(self, o): return _ops().mul(self, o)
+    def __truediv__(self, o): return _ops().div(self, o)
+    def __matmul__(self, o): return _ops().mul_mat(self, o)
+    def __neg__(self): return _ops().neg(self)
+
+
+def _ops():
+    from .. import ops
+    return ops
+
+
+_current_graph: contextvars.ContextVar["Graph | None"] = contextvars.ContextVar("llamabind_ops_graph", default=None)
+
+
+_VIEW_OK = {"cont", "transpose", "permute", "cpy"}  # ops that take non-contiguous sources
+
+
+class Graph:
+    """A lazy chain of ops run as one ggml graph on one backend device.
+
+        with ops.graph("cpu") as g:
+            y = ops.silu(ops.mul_mat(w, x))     # numpy arrays become inputs of g
+        out = g.compute(y)                      # numpy array
+
+    Inside the ``with`` block, ops return :class:`Tensor` s instead of arrays. ``compute`` builds
+    and allocates the graph on first use (ggml_gallocr) and can be called again, also with new
+    input values: ``g.compute(y, feed={x: new_array})``.
+    """
+
+    def __init__(self, backend: str | None = None, max_nodes: int = 512):
+        self.device = resolve_device(backend)
+        self._g = _core.Graph(self.device, max_nodes)
+        self._values: dict[int, np.ndarray] = {}  # input id -> bound array
+        self._inputs: dict[int, Tensor] = {}
+        self._compiled: dict[tuple, "_Compiled"] = {}
+        self._token = None
+
+    def __enter__(self) -> "Graph":
+        self._token = _current_graph.set(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _current_graph.reset(self._token)
+
+    # building
+    def input(self, value: Any = None, *, shape: Sequence[int] | None = None, dtype=None) -> Tensor:
+        """A graph input: bound to ``value`` (an array), or a placeholder of ``shape``/``dtype``."""
+        if value is not None:
+            arr = as_array(value)
+            shape, dtype = arr.shape, arr.dtype
+        else:
+            if shape is None or dtype is None:
+                raise TypeError("give either a value or both shape and dtype")
+            shape, dtype, arr = tuple(int(n) for n in shape), np.dtype(dtype), None
+            check_dtype(dtype)
+        check_shape(shape)
+        nid = self._g.input(type_id(dtype), shape_to_ne(shape))
+        t = Tensor(self, nid, tuple(shape), np.dtype(dtype))
+        self._inputs[nid] = t
+        if arr is not None:
+            self._values[nid] = arr
+        return t
+
+    def op(self, name: str, srcs: Sequence[Tensor | None], ints: Sequence[int] = (), floats: Sequence[float] = (),
+           *, shape: tuple[int, ...] | None = None, ndim: int | None = None, contiguous_srcs: bool = True) -> Tensor:
+        """Append ggml op ``name`` (already validated by the caller) and return its tensor.
+
+        The result's numpy shape is ``shape`` if given, else ggml's ne read back, keeping
+        ``ndim`` axes (default: the largest ndim among the sources)."""
+        ids = []
+        for s in srcs:
+            if s is None:
+                ids.append(-1)
+                continue
+            if s.graph is not self:
+                raise ValueError("all tensors of an op must belong to the same graph")
+            if contiguous_srcs and not s.contiguous and name not in _VIEW_OK:
+                s = self.op("cont", [s], shape=s.shape)
+            ids.append(s.id)
+        nid = self._g.op(name, ids, [int(i) for i in ints], [float(f) for f in floats])
+        tid, ne, contig = self._g.info(nid)
+        if shape is None:
+            if ndim is None:
+                ndim = max([s.ndim for s in srcs if s is not None] or [1])
+            while ndim < MAX_DIMS and any(n != 1 for n in ne[ndim:]):
+                ndim += 1
+            shape = tuple(reversed(ne[:ndim])) if ndim else ()
+        elif math.prod(shape) != math.prod(ne):
+            raise AssertionError(f"{name}: numpy shape {shape} does not match ggml ne {ne}")  # a bug of ours
+        return Tensor(self, nid, tuple(shape), _GGML2NP.get(_ID2NAME[tid], np.dtype(np.uint8)), contig)
+
+    # running
+    def compute(self, *outputs: Tensor, feed: dict[Tensor, Any] | None = None, n_threads: int | None = None):
+        """Values of ``outputs`` as numpy arrays (one array if one output)."""
+        if not outputs:
+            raise TypeError("compute() needs at least one output tensor")
+        for t in outputs:
+            if not isinstance(t, Tensor) or t.graph is not self:
+                raise TypeError("compute() takes tensors of this graph")
+        key = tuple(t.id for t in outputs)
+        exe = self._compiled.get(key)
+        if exe is None:
+            if self._compiled:
+                raise ValueError("this graph was already built for other outputs; make a new ops.graph()")
+            exe = self._compiled[key] = _Compiled(self, list(self._inputs.values()), list(outputs))
+        values = dict(self._values)
+        for t, v in (feed or {}).items():
+            if t.id not in self._inputs:
+                raise ValueError(f"{t} is not an input of this graph")
+            arr = as_array(v)
+            if arr.shape != t.shape or arr.dtype != t.dtype:
+                raise ValueError(f"feed for {t}: expected shape {t.shape} {dtype_name(t.dtype)}, "
+                                 f"got {arr.shape} {dtype_name(arr.dtype)}")
+            values[t.id] = arr
+        missing = [t for t in exe.inputs if t.id not in values]
+        if missing:
+            raise ValueError(f"no value for input(s) {missing}: pass feed={{tensor: array}}")
+        out = exe.run([values[t.id] for t in exe.inputs], n_threads=n_threads)
+        return out[0] if len(out) == 1 else tuple(out)
+
+
+def graph(backend: str | None = None, max_nodes: int = 512) -> Graph:
+    """A new lazy :class:`Graph` on ``backend`` (use as a context manager)."""
+    return Graph(backend, max_nodes)
+
+
+# ---------------------------------------------------------------------------------------------
+# compiled graphs
+
+
+def _bytes(arr: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+
+
+class _Compiled:
+    """A built, allocated graph with fixed inputs and outputs (optionally a loss and params)."""
+
+    def __init__(self, g: Graph, inputs: list[Tensor], outputs: list[Tensor], loss: Tensor | None = None,
+                 params: Sequence[Tensor] = ()):
+        self.graph = g
+        self.inputs = inputs
+        outs = [g.op("cont", [t], shape=t.shape) if not t.contiguous else t for t in outputs]
+        self.outputs = outs
+        self.params = list(params)
+        g._g.build([t.id for t in outs], loss.id if loss is not None else -1, [p.id for p in self.params])
+        work = sum(t.size for t in outs) + sum(t.size for t in inputs)
+        self.n_threads = 1 if work < (1 << 16) else 0  # tiny graphs: threads cost more than they save
+        self.lock = threading.Lock()
+
+    def run(self, arrays: Sequence[np.ndarray], n_threads: int | None = None, grads: bool = False):
+        gg = self.graph._g
+        with self.lock:
+            for t, a in zip(self.inputs, arrays):
+                gg.set(t.id, _bytes(a))
+            gg.compute(self.n_threads if n_threads is None else n_threads)
+            out = []
+            for t in self.outputs:
+                r = np.empty(t.shape, t.dtype)
+                gg.get(t.id, r.reshape(-1).view(np.uint8))
+                out.append(r)
+            if grads:
+                for p in self.params:
+                    r = np.empty(p.shape, p.dtype)
+                    gg.get(p.id, r.reshape(-1).view(np.uint8), True)
+                    out.append(r)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# argument handling
+
+
+def as_array(x: Any) -> np.ndarray:
+    """numpy array of a supported dtype (Python scalars and lists become float32/int64 arrays)."""
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif isinstance(x, (bool, np.bool_)):
+        raise TypeError("bool arrays are not supported by ggml ops")
+    elif isinstance(x, (float, int)) and not isinstance(x, bool):
+        arr = np.asarray(x, dtype=np.float32)
+    elif isinstance(x, np.generic):
+        arr = np.asarray(x)
+    elif isinstance(x, (list, tuple)):
+        arr = np.asarray(x)
+        if arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
+    else:
+        raise TypeError(f"expected a numpy array or an ops.Tensor, got {type(x).__name__}")
+    check_dtype(arr.dtype)
+    check_shape(arr.shape)
+    return arr
+
+
+def check_dtype(dtype) -> None:
+    dt = np.dtype(dtype)
+    if dt not in _NP2GGML:
+        hint = " (convert float64 with .astype(np.float32))" if dt == np.float64 else ""
+        names = ", ".join(dtype_name(t) for t in ALL)
+        raise TypeError(f"dtype {dtype_name(dt)} is not supported by ggml ops; use one of {names}{hint}")
+
+
+def check_shape(shape: tuple[int, ...]) -> None:
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"ggml tensors have at most {MAX_DIMS} dimensions; got shape {tuple(shape)}")
+    if any(n < 1 for n in shape):
+        raise ValueError(f"every dimension must be >= 1; got shape {tuple(shape)}")
+    if any(n >= 2**62 for n in shape):
+        raise ValueError(f"dimension too large in shape {tuple(shape)}")
+
+
+def expect_dtype(op: str, name: str, t: Tensor, allowed: Sequence[np.dtype], device: str) -> None:
+    """TypeError naming op, dtype and backend when ``t``'s dtype is not among ``allowed``."""
+    if t.dtype not in allowed:
+        names = ", ".join(dtype_name(d) for d in allowed)
+        raise TypeError(f"{op}: {name} has dtype {dtype_name(t.dtype)}, which ggml's {op} does not support on backend "
+                        f"{device}; supported: {names}")
+
+
+def expect(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def axis_index(axis: int, ndim: int, name: str = "axis") -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{name} must be an int; got {type(axis).__name__}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name} {axis} is out of range for {ndim} dimensions")
+    return int(axis) % ndim
+
+
+def as_int(x: Any, name: str, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int; got {type(x).__name__}")
+    x = int(x)
+    if (lo is not None and x < lo) or (hi is not None and x > hi):
+        rng = f">= {lo}" if hi is None else (f"<= {hi}" if lo is None else f"in [{lo}, {hi}]")
+        raise ValueError(f"{name} must be {rng}; got {x}")
+    return x
+
+
+def as_float(x: Any, name: str, finite: bool = True) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number; got {type(x).__name__}")
+    x = float(x)
+    if finite and not math.isfinite(x):
+        raise ValueError(f"{name} must be finite; got {x}")
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# eager calls, symbolic calls
+
+
+_cache: dict[tuple, tuple[_Compiled, list]] = {}
+_CACHE_MAX = 512
+
+
+def apply(builder: Callable[..., Tensor], args: Sequence[Any], params: dict[str, Any], backend: str | None,
+          name: str | None = None):
+    """Run ``builder(g, *tensors, **params)``: symbolically if any arg is a Tensor or a graph is
+    active, else eagerly (cached per shapes, dtypes, params and device)."""
+    g = next((a.graph for a in args if isinstance(a, Tensor)), None) or _current_graph.get()
+    if g is not None:
+        if backend is not None and resolve_device(backend) != g.device:
+            raise ValueError(f"backend={backend!r} differs from the graph's device {g.device}")
+        ts = [a if isinstance(a, Tensor) or a is None else g.input(a) for a in args]
+        return builder(g, *ts, **params)
+    device = resolve_device(backend)
+    arrays = [None if a is None else as_array(a) for a in args]
+    key = (builder, device, tuple(sorted(params.items())),
+           tuple(None if a is None else (a.shape, a.dtype) for a in arrays))
+    hit = _cache.get(key)
+    if hit is None:
+        g = Graph(device)
+        ins = [None if a is None else g.input(shape=a.shape, dtype=a.dtype) for a in arrays]
+        out = builder(g, *ins, **params)
+        exe = _Compiled(g, [t for t in ins if t is not None], [out])
+        if len(_cache) >= _CACHE_MAX:
+            _cache.pop(next(iter(_cache)))
+        hit = _cache[key] = (exe, [i for i, a in enumerate(arrays) if a is not None])
+    exe, idx = hit
+    return exe.run([arrays[i] for i in idx])[0]
+
+
+def clear_cache() -> None:
+    """Free every cached eager graph."""
+    _cache.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# gradients
+
+
+def _trace(f: Callable, xs: Sequence[Any], argnums: Sequence[int], device: str, cotangent_shape=None):
+    """Build f's graph with the inputs at argnums as float32 parameters."""
+    arrays = [as_array(x) for x in xs]
+    for i in argnums:
+        if arrays[i].dtype != F32:
+            raise TypeError(f"argument {i}: gradients need float32 inputs; got {dtype_name(arrays[i].dtype)}")
+    g = Graph(device, max_nodes=1024)
+    ins = [g.input(shape=a.shape, dtype=a.dtype) for a in arrays]
+    with g:
+        y = f(*ins)
+    if not isinstance(y, Tensor) or y.graph is not g:
+        raise TypeError("the function must return the result of an llamabind.ops op on its arguments")
+    return g, ins, arrays, y
+
+
+def _argnums(argnums, n) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    return tuple(axis_index(i, n, "argnums") for i in nums)
+
+
+def grad(f: Callable, argnums: int | Sequence[int] = 0, *, backend: str | None = None) -> Callable:
+    """Gradient of a scalar-valued function of float32 arrays, by ggml's backward graph.
+
+    ``f`` takes arrays and returns a scalar built from llamabind.ops calls (shape () or (1,)).
+    ``grad(f)(*xs)`` returns df/dxs[argnums] (a tuple when argnums is a sequence), each with
+    the shape of its argument. Wraps ggml_build_backward_expand. Raises TypeError for ops ggml
+    cannot differentiate.
+    """
+    cache: dict[tuple, Any] = {}
+
+    def df(*xs):
+        device = resolve_device(backend)
+        nums = _argnums(argnums, len(xs))
+        key = (device, nums, tuple((np.shape(x), np.asarray(x).dtype) for x in xs))
+        hit = cache.get(key)
+        arrays = [as_array(x) for x in xs]
+        if hit is None:
+            g, ins, arrays, y = _trace(f, xs, nums, device)
+            if y.size != 1 or y.dtype != F32:
+                raise ValueError(f"grad needs a float32 scalar function; f returned shape {y.shape} {dtype_name(y.dtype)}")
+            hit = cache[key] = _Compiled(g, ins, [y], loss=y, params=[ins[i] for i in nums])
+        out = hit.run(arrays, grads=True)[1:]
+        return out[0] if isinstance(argnums, int) else tuple(out)
+
+    return df
+
+
+def vjp(f: Callable, *xs, backend: str | None = None):
+    """``(y, vjp_fn)``: f(*xs) and a function mapping a cotangent of y's shape to the gradients
+    of sum(f(*xs) * cotangent) with respect to every x (a tuple). float32 arrays only. Wraps
+    ggml_build_backward_expand."""
+    device = resolve_device(backend)
+    nums = tuple(range(len(xs)))
+    g, ins, arrays, y = _trace(f, xs, nums, device)
+    if y.dtype != F32:
+        raise TypeError(f"vjp needs a float32 function; f returned {dtype_name(y.dtype)}")
+    ct = g.input(shape=y.shape, dtype=F32)
+    ops = _ops()
+    with g:
+        loss = ops.sum(ops.mul(y, ct))
+    exe = _Compiled(g, ins + [ct], [y], loss=loss, params=ins)
+    y_val = exe.run(arrays + [np.zeros(y.shape, np.float32)], grads=False)[0]
+
+    def vjp_fn(cotangent):
+        c = as_array(cotangent)
+        if c.shape != y.shape or c.dtype != F32:
+            raise ValueError(f"cotangent must be float32 of shape {y.shape}; got {c.shape} {dtype_name(c.dtype)}")
+        return tuple(exe.run(arrays + [c], grads=True)[1:])
+
+    return y_val, vjp_fn
+
+
+# ---------------------------------------------------------------------------------------------
+# backend comparison
+
+
+def nmse(out: np.ndarray, ref: np.ndarray) -> float:
+    """Normalized mean squared error, as upstream's test-backend-ops: sum((out-ref)^2)/sum(ref^2)."""
+    o = np.asarray(out, dtype=np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    den = float(np.sum(r * r))
+    num = float(np.sum((o - r) ** 2))
+    return num / den if den > 0 else num
+
+
+def check(op: Callable, *inputs, backend: str | None = None, reference: str = "cpu", **params) -> float:
+    """Run ``op(*inputs, **params)`` on ``backend`` and on ``reference`` (CPU) and return the NMSE
+    between them (test-backend-ops' metric; its default limit is 1e-7)."""
+    out = op(*inputs, backend=backend, **params)
+    ref = op(*inputs, backend=reference, **params)
+    return nmse(out, ref)

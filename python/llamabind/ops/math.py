@@ -1,0 +1,223 @@
+"""Element-wise ops, reductions and matrix products.
+
+Shapes are numpy's (at most 4 axes). Every function takes numpy arrays (or ops.Tensor inside a
+graph) and ``backend=`` (default: "cpu", or the one set by ops.default_backend).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._engine import (BF16, F16, F32, FLOATS, Graph, Tensor, apply, as_float, expect, expect_dtype, shape_to_ne)
+
+# dtype pairs (a, b) of ggml's binary kernels (ggml-cpu binary-ops.cpp); the result has a's dtype
+_BINARY_PAIRS = {(F32, F32), (F16, F16), (F16, F32)} | ({(BF16, BF16), (BF16, F32)} if BF16 is not None else set())
+
+
+def _broadcast(g: Graph, op: str, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    try:
+        out = np.broadcast_shapes(a.shape, b.shape)
+    except ValueError:
+        raise ValueError(f"{op}: shapes {a.shape} and {b.shape} do not broadcast") from None
+    if (a.dtype, b.dtype) not in _BINARY_PAIRS:
+        ok = ", ".join(f"({x.name if x is not BF16 else 'bfloat16'}, {y.name if y is not BF16 else 'bfloat16'})"
+                       for x, y in sorted(_BINARY_PAIRS, key=str))
+        raise TypeError(f"{op}: ggml has no kernel for dtypes ({a.dtype}, {b.dtype}) on backend {g.device}; supported: {ok}")
+    if a.shape != out:  # ggml broadcasts only b into a: tile a first
+        a = g.op("repeat_4d", [a], shape_to_ne(out), shape=out)
+    return a, b
+
+
+def _binary(name: str, doc_op: str):
+    def build(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+        a, b = _broadcast(g, name, a, b)
+        return g.op(name, [a, b], shape=a.shape)
+
+    def fn(a, b, *, backend: str | None = None):
+        return apply(build, (a, b), {}, backend)
+
+    fn.__name__ = name
+    fn.__doc__ = f"""Element-wise ``{doc_op}`` with numpy broadcasting (wraps ggml_{name}).
+
+    a, b: arrays whose shapes broadcast; dtypes (float32, float32), (float16, float16),
+    (bfloat16, bfloat16), or (float16|bfloat16, float32). Returns a's dtype, the broadcast shape.
+    Raises ValueError (shapes), TypeError (dtypes)."""
+    return fn
+
+
+add = _binary("add", "a + b")
+sub = _binary("sub", "a - b")
+mul = _binary("mul", "a * b")
+div = _binary("div", "a / b")
+
+
+def _unary(name: str, formula: str, dtypes=FLOATS):
+    def build(g: Graph, a: Tensor) -> Tensor:
+        expect_dtype(name, "a", a, dtypes, g.device)
+        return g.op(name, [a], shape=a.shape)
+
+    def fn(a, *, backend: str | None = None):
+        return apply(build, (a,), {}, backend)
+
+    fn.__name__ = name
+    names = ", ".join("bfloat16" if d is BF16 else d.name for d in dtypes)
+    fn.__doc__ = f"""Element-wise ``{formula}`` (wraps ggml_{name}). a: any shape, dtype {names}; same shape and dtype out."""
+    return fn
+
+
+sqr = _unary("sqr", "a**2")
+sqrt = _unary("sqrt", "sqrt(a)")
+exp = _unary("exp", "exp(a)")
+log = _unary("log", "log(a)")
+abs = _unary("abs", "|a|")  # noqa: A001 - the ggml name
+neg = _unary("neg", "-a")
+silu = _unary("silu", "a * sigmoid(a)")
+gelu = _unary("gelu", "0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3)))  (ggml's tanh approximation)")
+relu = _unary("relu", "max(a, 0)")
+sigmoid = _unary("sigmoid", "1 / (1 + exp(-a))")
+tanh = _unary("tanh", "tanh(a)")
+
+
+def _scale(g: Graph, a: Tensor, s: float) -> Tensor:
+    expect_dtype("scale", "a", a, tuple(d for d in (F32, BF16) if d is not None), g.device)
+    return g.op("scale", [a], floats=[s], shape=a.shape)
+
+
+def scale(a, s: float, *, backend: str | None = None):
+    """``a * s`` for a float scalar s (wraps ggml_scale). a: float32 or bfloat16, any shape."""
+    return apply(_scale, (a,), {"s": as_float(s, "s")}, backend)
+
+
+def _clamp(g: Graph, a: Tensor, min: float, max: float) -> Tensor:
+    expect_dtype("clamp", "a", a, FLOATS, g.device)
+    return g.op("clamp", [a], floats=[min, max], shape=a.shape)
+
+
+def clamp(a, min: float, max: float, *, backend: str | None = None):
+    """Element-wise ``min(max(a, min), max)`` (wraps ggml_clamp). a: float32/float16/bfloat16.
+    Raises ValueError if min > max."""
+    lo, hi = as_float(min, "min"), as_float(max, "max")
+    expect(lo <= hi, f"clamp: min ({lo}) must be <= max ({hi})")
+    return apply(_clamp, (a,), {"min": lo, "max": hi}, backend)
+
+
+def _silu_back(g: Graph, dy: Tensor, x: Tensor) -> Tensor:
+    expect(dy.shape == x.shape, f"silu_back: dy {dy.shape} and x {x.shape} must have the same shape")
+    for n, t in (("dy", dy), ("x", x)):
+        expect_dtype("silu_back", n, t, (F32, F16), g.device)
+    expect(dy.dtype == x.dtype, "silu_back: dy and x must have the same dtype")
+    return g.op("silu_back", [dy, x], shape=x.shape)
+
+
+def silu_back(dy, x, *, backend: str | None = None):
+    """Gradient of silu: ``dy * sigmoid(x) * (1 + x * (1 - sigmoid(x)))`` (wraps ggml_silu_back).
+    dy, x: same shape, float32 or float16."""
+    return apply(_silu_back, (dy, x), {}, backend)
+
+
+# ---- reductions
+
+
+def _sum(g: Graph, a: Tensor) -> Tensor:
+    expect_dtype("sum", "a", a, FLOATS, g.device)
+    return g.op("sum", [a], shape=())
+
+
+def sum(a, *, backend: str | None = None):  # noqa: A001 - the ggml name
+    """Sum of all elements: shape () with a's dtype (wraps ggml_sum). a: float32/float16/bfloat16."""
+    return apply(_sum, (a,), {}, backend)
+
+
+def _rows(name: str):
+    def build(g: Graph, a: Tensor) -> Tensor:
+        expect_dtype(name, "a", a, (F32,), g.device)
+        return g.op(name, [a], shape=a.shape[:-1] + (1,) if a.ndim else (1,))
+    return build
+
+
+_sum_rows, _mean = _rows("sum_rows"), _rows("mean")
+
+
+def sum_rows(a, *, backend: str | None = None):
+    """Sum over the last axis, keeping it: shape (..., 1) (wraps ggml_sum_rows). a: float32."""
+    return apply(_sum_rows, (a,), {}, backend)
+
+
+def mean(a, *, backend: str | None = None):
+    """Mean over the last axis, keeping it: shape (..., 1) (wraps ggml_mean). a: float32."""
+    return apply(_mean, (a,), {}, backend)
+
+
+def _argmax(g: Graph, a: Tensor) -> Tensor:
+    expect_dtype("argmax", "a", a, (F32,), g.device)
+    expect(a.ndim in (1, 2), f"argmax: a must be 1-D or 2-D (ggml_argmax takes a matrix); got shape {a.shape}")
+    return g.op("argmax", [a], shape=a.shape[:-1])
+
+
+def argmax(a, *, backend: str | None = None):
+    """Index of the largest element of each row (last axis): int32, shape a.shape[:-1]
+    (wraps ggml_argmax). a: float32, 1-D or 2-D."""
+    return apply(_argmax, (a,), {}, backend)
+
+
+# ---- matrix products
+
+
+def _mul_mat(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    ok_b = FLOATS
+    expect_dtype("mul_mat", "b", b, ok_b, g.device)
+    allowed_a = {F32, b.dtype} | ({BF16} if b.dtype == F32 and BF16 is not None else set())
+    expect_dtype("mul_mat", "a", a, tuple(allowed_a), g.device)
+    a2 = a if a.ndim >= 2 else g.op("reshape_4d", [a], shape_to_ne((1,) + a.shape), shape=(1,) + a.shape)
+    b2 = b if b.ndim >= 2 else g.op("reshape_4d", [b], shape_to_ne(b.shape + (1,)), shape=b.shape + (1,))
+    m, k = a2.shape[-2:]
+    k2, n = b2.shape[-2:]
+    expect(k == k2, f"mul_mat: a {a.shape} @ b {b.shape}: inner dimensions {k} and {k2} differ")
+    try:
+        batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
+    except ValueError:
+        raise ValueError(f"mul_mat: batch dimensions of {a.shape} and {b.shape} do not broadcast") from None
+    expect(len(batch) <= 2, "mul_mat: at most 2 batch dimensions")
+    if a2.shape[:-2] != batch:  # ggml broadcasts only the first operand (b here): tile a
+        a2 = g.op("repeat_4d", [a2], shape_to_ne(batch + (m, k)), shape=batch + (m, k))
+    # numpy c = a @ b  <=>  ggml: c^T = mul_mat(b^T (contiguous), a)
+    bt = g.op("transpose", [b2], shape=b2.shape[:-2] + (n, k), contiguous_srcs=False)
+    bt = g.op("cont", [bt], shape=bt.shape)
+    out_shape = batch + (m, n)
+    c = g.op("mul_mat", [bt, a2], shape=out_shape)
+    if a.ndim == 1 and b.ndim == 1:
+        return g.op("reshape_4d", [c], [1, 1, 1, 1], shape=())
+    if a.ndim == 1:
+        return g.op("reshape_4d", [c], shape_to_ne(batch + (n,)), shape=batch + (n,))
+    if b.ndim == 1:
+        return g.op("reshape_4d", [c], shape_to_ne(batch + (m,)), shape=batch + (m,))
+    return c
+
+
+def mul_mat(a, b, *, backend: str | None = None):
+    """Matrix product with numpy's ``a @ b`` semantics (wraps ggml_mul_mat; ggml's transposed
+    operand convention is handled here).
+
+    a: (..., M, K), b: (..., K, N), 1-D operands as in numpy; batch axes broadcast (at most 2).
+    dtypes: b float32/float16/bfloat16 and a float32 or b's dtype (also bfloat16 a with float32 b).
+    Returns float32 (..., M, N). Raises ValueError (shapes), TypeError (dtypes).
+    """
+    return apply(_mul_mat, (a, b), {}, backend)
+
+
+def _out_prod(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    expect_dtype("out_prod", "a", a, (F32,), g.device)
+    expect_dtype("out_prod", "b", b, (F32,), g.device)
+    a2 = a if a.ndim >= 2 else g.op("reshape_4d", [a], shape_to_ne((1,) + a.shape), shape=(1,) + a.shape)
+    b2 = b if b.ndim >= 2 else g.op("reshape_4d", [b], shape_to_ne((1,) + b.shape), shape=(1,) + b.shape)
+    expect(a2.ndim == 2 and b2.ndim == 2, f"out_prod: a and b must be 1-D or 2-D; got {a.shape} and {b.shape}")
+    expect(a2.shape[0] == b2.shape[0], f"out_prod: a {a.shape} and b {b.shape} must have the same first axis")
+    # ggml_out_prod(B, A): ne [n, k] x [m, k] -> [n, m]  (numpy (m, n) = a^T b)
+    return g.op("out_prod", [b2, a2], shape=(a2.shape[1], b2.shape[1]))
+
+
+def out_prod(a, b, *, backend: str | None = None):
+    """Sum of outer products over the first axis: ``a.T @ b`` (wraps ggml_out_prod).
+
+    a: (K, M) or (M,), b: (K, N) or (N,), float32. Returns float32 (M, N); for vectors,
+    numpy.outer(a, b)."""
+    return apply(_out_prod, (a, b), {}, backend)
