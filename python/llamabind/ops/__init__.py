@@ -12,7 +12,12 @@ Shapes are numpy's (at most 4 axes; ggml's ne[0] is numpy's last axis). Every op
 graph. Misuse raises ValueError or TypeError before ggml sees it.
 """
 from ._engine import (Graph, Tensor, check, clear_cache, default_backend, devices, grad, graph, nmse, vjp)
+from .conv import conv_1d, conv_2d, conv_transpose_1d, im2col, pool_1d, pool_2d, upscale
 from .math import (abs, add, argmax, clamp, div, exp, gelu, log, mean, mul, mul_mat, neg, out_prod, relu, scale,
                    sigmoid, silu, silu_back, sqr, sqrt, sub, sum, sum_rows, tanh)
+from .nn import (ROPE_MODES, arange, argsort, flash_attn_ext, group_norm, l2_norm, norm, rms_norm, rms_norm_back,
+                 rope, rope_back, soft_max, soft_max_back, timestep_embedding, top_k)
+from .quant import QUANT_TYPES, dequantize, quantize, row_size
+from .shape import cast, concat, cont, get_rows, pad, permute, repeat, reshape, set_rows, transpose
 
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -115,10 +115,11 @@ def shape_to_ne(shape: tuple[int, ...]) -> list[int]:
 class Tensor:
     """A node of a :class:`Graph`: the lazy result of an op. Shape in numpy order."""
 
-    __slots__ = ("graph", "id", "shape", "dtype", "contiguous")
+    __slots__ = ("graph", "id", "shape", "dtype", "contiguous", "bound")
 
     def __init__(self, graph: "Graph", id: int, shape: tuple[int, ...], dtype: np.dtype, contiguous: bool = True):
         self.graph, self.id, self.shape, self.dtype, self.contiguous = graph, id, shape, dtype, contiguous
+        self.bound: int | None = None  # int tensors: all values are known to lie in [0, bound)
 
     @property
     def ndim(self) -> int:
@@ -169,6 +170,7 @@ class Graph:
         self._values: dict[int, np.ndarray] = {}  # input id -> bound array
         self._inputs: dict[int, Tensor] = {}
         self._compiled: dict[tuple, "_Compiled"] = {}
+        self._bounds: list[tuple[int, int, str]] = []  # (input id, n, what): values must lie in [0, n)
         self._token = None
 
     def __enter__(self) -> "Graph":
@@ -224,6 +226,15 @@ class Graph:
         elif math.prod(shape) != math.prod(ne):
             raise AssertionError(f"{name}: numpy shape {shape} does not match ggml ne {ne}")  # a bug of ours
         return Tensor(self, nid, tuple(shape), _GGML2NP.get(_ID2NAME[tid], np.dtype(np.uint8)), contig)
+
+    def bound_check(self, idx: Tensor, n: int, what: str) -> None:
+        """Index values of ``idx`` must lie in [0, n): checked at run time for graph inputs, known
+        for indices that argsort/top_k/argmax produced; anything else cannot be proven safe."""
+        if idx.id in self._inputs:
+            self._bounds.append((idx.id, n, what))
+        elif idx.bound is None or idx.bound > n:
+            raise ValueError(f"{what}: indices computed inside the graph cannot be range-checked; pass them as an "
+                             "input array (or use argsort/top_k/argmax output of a row length <= the row count)")
 
     # running
     def compute(self, *outputs: Tensor, feed: dict[Tensor, Any] | None = None, n_threads: int | None = None):
@@ -285,6 +296,12 @@ class _Compiled:
 
     def run(self, arrays: Sequence[np.ndarray], n_threads: int | None = None, grads: bool = False):
         gg = self.graph._g
+        if self.graph._bounds:
+            pos = {t.id: i for i, t in enumerate(self.inputs)}
+            for tid, n, what in self.graph._bounds:
+                a = arrays[pos[tid]]
+                if a.size and (int(a.min()) < 0 or int(a.max()) >= n):
+                    raise ValueError(f"{what} values must lie in [0, {n}); got min {int(a.min())}, max {int(a.max())}")
         with self.lock:
             for t, a in zip(self.inputs, arrays):
                 gg.set(t.id, _bytes(a))

@@ -150,7 +150,9 @@ def mean(a, *, backend: str | None = None):
 def _argmax(g: Graph, a: Tensor) -> Tensor:
     expect_dtype("argmax", "a", a, (F32,), g.device)
     expect(a.ndim in (1, 2), f"argmax: a must be 1-D or 2-D (ggml_argmax takes a matrix); got shape {a.shape}")
-    return g.op("argmax", [a], shape=a.shape[:-1])
+    t = g.op("argmax", [a], shape=a.shape[:-1])
+    t.bound = a.shape[-1]
+    return t
 
 
 def argmax(a, *, backend: str | None = None):

@@ -1,0 +1,71 @@
+"""Quantize and dequantize rows in ggml's block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _core
+from ._engine import _TYPES, F32, Graph, Tensor, _Compiled, as_array, expect, resolve_device, shape_to_ne
+
+QUANT_TYPES = ("q4_0", "q4_1", "q8_0", "q4_K", "q6_K")
+
+
+def _qtype(type: str) -> tuple[int, int, int]:
+    if type not in QUANT_TYPES:
+        raise ValueError(f"type must be one of {', '.join(QUANT_TYPES)}; got {type!r}")
+    tid, blck, size, _ = _TYPES[type]
+    return tid, blck, size
+
+
+def row_size(type: str, n: int) -> int:
+    """Bytes of one quantized row of n values (ggml_row_size)."""
+    _, blck, size = _qtype(type)
+    expect(n % blck == 0, f"{type}: the row length ({n}) must be a multiple of the block size {blck}")
+    return n // blck * size
+
+
+def quantize(x, type: str) -> np.ndarray:
+    """Quantize float32 rows into ggml's ``type`` blocks, on the host (wraps ggml_quantize_chunk).
+
+    x: float32 (rows, n) or (n,), n a multiple of the block size (32; 256 for the K types).
+    Returns uint8 (rows, row_size(type, n)) — the exact bytes ggml stores in a GGUF tensor."""
+    a = as_array(x)
+    if a.dtype != F32:
+        raise TypeError(f"quantize: x must be float32; got {a.dtype}")
+    a2 = a.reshape(1, -1) if a.ndim == 1 else a
+    expect(a2.ndim == 2, f"quantize: x must be 1-D or 2-D; got {a.shape}")
+    expect(np.isfinite(a2).all(), "quantize: x must be finite")
+    out = np.empty((a2.shape[0], row_size(type, a2.shape[1])), np.uint8)
+    _core.quantize_rows(_TYPES[type][0], np.ascontiguousarray(a2), out)
+    return out
+
+
+_cache: dict[tuple, _Compiled] = {}
+
+
+def dequantize(q, type: str, n: int | None = None, *, backend: str | None = None) -> np.ndarray:
+    """float32 (rows, n) values of quantized rows (wraps ggml_get_rows on a ``type`` tensor, on
+    ``backend``). q: uint8 (rows, row_size) as returned by :func:`quantize`; n defaults to what
+    the row size implies."""
+    tid, blck, size = _qtype(type)
+    if not isinstance(q, np.ndarray) or q.dtype != np.uint8 or q.ndim != 2:
+        raise TypeError("dequantize: q must be a uint8 array (rows, row_size), as quantize() returns")
+    rows, nbytes = q.shape
+    expect(rows >= 1 and nbytes % size == 0, f"dequantize: rows of {nbytes} bytes are not whole {type} blocks ({size} bytes)")
+    n_implied = nbytes // size * blck
+    n = n_implied if n is None else int(n)
+    expect(n == n_implied, f"dequantize: rows of {nbytes} bytes hold {n_implied} values, not {n}")
+    device = resolve_device(backend)
+    key = (tid, rows, n, device)
+    exe = _cache.get(key)
+    if exe is None:
+        g = Graph(device)
+        nid = g._g.input(tid, shape_to_ne((rows, n)))
+        qt = Tensor(g, nid, (rows, n), np.dtype(np.uint8))
+        g._inputs[nid] = qt
+        idx = g.input(shape=(rows,), dtype=np.int32)
+        out = g.op("get_rows", [qt, idx], shape=(rows, n))
+        exe = _cache[key] = _Compiled(g, [qt, idx], [out])
+    return exe.run([np.ascontiguousarray(q), np.arange(rows, dtype=np.int32)])[0]
+
+
+__all__ = ["quantize", "dequantize", "row_size", "QUANT_TYPES"]

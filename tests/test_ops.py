@@ -1,0 +1,420 @@
+"""llamabind.ops forward: every op against a numpy float64 reference, on the CPU backend."""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from llamabind import ops
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
+# tolerance (rtol = atol) by dtype: float32 vs float64 math, half precisions by their mantissas
+TOL = {F32: 1e-5, F16: 2e-3, BF16: 1.6e-2}
+
+
+def rnd(*shape, dtype=np.float32, lo=-2.0, hi=2.0, seed=None):
+    rng = np.random.default_rng(seed if seed is not None else hash((shape, str(dtype))) % 2**32)
+    x = rng.uniform(lo, hi, size=shape)
+    x[np.abs(x) < 1e-3] = 0.5  # fresh random inputs, never (near) zeros
+    return x.astype(dtype)
+
+
+def close(out, ref, dtype=F32, tol=None):
+    t = TOL[np.dtype(dtype)] if tol is None else tol
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=t, atol=t)
+
+
+def f64(x):
+    return np.asarray(x, np.float64)
+
+
+# ---- element-wise
+
+BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+
+
+@pytest.mark.parametrize("name", list(BINARY))
+@pytest.mark.parametrize("dt", [(F32, F32), (F16, F16), (BF16, BF16), (F16, F32), (BF16, F32)], ids=str)
+@pytest.mark.parametrize("shapes", [((3, 5), (3, 5)), ((2, 3, 4), (4,)), ((2, 3, 4), (3, 1)), ((1, 4), (3, 4)),
+                                    ((2, 1, 3, 4), (2, 5, 1, 4))])
+def test_binary(name, dt, shapes):
+    a = rnd(*shapes[0], dtype=dt[0])
+    b = rnd(*shapes[1], dtype=dt[1], lo=0.5, hi=2.0)  # positive: no division by ~0
+    out = getattr(ops, name)(a, b)
+    ref = BINARY[name](f64(a), f64(b))
+    assert out.shape == ref.shape and out.dtype == a.dtype
+    close(out, ref, dt[0], tol=TOL[dt[0]] * (4 if name == "div" else 1))
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+UNARY = {
+    "sqr": (np.square, -2, 2), "sqrt": (np.sqrt, 0.1, 4), "exp": (np.exp, -2, 2), "log": (np.log, 0.1, 4),
+    "abs": (np.abs, -2, 2), "neg": (np.negative, -2, 2), "silu": (lambda x: x / (1 + np.exp(-x)), -4, 4),
+    "gelu": (_gelu, -4, 4), "relu": (lambda x: np.maximum(x, 0), -2, 2),
+    "sigmoid": (lambda x: 1 / (1 + np.exp(-x)), -4, 4), "tanh": (np.tanh, -3, 3),
+}
+
+
+@pytest.mark.parametrize("name", list(UNARY))
+@pytest.mark.parametrize("dt", [F32, F16, BF16], ids=str)
+def test_unary(name, dt):
+    fn, lo, hi = UNARY[name]
+    x = rnd(4, 33, dtype=dt, lo=lo, hi=hi)
+    out = getattr(ops, name)(x)
+    assert out.shape == x.shape and out.dtype == dt
+    # ggml's CPU gelu uses a float16 lookup table for float32 too
+    close(out, fn(f64(x)), dt, tol=max(TOL[dt], 2e-3) if name == "gelu" else TOL[dt] * 2)
+
+
+def test_scale_clamp_silu_back():
+    x = rnd(3, 17)
+    close(ops.scale(x, -1.5), -1.5 * f64(x))
+    close(ops.scale(x.astype(BF16), 0.5), 0.5 * f64(x.astype(BF16)), BF16)
+    close(ops.clamp(x, -0.5, 0.25), np.clip(f64(x), -0.5, 0.25))
+    dy = rnd(3, 17, seed=3)
+    s = 1 / (1 + np.exp(-f64(x)))
+    close(ops.silu_back(dy, x), f64(dy) * s * (1 + f64(x) * (1 - s)))
+
+
+# ---- reductions and products
+
+
+def test_reductions():
+    x = rnd(3, 4, 50)
+    close(ops.sum(x), f64(x).sum(), tol=1e-4)
+    assert ops.sum(x).shape == ()
+    close(ops.sum_rows(x), f64(x).sum(-1, keepdims=True), tol=1e-5)
+    close(ops.mean(x), f64(x).mean(-1, keepdims=True))
+    m = rnd(6, 40)
+    np.testing.assert_array_equal(ops.argmax(m), m.argmax(-1))
+    assert ops.argmax(m).dtype == np.int32
+    assert ops.argmax(m[0]).shape == () and int(ops.argmax(m[0])) == m[0].argmax()
+
+
+@pytest.mark.parametrize("sa,sb", [((3, 4), (4, 5)), ((2, 3, 4), (2, 4, 6)), ((2, 3, 4), (4, 6)), ((3, 4), (2, 4, 6)),
+                                   ((2, 2, 3, 4), (2, 1, 4, 5)), ((4,), (4, 3)), ((3, 4), (4,)), ((7,), (7,))])
+def test_mul_mat_is_numpy_matmul(sa, sb):
+    a, b = rnd(*sa), rnd(*sb, seed=9)
+    out = ops.mul_mat(a, b)
+    ref = f64(a) @ f64(b)
+    assert out.shape == ref.shape and out.dtype == np.float32
+    close(out, ref, tol=1e-5)
+
+
+@pytest.mark.parametrize("da,db", [(F16, F16), (F32, F16), (BF16, BF16), (F32, BF16), (BF16, F32)], ids=str)
+def test_mul_mat_half_types(da, db):
+    a, b = rnd(8, 64, dtype=da), rnd(64, 16, dtype=db, seed=2)
+    close(ops.mul_mat(a, b), f64(a) @ f64(b), tol=0.05 if BF16 in (da, db) else 0.02)
+
+
+def test_out_prod():
+    a, b = rnd(5, 3), rnd(5, 4, seed=1)
+    close(ops.out_prod(a, b), f64(a).T @ f64(b))
+    close(ops.out_prod(a[0], b[0]), np.outer(f64(a[0]), f64(b[0])))
+
+
+# ---- normalization and softmax
+
+
+def test_norms():
+    x = rnd(3, 5, 64)
+    e = 1e-5
+    mu, var = f64(x).mean(-1, keepdims=True), f64(x).var(-1, keepdims=True)
+    close(ops.norm(x, e), (f64(x) - mu) / np.sqrt(var + e), tol=1e-4)
+    close(ops.rms_norm(x, e), f64(x) / np.sqrt((f64(x) ** 2).mean(-1, keepdims=True) + e), tol=1e-4)
+    close(ops.l2_norm(x, 1e-12), f64(x) / np.linalg.norm(f64(x), axis=-1, keepdims=True))
+    img = rnd(2, 6, 4, 5)
+    ref = f64(img).reshape(2, 3, -1)
+    ref = ((ref - ref.mean(-1, keepdims=True)) / np.sqrt(ref.var(-1, keepdims=True) + 1e-6)).reshape(img.shape)
+    close(ops.group_norm(img, 3, 1e-6), ref, tol=1e-4)
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_soft_max():
+    x = rnd(2, 3, 5, 7)
+    close(ops.soft_max(x), _softmax(f64(x)))
+    close(ops.soft_max(x, scale=0.3), _softmax(0.3 * f64(x)))
+    mask = np.triu(np.full((5, 7), -np.inf), 3).astype(np.float32)
+    close(ops.soft_max(x, mask, scale=0.5), _softmax(0.5 * f64(x) + mask))
+    close(ops.soft_max(x, mask.astype(np.float16)), _softmax(f64(x) + mask))
+    # ALiBi: head h gets slope m_h = 2^(-8 (h+1) / n_head) for n_head a power of two
+    xh = rnd(4, 3, 6, seed=5)
+    mask2 = rnd(3, 6, seed=6)
+    slopes = 2.0 ** (-8.0 * np.arange(1, 5) / 4)
+    close(ops.soft_max(xh, mask2, max_bias=8.0), _softmax(f64(xh) + slopes[:, None, None] * f64(mask2)))
+
+
+def test_soft_max_back_and_rms_norm_back_values():
+    y = _softmax(f64(rnd(3, 9))).astype(np.float32)
+    dy = rnd(3, 9, seed=4)
+    close(ops.soft_max_back(dy, y, 2.0), 2.0 * f64(y) * (f64(dy) - (f64(y) * f64(dy)).sum(-1, keepdims=True)))
+
+
+# ---- rope
+
+
+def rope_ref(x, pos, n_dims, mode, base=10000.0, freq_scale=1.0):
+    """Reference RoPE (no YaRN): x (..., n_tokens, n_head, head_dim), float64."""
+    x = f64(x).copy()
+    theta = freq_scale * pos[:, None] * base ** (-np.arange(0, n_dims, 2) / n_dims)  # (n_tokens, n_dims/2)
+    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    if mode == "normal":
+        x0, x1 = x[..., 0:n_dims:2].copy(), x[..., 1:n_dims:2].copy()
+        x[..., 0:n_dims:2], x[..., 1:n_dims:2] = x0 * c - x1 * s, x0 * s + x1 * c
+    else:
+        h = n_dims // 2
+        x0, x1 = x[..., :h].copy(), x[..., h:n_dims].copy()
+        x[..., :h], x[..., h:n_dims] = x0 * c - x1 * s, x0 * s + x1 * c
+    return x
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@pytest.mark.parametrize("n_dims", [8, 16])
+def test_rope(mode, n_dims):
+    x = rnd(5, 3, 16)
+    pos = np.array([0, 3, 7, 100, 1000], np.int32)
+    close(ops.rope(x, pos, n_dims, mode), rope_ref(x, pos, n_dims, mode), tol=1e-4)
+    close(ops.rope(x, pos, n_dims, mode, freq_base=500.0, freq_scale=0.25),
+          rope_ref(x, pos, n_dims, mode, 500.0, 0.25), tol=1e-4)
+    xb = rnd(2, 5, 3, 16, seed=8)
+    close(ops.rope(xb, pos, n_dims, mode), rope_ref(xb, pos, n_dims, mode), tol=1e-4)
+    close(ops.rope(x.astype(np.float16), pos, n_dims, mode), rope_ref(x.astype(np.float16), pos, n_dims, mode), F16)
+
+
+def test_rope_multi_and_yarn_run():
+    x = rnd(4, 2, 32)
+    pos = np.arange(16, dtype=np.int32)
+    out = ops.rope(x, pos, 32, "mrope", sections=[4, 6, 6, 0])
+    assert out.shape == x.shape and np.isfinite(out).all()
+    # mrope with every position axis equal to the token position is neox rope on the rotated dims
+    p4 = np.tile(np.arange(4, dtype=np.int32), 4)
+    close(ops.rope(x, p4, 32, "mrope", sections=[16, 0, 0, 0]), rope_ref(x, np.arange(4), 32, "neox"), tol=1e-4)
+    y = ops.rope(x, pos[:4], 32, "neox", n_ctx_orig=4096, ext_factor=1.0, freq_scale=0.25)
+    assert np.isfinite(y).all() and not np.allclose(y, ops.rope(x, pos[:4], 32, "neox", freq_scale=0.25))
+
+
+# ---- shape and data movement
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16, np.int8, np.int16, np.int32, np.int64], ids=str)
+@pytest.mark.parametrize("axis", [0, 1, 2, -1])
+def test_concat_every_dtype_and_axis(dtype, axis):
+    rng = np.random.default_rng(1)
+    a = rng.integers(-100, 100, size=(2, 3, 4)).astype(dtype)
+    bshape = [2, 3, 4]
+    bshape[axis] = 5
+    b = rng.integers(-100, 100, size=bshape).astype(dtype)
+    out = ops.concat(a, b, axis)
+    ref = np.concatenate([a, b], axis)
+    assert out.dtype == ref.dtype
+    np.testing.assert_array_equal(out.view(np.uint8), ref.view(np.uint8))  # exact, bit for bit
+
+
+def test_get_rows_set_rows():
+    a = rnd(10, 6)
+    idx = np.array([3, 0, 9, 3], np.int32)
+    np.testing.assert_array_equal(ops.get_rows(a, idx), a[idx])
+    np.testing.assert_array_equal(ops.get_rows(a.astype(np.float16), idx), a.astype(np.float16)[idx].astype(np.float32))
+    a3 = rnd(2, 10, 6)
+    i3 = np.array([[1, 2], [9, 0]], np.int32)
+    np.testing.assert_array_equal(ops.get_rows(a3, i3), np.stack([a3[0][i3[0]], a3[1][i3[1]]]))
+    src = rnd(2, 6, seed=3)
+    for it in (np.int64, np.int32):
+        ref = a.copy()
+        ref[[7, 2]] = src
+        np.testing.assert_array_equal(ops.set_rows(a, np.array([7, 2], it), src), ref)
+
+
+@pytest.mark.parametrize("to", [np.float16, BF16, np.float32], ids=str)
+def test_cast(to):
+    x = rnd(4, 9)
+    np.testing.assert_array_equal(ops.cast(x, to).view(np.uint8), x.astype(to).view(np.uint8))
+    i = np.arange(-5, 5, dtype=np.int32)
+    np.testing.assert_array_equal(ops.cast(i, np.float32), i.astype(np.float32))
+    f = i.astype(np.float32) + 0.25
+    np.testing.assert_array_equal(ops.cast(f, np.int32), f.astype(np.int32))  # truncation toward zero
+
+
+def test_views_reshape_repeat_pad():
+    x = rnd(2, 3, 4, 5)
+    np.testing.assert_array_equal(ops.transpose(x), np.swapaxes(x, -1, -2))
+    for axes in [(0, 1, 3, 2), (3, 2, 1, 0), (1, 0, 2, 3), (2, 0, 3, 1)]:
+        np.testing.assert_array_equal(ops.permute(x, axes), np.transpose(x, axes))
+    np.testing.assert_array_equal(ops.permute(x[0], (2, 0, 1)), np.transpose(x[0], (2, 0, 1)))
+    np.testing.assert_array_equal(ops.reshape(x, (6, -1)), x.reshape(6, -1))
+    np.testing.assert_array_equal(ops.cont(x), x)
+    np.testing.assert_array_equal(ops.repeat(x[0, :1], (2, 3, 8, 5)), np.tile(x[0, :1], (2, 3, 2, 1)))
+    np.testing.assert_array_equal(ops.pad(x[0], ((1, 0), (0, 2), (3, 1))), np.pad(x[0], ((1, 0), (0, 2), (3, 1))))
+
+
+# ---- convolution, pooling, upscale
+
+
+def conv1d_ref(k, x, s=1, p=0, d=1):
+    oc, ic, kk = k.shape
+    xp = np.pad(f64(x), ((0, 0), (0, 0), (p, p)))
+    ol = (x.shape[-1] + 2 * p - d * (kk - 1) - 1) // s + 1
+    out = np.zeros((x.shape[0], oc, ol))
+    for o in range(ol):
+        win = xp[:, :, o * s: o * s + d * (kk - 1) + 1: d]  # (N, IC, K)
+        out[:, :, o] = np.einsum("nik,oik->no", win, f64(k))
+    return out
+
+
+def im2col1d_ref(kshape, x, s=1, p=0, d=1):
+    oc, ic, kk = kshape
+    xp = np.pad(f64(x), ((0, 0), (0, 0), (p, p)))
+    ol = (x.shape[-1] + 2 * p - d * (kk - 1) - 1) // s + 1
+    return np.stack([xp[:, :, o * s: o * s + d * (kk - 1) + 1: d].reshape(x.shape[0], -1) for o in range(ol)], 1)
+
+
+def test_conv_1d_and_im2col():
+    k, x = rnd(4, 3, 5), rnd(2, 3, 20, seed=1)
+    for s, p, d in [(1, 0, 1), (2, 1, 1), (1, 2, 2)]:
+        close(ops.conv_1d(k, x, s, p, d), conv1d_ref(k, x, s, p, d), tol=2e-2)  # im2col in float16
+        close(ops.im2col(k, x, s, p, d), im2col1d_ref(k.shape, x, s, p, d))
+    close(ops.conv_1d(k, x[0]), conv1d_ref(k, x[:1])[0], tol=2e-2)
+
+
+def test_im2col_conv_1d_kw3_ic512_long_sequence():
+    """Upstream fix PR #24220 (b9555): KW*IC > 1024 >= KW, whisper's encoder conv (KW=3, IC=512)."""
+    k, x = rnd(8, 512, 3), rnd(1, 512, 600, seed=2)
+    close(ops.im2col(k, x, 1, 1, 1), im2col1d_ref(k.shape, x, 1, 1, 1))
+    close(ops.conv_1d(k, x, 1, 1, 1), conv1d_ref(k, x, 1, 1, 1), tol=0.15)  # 1536-term float16 dot products
+
+
+def test_conv_2d_and_im2col_2d():
+    k, x = rnd(4, 3, 3, 2), rnd(2, 3, 7, 6, seed=1)
+    out = ops.conv_2d(k, x, stride=(2, 1), padding=(1, 0))
+    xp = np.pad(f64(x), ((0, 0), (0, 0), (1, 1), (0, 0)))
+    oh, ow = (7 + 2 - 3) // 2 + 1, (6 - 2) // 1 + 1
+    ref = np.zeros((2, 4, oh, ow))
+    cols = np.zeros((2, oh, ow, 3 * 3 * 2))
+    for i in range(oh):
+        for j in range(ow):
+            win = xp[:, :, i * 2: i * 2 + 3, j: j + 2]
+            ref[:, :, i, j] = np.einsum("nchw,ochw->no", win, f64(k))
+            cols[:, i, j] = win.reshape(2, -1)
+    close(out, ref, tol=2e-2)
+    close(ops.im2col(k, x, stride=(2, 1), padding=(1, 0)), cols)
+
+
+def test_conv_transpose_1d():
+    k, x = rnd(3, 2, 4), rnd(3, 6, seed=1)
+    for s in (1, 2, 3):
+        out = ops.conv_transpose_1d(k, x, s)
+        ref = np.zeros((2, (6 - 1) * s + 4))
+        for i in range(6):
+            ref[:, i * s: i * s + 4] += np.einsum("c,cok->ok", f64(x[:, i]), f64(k))
+        close(out, ref, tol=1e-4)
+
+
+def test_pooling():
+    x = rnd(2, 3, 12)
+    close(ops.pool_1d(x, "max", 3), f64(x).reshape(2, 3, 4, 3).max(-1))
+    close(ops.pool_1d(x, "avg", 2), f64(x).reshape(2, 3, 6, 2).mean(-1))
+    img = rnd(2, 6, 8)
+    close(ops.pool_2d(img, "max", 2), f64(img).reshape(2, 3, 2, 4, 2).max((2, 4)))
+    close(ops.pool_2d(img, "avg", (3, 2)), f64(img).reshape(2, 2, 3, 4, 2).mean((2, 4)))
+
+
+def test_upscale():
+    x = rnd(1, 2, 3, 4)
+    close(ops.upscale(x, scale_factor=2), np.repeat(np.repeat(f64(x), 2, -1), 2, -2))
+    out = ops.upscale(x, size=(5, 7), mode="bilinear", align_corners=True)
+    assert out.shape == (1, 2, 5, 7)
+    close(out[..., 0, 0], f64(x)[..., 0, 0])  # corners are kept with align_corners
+    close(out[..., -1, -1], f64(x)[..., -1, -1])
+
+
+# ---- generators, sorting, attention
+
+
+def test_arange_timestep_argsort_top_k():
+    close(ops.arange(0.5, 10.0, 1.5), np.arange(0.5, 10.0, 1.5))
+    t = np.array([1.0, 10.0, 500.0], np.float32)
+    half = 8
+    freqs = np.exp(-math.log(10000) * np.arange(half) / half)
+    ref = np.concatenate([np.cos(f64(t)[:, None] * freqs), np.sin(f64(t)[:, None] * freqs)], -1)
+    close(ops.timestep_embedding(t, 16), ref, tol=1e-4)
+    x = rnd(4, 33)
+    np.testing.assert_array_equal(ops.argsort(x), np.argsort(x, -1, kind="stable"))
+    np.testing.assert_array_equal(ops.argsort(x, descending=True), np.argsort(-x, -1, kind="stable"))
+    tk = ops.top_k(x, 5)
+    assert tk.shape == (4, 5)
+    for r in range(4):
+        assert set(tk[r].tolist()) == set(np.argsort(-x[r])[:5].tolist())
+
+
+def test_flash_attn_ext():
+    q = rnd(1, 4, 5, 16)
+    k = rnd(1, 2, 9, 16, seed=1).astype(np.float16)
+    v = rnd(1, 2, 9, 8, seed=2).astype(np.float16)
+    mask = np.where(np.arange(9)[None, :] <= np.arange(5)[:, None] + 4, 0, -np.inf).astype(np.float16)
+    out = ops.flash_attn_ext(q, k, v, mask)
+    kk, vv = np.repeat(f64(k), 2, 1), np.repeat(f64(v), 2, 1)  # grouped-query: 2 q heads per kv head
+    s = f64(q) @ np.swapaxes(kk, -1, -2) / 4.0 + f64(mask)
+    ref = _softmax(s) @ vv
+    assert out.shape == (1, 4, 5, 8)
+    close(out, ref, tol=5e-3)  # q is rounded to float16 for the f16 K/V dot products
+
+
+# ---- quantization
+
+
+@pytest.mark.parametrize("qtype,tol", [("q8_0", 0.01), ("q4_0", 0.15), ("q4_1", 0.1), ("q4_K", 0.15), ("q6_K", 0.03)])
+def test_quantize_round_trip(qtype, tol):
+    x = rnd(3, 512)
+    q = ops.quantize(x, qtype)
+    assert q.dtype == np.uint8 and q.shape == (3, ops.row_size(qtype, 512))
+    y = ops.dequantize(q, qtype)
+    assert y.shape == x.shape and y.dtype == np.float32
+    err = np.abs(y - x).max() / np.abs(x).max()
+    assert err < tol, err
+    assert not np.array_equal(y, x)  # it really is lossy
+    if qtype in ("q8_0", "q4_0", "q4_1"):  # the gguf package has reference quantizers for these
+        import gguf
+        from gguf.quants import quantize as gq
+        ref = gq(x, getattr(gguf.GGMLQuantizationType, qtype.upper()))
+        assert np.mean(q == ref.reshape(q.shape)) > 0.98  # same blocks, up to rounding ties
+
+
+# ---- lazy graphs
+
+
+def test_graph_runs_a_chain_as_one_graph():
+    w, x, b = rnd(8, 16), rnd(16, 4, seed=1), rnd(8, 1, seed=2)
+    with ops.graph("cpu") as g:
+        h = ops.silu(ops.add(ops.mul_mat(w, x), b))
+        y = ops.soft_max(ops.transpose(h))
+    assert isinstance(y, ops.Tensor) and y.shape == (4, 8)
+    z = f64(w) @ f64(x) + f64(b)
+    ref = _softmax((z / (1 + np.exp(-z))).T)
+    close(g.compute(y), ref)
+    x2 = rnd(16, 4, seed=7)
+    z2 = f64(w) @ f64(x2) + f64(b)
+    close(g.compute(y, feed={g._inputs[1]: x2}), _softmax((z2 / (1 + np.exp(-z2))).T))
+    # Tensor operator sugar
+    with ops.graph() as g2:
+        t = (g2.input(w) @ g2.input(x)) * 2.0 - 1.0
+    close(g2.compute(t), 2 * f64(w) @ f64(x) - 1)
+
+
+def test_devices_and_default_backend():
+    devs = ops.devices()
+    assert any(d["type"] == "cpu" for d in devs)
+    cpu = next(d["name"] for d in devs if d["type"] == "cpu")
+    with ops.default_backend(cpu):
+        close(ops.neg(rnd(3)), -f64(rnd(3)))
+    assert ops.check(ops.silu, rnd(64, 64)) == 0.0  # CPU against CPU
+    assert ops.nmse(np.array([1.0, 2.0]), np.array([1.0, 2.0])) == 0.0
