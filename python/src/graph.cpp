@@ -56,6 +56,7 @@ struct Graph {
     ggml_cgraph * gf = nullptr;  // forward
     ggml_cgraph * gb = nullptr;  // forward + backward (when a loss was given)
     ggml_gallocr_t galloc = nullptr;
+    std::map<const ggml_tensor *, ggml_tensor *> grad_out;  // param -> its (contiguous) gradient
     bool built = false;
     int n_threads = 1;
 
@@ -216,7 +217,13 @@ static void graph_build(Graph & g, const std::vector<int64_t> & outputs, int64_t
         ggml_build_backward_expand(g.ctx, g.gb, nullptr);
         for (int64_t id : params) {
             ggml_tensor * gr = ggml_graph_get_grad(g.gb, g.node(id));
-            if (gr) ggml_set_output(gr);
+            if (!gr) continue;
+            if (!ggml_is_contiguous(gr)) {  // e.g. through a transpose: materialize it
+                gr = ggml_cont(g.ctx, gr);
+                ggml_build_forward_expand(g.gb, gr);
+            }
+            ggml_set_output(gr);
+            g.grad_out[g.node(id)] = gr;
         }
     }
     ggml_cgraph * run = g.gb ? g.gb : g.gf;
@@ -255,7 +262,8 @@ static void graph_get(Graph & g, int64_t id, Bytes out, bool grad) {
     ggml_tensor * t = g.node(id);
     if (grad) {
         if (!g.gb) raise_value("this graph has no backward pass");
-        ggml_tensor * gr = ggml_graph_get_grad(g.gb, t);
+        auto it = g.grad_out.find(t);
+        ggml_tensor * gr = it == g.grad_out.end() ? nullptr : it->second;
         check_bytes(t, out.size(), "output size");
         if (!gr) {  // the loss does not depend on this input
             std::memset(out.data(), 0, out.size());

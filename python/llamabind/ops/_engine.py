@@ -460,6 +460,17 @@ def _trace(f: Callable, xs: Sequence[Any], argnums: Sequence[int], device: str, 
     return g, ins, arrays, y
 
 
+def _all_inputs(g: Graph, ins: Sequence[Tensor], arrays: Sequence[np.ndarray]) -> tuple[list[Tensor], list[np.ndarray]]:
+    """Every input of g (the function's arguments, then constants captured while tracing) and
+    the arrays to upload for them."""
+    given = {t.id: a for t, a in zip(ins, arrays)}
+    inputs = list(g._inputs.values())
+    missing = [t for t in inputs if t.id not in given and t.id not in g._values]
+    if missing:
+        raise ValueError(f"inputs without a value: {missing}")
+    return inputs, [given[t.id] if t.id in given else g._values[t.id] for t in inputs]
+
+
 def _argnums(argnums, n) -> tuple[int, ...]:
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     return tuple(axis_index(i, n, "argnums") for i in nums)
@@ -485,8 +496,10 @@ def grad(f: Callable, argnums: int | Sequence[int] = 0, *, backend: str | None =
             g, ins, arrays, y = _trace(f, xs, nums, device)
             if y.size != 1 or y.dtype != F32:
                 raise ValueError(f"grad needs a float32 scalar function; f returned shape {y.shape} {dtype_name(y.dtype)}")
-            hit = cache[key] = _Compiled(g, ins, [y], loss=y, params=[ins[i] for i in nums])
-        out = hit.run(arrays, grads=True)[1:]
+            inputs, _ = _all_inputs(g, ins, arrays)
+            hit = cache[key] = (_Compiled(g, inputs, [y], loss=y, params=[ins[i] for i in nums]), ins)
+        exe, ins = hit
+        out = exe.run(_all_inputs(exe.graph, ins, arrays)[1], grads=True)[1:]
         return out[0] if isinstance(argnums, int) else tuple(out)
 
     return df
@@ -505,14 +518,15 @@ def vjp(f: Callable, *xs, backend: str | None = None):
     ops = _ops()
     with g:
         loss = ops.sum(ops.mul(y, ct))
-    exe = _Compiled(g, ins + [ct], [y], loss=loss, params=ins)
-    y_val = exe.run(arrays + [np.zeros(y.shape, np.float32)], grads=False)[0]
+    inputs, _ = _all_inputs(g, ins + [ct], arrays + [np.zeros(y.shape, np.float32)])
+    exe = _Compiled(g, inputs, [y], loss=loss, params=ins)
+    y_val = exe.run(_all_inputs(g, ins + [ct], arrays + [np.zeros(y.shape, np.float32)])[1], grads=False)[0]
 
     def vjp_fn(cotangent):
         c = as_array(cotangent)
         if c.shape != y.shape or c.dtype != F32:
             raise ValueError(f"cotangent must be float32 of shape {y.shape}; got {c.shape} {dtype_name(c.dtype)}")
-        return tuple(exe.run(arrays + [c], grads=True)[1:])
+        return tuple(exe.run(_all_inputs(g, ins + [ct], arrays + [c])[1], grads=True)[1:])
 
     return y_val, vjp_fn
 

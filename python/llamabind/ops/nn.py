@@ -129,13 +129,15 @@ def _rope_common(g: Graph, op: str, x: Tensor, pos: Tensor, ff: Tensor | None, n
            f"({(4 if multi else 1) * n_tokens},); got {pos.shape}")
     if ff is not None:
         expect_dtype(op, "freq_factors", ff, (F32,), g.device)
-        expect(ff.ndim == 1 and ff.shape[0] >= n_dims // 2, f"{op}: freq_factors must be float32 (>= n_dims/2,)")
+        # ggml's CPU cache reads freq_factors[i/2] for every i < head_dim (more than it asserts)
+        expect(ff.ndim == 1 and ff.shape[0] >= head_dim // 2, f"{op}: freq_factors must be float32 (>= head_dim/2,)")
     if multi:
         expect(sections is not None and len(sections) == 4, f"{op}: mode {mode!r} needs sections: 4 ints")
-        secs = [as_int(s, "sections[i]", 0) for s in sections]
-        expect(sum(secs) > 0, f"{op}: sections must not all be 0")
+        secs = [as_int(s, "sections[i]", 0, 1 << 16) for s in sections]
+        expect(any(v > 0 for v in secs[:3]), f"{op}: one of sections[0..2] must be > 0")
+        expect(sum(secs) <= head_dim, f"{op}: sum(sections) ({sum(secs)}) must be <= head_dim ({head_dim})")
         if mode == "vision":
-            expect(n_dims == head_dim // 2 * 2 and sum(secs[:2]) * 2 <= head_dim, f"{op}: vision sections too large")
+            expect(n_dims == head_dim // 2, f"{op}: mode 'vision' needs n_dims == head_dim/2 ({head_dim // 2})")
         return secs, ROPE_MODES[mode]
     expect(sections is None, f"{op}: sections are for the multi modes (mrope, vision, imrope)")
     return [], ROPE_MODES[mode]

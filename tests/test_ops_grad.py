@@ -1,0 +1,154 @@
+"""llamabind.ops backward: grad/vjp and the *_back ops against central finite differences, and
+regression tests for the upstream fixes of the patch series' README."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llamabind import _core, ops
+from test_ops import rnd, rope_ref
+
+
+def fd_grad(f, xs, i, eps=1e-2):
+    """Central finite differences of scalar f(*xs) (float64 evaluation of a float32 ggml graph)."""
+    x = xs[i].astype(np.float64)
+    g = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        for sgn in (1, -1):
+            xp = x.copy()
+            xp[idx] += sgn * eps
+            args = list(xs)
+            args[i] = xp.astype(np.float32)
+            g[idx] += sgn * float(f(*args))
+    return g / (2 * eps)
+
+
+def check_grad(f, *xs, tol=2e-2, argnums=None):
+    argnums = tuple(range(len(xs))) if argnums is None else argnums
+    got = ops.grad(f, argnums=argnums)(*xs)
+    for i, gi in zip(argnums, got):
+        ref = fd_grad(f, xs, i)
+        assert gi.shape == xs[i].shape and gi.dtype == np.float32
+        np.testing.assert_allclose(gi, ref, rtol=tol, atol=tol * max(1.0, np.abs(ref).max()))
+
+
+W = rnd(3, 4, seed=11)
+
+
+@pytest.mark.parametrize("name,f,lo,hi", [
+    ("sqr", lambda x: ops.sum(ops.sqr(x)), -2, 2),
+    ("sqrt", lambda x: ops.sum(ops.sqrt(x)), 0.5, 3),
+    ("log", lambda x: ops.sum(ops.mul(ops.log(x), W)), 0.5, 3),
+    ("exp", lambda x: ops.sum(ops.mul(ops.exp(x), W)), -1, 1),
+    ("abs", lambda x: ops.sum(ops.mul(ops.abs(x), W)), 0.2, 1),
+    ("relu", lambda x: ops.sum(ops.mul(ops.relu(x), W)), 0.2, 1),
+    ("silu", lambda x: ops.sum(ops.mul(ops.silu(x), W)), -2, 2),
+    ("scale", lambda x: ops.sum(ops.scale(ops.mul(x, W), 3.0)), -2, 2),
+    ("div", lambda x: ops.sum(ops.div(W, ops.add(ops.sqr(x), 1.0))), -2, 2),
+    ("soft_max", lambda x: ops.sum(ops.mul(ops.soft_max(x), W)), -2, 2),
+    ("rms_norm", lambda x: ops.sum(ops.mul(ops.rms_norm(x, 1e-5), W)), -2, 2),
+    ("mean", lambda x: ops.sum(ops.sqr(ops.mean(x))), -2, 2),
+    ("sum_rows", lambda x: ops.sum(ops.sqr(ops.sum_rows(x))), -2, 2),
+    ("transpose", lambda x: ops.sum(ops.mul(ops.cont(ops.transpose(x)), W.T.copy())), -2, 2),
+    ("permute", lambda x: ops.sum(ops.sqr(ops.permute(x, (1, 0)))), -2, 2),
+    ("reshape", lambda x: ops.sum(ops.mul(ops.reshape(x, (2, 6)), W.reshape(2, 6))), -2, 2),
+    ("repeat", lambda x: ops.sum(ops.mul(ops.repeat(x, (6, 4)), np.tile(W, (2, 1)))), -2, 2),
+    ("get_rows", lambda x: ops.sum(ops.sqr(ops.get_rows(x, np.array([2, 0, 2], np.int32)))), -2, 2),
+])
+def test_grad_single_input(name, f, lo, hi):
+    check_grad(f, rnd(3, 4, lo=lo, hi=hi, seed=len(name)))
+
+
+def test_grad_two_inputs_and_argnums():
+    a, b = rnd(3, 5), rnd(5, 2, seed=1)
+    f = lambda a, b: ops.sum(ops.sqr(ops.mul_mat(a, b)))  # noqa: E731
+    check_grad(f, a, b)
+    ga = ops.grad(f)(a, b)  # argnums=0: one array
+    assert isinstance(ga, np.ndarray) and ga.shape == a.shape
+    ref = 2 * (a.astype(np.float64) @ b) @ b.T
+    np.testing.assert_allclose(ga, ref, rtol=1e-4, atol=1e-4)
+    check_grad(lambda x, y: ops.sum(ops.mul(ops.sub(x, y), ops.add(x, y))), a, rnd(3, 5, seed=4))
+
+
+def test_vjp_matches_jacobian_products():
+    x = rnd(4, 6)
+    y, f_vjp = ops.vjp(lambda x: ops.soft_max(x, scale=0.5), x)
+    e = np.exp(0.5 * (x - x.max(-1, keepdims=True)).astype(np.float64))
+    s = e / e.sum(-1, keepdims=True)
+    np.testing.assert_allclose(y, s, rtol=1e-5, atol=1e-6)
+    ct = rnd(4, 6, seed=3)
+    (gx,) = f_vjp(ct)
+    np.testing.assert_allclose(gx, 0.5 * s * (ct - (s * ct).sum(-1, keepdims=True)), rtol=1e-4, atol=1e-5)
+    (gx2,) = f_vjp(ct * 2)  # the compiled graph is reused with a new cotangent
+    np.testing.assert_allclose(gx2, 2 * gx, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_ops_against_finite_differences():
+    x, dy = rnd(3, 7), rnd(3, 7, seed=1)
+    dot = lambda f: (lambda x: float((f(x).astype(np.float64) * dy).sum()))  # noqa: E731
+    np.testing.assert_allclose(ops.silu_back(dy, x), fd_grad(dot(ops.silu), [x], 0), rtol=2e-2, atol=2e-3)
+    np.testing.assert_allclose(ops.rms_norm_back(dy, x, 1e-5), fd_grad(dot(lambda v: ops.rms_norm(v, 1e-5)), [x], 0),
+                               rtol=2e-2, atol=2e-3)
+    y = ops.soft_max(x)
+    np.testing.assert_allclose(ops.soft_max_back(dy, y), fd_grad(dot(ops.soft_max), [x], 0), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("mode,sections", [("normal", None), ("neox", None), ("mrope", [4, 2, 2, 0]),
+                                           ("imrope", [4, 2, 2, 0]), ("vision", [4, 4, 0, 0])])
+def test_rope_back_is_the_gradient_of_rope(mode, sections):
+    """Upstream fix PR #24725 (b9690, Metal rope_back); here: rope_back == d rope for every mode."""
+    n_tok = 3
+    x = rnd(n_tok, 2, 16)
+    multi = sections is not None
+    pos = (np.arange(4 * n_tok, dtype=np.int32) * 3 + 1) if multi else np.array([1, 5, 40], np.int32)
+    n_dims = 8 if mode == "vision" else 16  # vision rotates head_dim/2 pairs of (x, y) positions
+    dy = rnd(n_tok, 2, 16, seed=2)
+    kw = dict(sections=sections, freq_base=1000.0)
+    back = ops.rope_back(dy, pos, n_dims, mode, **kw)
+    fd = fd_grad(lambda v: float((ops.rope(v, pos, n_dims, mode, **kw).astype(np.float64) * dy).sum()), [x], 0)
+    np.testing.assert_allclose(back, fd, rtol=2e-2, atol=2e-3)
+    if mode in ("normal", "neox"):  # and ggml's backward graph of rope uses it
+        g = ops.grad(lambda v: ops.sum(ops.mul(ops.rope(v, pos, n_dims, mode, **kw), dy)))(x)
+        np.testing.assert_allclose(g, back, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ops.rope(x, pos, n_dims, mode, freq_base=1000.0),
+                                   rope_ref(x, pos, n_dims, mode, 1000.0), rtol=1e-4, atol=1e-4)
+
+
+def test_rms_norm_back_seed_fix():
+    """Upstream fix PR #24305 (b9572): dz = x = [1, 0, 0, 0], eps = 1e-4 gives 0.000799, not -3.9976."""
+    x = np.array([[1, 0, 0, 0]], np.float32)
+    want = np.array([[0.000799, 0, 0, 0]])
+    np.testing.assert_allclose(ops.rms_norm_back(x, x, 1e-4), want, atol=1e-6)
+    # inside a graph where ggml_gallocr places dx on dz's buffer (the aliasing that broke it)
+    dx, aliased = _core._testing.rms_norm_back_graph(x, x, 1e-4)
+    assert aliased, "dx was not placed on dz: the test no longer reaches the aliasing path"
+    np.testing.assert_allclose(dx, want, atol=1e-6)
+    # and through ggml's backward graph of rms_norm
+    g = ops.grad(lambda v, w: ops.sum(ops.mul(ops.rms_norm(v, 1e-4), w)), argnums=0)(x, x)
+    np.testing.assert_allclose(g, want, atol=1e-6)
+
+
+def test_soft_max_back_seed_patch_through_ops():
+    """patches/0001 through the public op (the allocation-level check is in test_patches.py)."""
+    a, dy = rnd(3, 8), rnd(3, 8, seed=5)
+    e = np.exp(a - a.max(-1, keepdims=True)).astype(np.float64)
+    y = e / e.sum(-1, keepdims=True)
+    ref = y * (dy - (y * dy).sum(-1, keepdims=True))
+    np.testing.assert_allclose(ops.soft_max_back(dy, y.astype(np.float32)), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_errors_are_exceptions():
+    x = rnd(3, 4)
+    with pytest.raises(TypeError, match="no backward"):
+        ops.grad(lambda v: ops.sum(ops.gelu(v)))(x)
+    with pytest.raises(ValueError, match="scalar"):
+        ops.grad(lambda v: ops.sqr(v))(x)
+    with pytest.raises(TypeError, match="float32"):
+        ops.grad(lambda v: ops.sum(ops.sqr(v)))(x.astype(np.float16))
+    with pytest.raises(ValueError, match="does not depend"):
+        ops.grad(lambda v, w: ops.sum(ops.sqr(w)), argnums=0)(x, x)
+    with pytest.raises(TypeError):
+        ops.grad(lambda v: 3.0)(x)
+    y, f_vjp = ops.vjp(ops.silu, x)
+    with pytest.raises(ValueError, match="cotangent"):
+        f_vjp(np.zeros((2, 2), np.float32))
