@@ -71,6 +71,7 @@ def group_norm(a, n_groups: int, eps: float = 1e-6, *, backend: str | None = Non
 
 def _soft_max(g: Graph, a: Tensor, mask: Tensor | None, scale: float, max_bias: float) -> Tensor:
     expect_dtype("soft_max", "a", a, (F32,), g.device)
+    expect(a.ndim >= 1, "soft_max: a must have at least one axis")
     if mask is not None:
         expect_dtype("soft_max", "mask", mask, (F32, F16), g.device)
         expect(mask.ndim <= a.ndim, f"soft_max: mask {mask.shape} has more axes than a {a.shape}")
@@ -253,6 +254,7 @@ def flash_attn_ext(q, k, v, mask=None, scale: float | None = None, max_bias: flo
 
 def _argsort(g: Graph, a: Tensor, descending: bool) -> Tensor:
     expect_dtype("argsort", "a", a, (F32,), g.device)
+    expect(a.ndim >= 1, "argsort: a must have at least one axis")
     t = g.op("argsort", [a], ints=[1 if descending else 0], shape=a.shape)
     t.bound = a.shape[-1]
     return t
@@ -265,6 +267,7 @@ def argsort(a, descending: bool = False, *, backend: str | None = None):
 
 def _top_k(g: Graph, a: Tensor, k: int) -> Tensor:
     expect_dtype("top_k", "a", a, (F32,), g.device)
+    expect(a.ndim >= 1, "top_k: a must have at least one axis")
     expect(k <= a.shape[-1], f"top_k: k ({k}) must be <= the last axis ({a.shape[-1]})")
     t = g.op("top_k", [a], ints=[k], shape=a.shape[:-1] + (k,))
     t.bound = a.shape[-1]
@@ -284,10 +287,13 @@ def _arange(g: Graph, start: float, stop: float, step: float) -> Tensor:
 def arange(start: float, stop: float, step: float = 1.0, *, backend: str | None = None):
     """float32 ``[start, start + step, ...)`` below stop (wraps ggml_arange). Needs stop > start
     and step > 0."""
-    s0, s1, st = as_float(start, "start"), as_float(stop, "stop"), as_float(step, "step")
-    expect(s1 > s0, f"arange: stop ({s1}) must be > start ({s0})")
-    expect(st > 0, f"arange: step must be > 0; got {st}")
-    expect((s1 - s0) / st < 2**31, "arange: too many elements")
+    # ggml receives float32: check what it will see
+    s0, s1, st = (float(np.float32(as_float(v, n))) for v, n in ((start, "start"), (stop, "stop"), (step, "step")))
+    expect(s1 > s0, f"arange: stop ({s1}) must be > start ({s0}) in float32")
+    expect(st > 0, f"arange: step must be > 0 in float32; got {st}")
+    with np.errstate(all="ignore"):
+        n = np.ceil(np.float32(np.float32(s1 - s0) / np.float32(st)))
+    expect(n < 2**31, "arange: too many elements")
     return apply(_arange, (), {"start": s0, "stop": s1, "step": st}, backend)
 
 

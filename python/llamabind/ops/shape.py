@@ -24,6 +24,7 @@ def concat(a, b, axis: int = 0, *, backend: str | None = None):
 
 
 def _get_rows(g: Graph, a: Tensor, idx: Tensor) -> Tensor:
+    expect_dtype("get_rows", "a", a, FLOATS + (I32,), g.device)
     expect_dtype("get_rows", "idx", idx, (I32,), g.device)
     expect(a.ndim in (2, 3), f"get_rows: a must be (rows, cols) or (batch, rows, cols); got {a.shape}")
     expect(idx.ndim == a.ndim - 1, f"get_rows: idx must be int32 ({'batch, ' if a.ndim == 3 else ''}n); got {idx.shape}")
@@ -36,9 +37,9 @@ def _get_rows(g: Graph, a: Tensor, idx: Tensor) -> Tensor:
 def get_rows(a, idx, *, backend: str | None = None):
     """Rows ``a[idx]`` (or ``a[b, idx[b]]`` per batch) as float32 (wraps ggml_get_rows).
 
-    a: (rows, cols) or (batch, rows, cols), float32/float16/bfloat16 (or quantized, see
-    :func:`dequantize`); idx: int32 (n,) or (batch, n) in [0, rows). Raises ValueError for an
-    index out of range."""
+    a: (rows, cols) or (batch, rows, cols), float32/float16/bfloat16 (float32 out) or int32
+    (int32 out); quantized rows: :func:`dequantize`. idx: int32 (n,) or (batch, n) in
+    [0, rows). Raises ValueError for an index out of range."""
     return apply(_get_rows, (a, idx), {}, backend)
 
 
@@ -133,7 +134,8 @@ def cont(a, *, backend: str | None = None):
 
 
 def _repeat(g: Graph, a: Tensor, shape: tuple[int, ...]) -> Tensor:
-    expect_dtype("repeat", "a", a, tuple(d for d in (F32, F16, BF16, I16, I32, I64) if d is not None), g.device)
+    # int64 is not implemented by ggml-cpu's repeat (its case is commented out upstream)
+    expect_dtype("repeat", "a", a, tuple(d for d in (F32, F16, BF16, I16, I32) if d is not None), g.device)
     check_shape(shape)
     expect(len(shape) >= a.ndim, f"repeat: shape {shape} has fewer axes than a {a.shape}")
     src = (1,) * (len(shape) - a.ndim) + a.shape
@@ -143,7 +145,7 @@ def _repeat(g: Graph, a: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 def repeat(a, shape, *, backend: str | None = None):
     """a tiled to ``shape`` (each axis a multiple of a's; numpy.tile semantics) (wraps
-    ggml_repeat_4d). dtypes float32/float16/bfloat16/int16/int32/int64."""
+    ggml_repeat_4d). dtypes float32/float16/bfloat16/int16/int32."""
     return apply(_repeat, (a,), {"shape": tuple(as_int(s, "shape[i]", 1) for s in shape)}, backend)
 
 
