@@ -43,3 +43,15 @@ def test_sdist_carries_the_patched_tree_and_needs_no_registry(tmp_path):
                        text=True, env=env, timeout=120)
     assert s.returncode == 0, s.stderr
     assert "up to date" in s.stderr
+
+
+def test_ops_notebook_executes():
+    """examples/ops.ipynb (per-op calls, a gradient check, a backend comparison) runs top to bottom."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(ROOT / "examples" / "ops.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "max |grad - finite differences|" in outputs and "NMSE" in outputs
+    assert "HIGH" not in outputs

@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Per-op latency and bandwidth of llamabind.ops beside numpy, and per-call overhead of a tiny op
+beside ggml-python 0.0.45, all in one run (rounds interleaved; the machine is noisy: read ratios).
+
+    python bench/ops.py [--rounds 5] [--ggml-python bench/.venv-ggml-python/bin/python]
+
+Prints a table and writes bench/results/ops-<host>-<date>.json. ggml-python runs in its own
+virtual environment (it brings its own libggml) through bench/_ggml_python_worker.py; create it
+with `python -m venv bench/.venv-ggml-python && bench/.venv-ggml-python/bin/pip install
+ggml-python==0.0.45 numpy` (a source build, a few minutes).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import llamabind
+from llamabind import ops
+
+HERE = Path(__file__).resolve().parent
+
+
+def per_call_us(fn, min_time=0.2) -> float:
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= min_time and n >= 10:
+            return dt / n * 1e6
+
+
+def cases(rng):
+    def f32(*s):
+        return rng.standard_normal(s).astype(np.float32)
+
+    small, large = f32(64, 64), f32(2048, 2048)
+    a, b = f32(1024, 1024), f32(1024, 1024)
+    x = f32(512, 4096)
+    return [
+        # name, llamabind call, numpy call, bytes moved (for GB/s)
+        ("add 64x64 (per-call overhead)", lambda: ops.add(small, small), lambda: np.add(small, small), 3 * small.nbytes),
+        ("add 2048x2048", lambda: ops.add(large, large), lambda: np.add(large, large), 3 * large.nbytes),
+        ("silu 2048x2048", lambda: ops.silu(large), lambda: large / (1 + np.exp(-large)), 2 * large.nbytes),
+        ("soft_max 512x4096", lambda: ops.soft_max(x), lambda: _softmax(x), 2 * x.nbytes),
+        ("rms_norm 512x4096", lambda: ops.rms_norm(x), lambda: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5),
+         2 * x.nbytes),
+        ("mul_mat 1024^3", lambda: ops.mul_mat(a, b), lambda: a @ b, 3 * a.nbytes),
+    ]
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def ggml_python_round(python: str | None) -> dict | None:
+    if not python or not Path(python).exists():
+        return None
+    p = subprocess.run([python, str(HERE / "_ggml_python_worker.py")], capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        print(f"ggml-python worker failed: {p.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(p.stdout)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ggml-python", default=str(HERE / ".venv-ggml-python" / "bin" / "python"))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    cs = cases(rng)
+    res = {name: {"llamabind_us": [], "numpy_us": [], "bytes": nbytes} for name, _, _, nbytes in cs}
+    ggp = {"per_call_us": [], "reused_graph_us": []}
+    for r in range(args.rounds):  # interleaved: llamabind, numpy, ggml-python each round
+        for name, lb, npf, _ in cs:
+            res[name]["llamabind_us"].append(per_call_us(lb))
+            res[name]["numpy_us"].append(per_call_us(npf))
+        g = ggml_python_round(args.ggml_python)
+        if g:
+            ggp["per_call_us"].append(g["per_call_us"])
+            ggp["reused_graph_us"].append(g["reused_graph_us"])
+    rows = []
+    print(f"{'op':34} {'llamabind us':>13} {'numpy us':>10} {'lb/np':>6} {'llamabind GB/s':>15}")
+    for name, d in res.items():
+        lb, npm = statistics.median(d["llamabind_us"]), statistics.median(d["numpy_us"])
+        gbs = d["bytes"] / (lb * 1e-6) / 1e9
+        rows.append({"op": name, "llamabind_us": lb, "numpy_us": npm, "ratio": lb / npm, "llamabind_GBps": gbs})
+        print(f"{name:34} {lb:13.1f} {npm:10.1f} {lb / npm:6.2f} {gbs:15.2f}")
+    overhead = rows[0]["llamabind_us"]
+    print(f"\nper-call overhead, 64x64 float32 add on CPU: llamabind {overhead:.1f} us (target < 20 us)")
+    if ggp["per_call_us"]:
+        pc, rg = statistics.median(ggp["per_call_us"]), statistics.median(ggp["reused_graph_us"])
+        print(f"ggml-python 0.0.45: {pc:.1f} us building the graph per call, {rg:.1f} us reusing one graph "
+              f"(llamabind / ggml-python reused: {overhead / rg:.2f})")
+    else:
+        print("ggml-python 0.0.45: not measured (no venv at --ggml-python)")
+    out = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
+        "machine": platform.machine(), "python": platform.python_version(), "rounds": args.rounds,
+        "build_info": {k: v for k, v in llamabind.build_info().items() if k != "devices"},
+        "ops": rows, "raw": res,
+        "ggml_python_0_0_45": {k: statistics.median(v) for k, v in ggp.items()} if ggp["per_call_us"] else None,
+    }
+    path = Path(args.out) if args.out else HERE / "results" / f"ops-{socket.gethostname()}-{datetime.date.today()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
