@@ -4,6 +4,20 @@ from __future__ import annotations
 from ._engine import BF16, F16, F32, Graph, Tensor, apply, as_int, dtype_name, expect, expect_dtype, shape_to_ne, type_id
 
 
+def _batched(g: Graph, data: Tensor, ndim: int) -> Tensor:
+    """data with a leading batch axis of 1 if it has ndim - 1 axes."""
+    if data.ndim == ndim:
+        return data
+    return g.op("reshape_4d", [data], shape_to_ne((1,) + data.shape), shape=(1,) + data.shape)
+
+
+def _unbatched(g: Graph, out: Tensor, data: Tensor, ndim: int) -> Tensor:
+    """Drop the batch axis again if the caller's data had none."""
+    if data.ndim == ndim:
+        return out
+    return g.op("reshape_4d", [out], shape_to_ne(out.shape[1:]), shape=out.shape[1:])
+
+
 def _out(size: int, k: int, s: int, p: int, d: int) -> int:
     return (size + 2 * p - d * (k - 1) - 1) // s + 1  # ggml_calc_conv_output_size
 
@@ -14,7 +28,7 @@ def _im2col(g: Graph, kernel: Tensor, data: Tensor, stride: tuple, padding: tupl
     if is_2d:
         expect(kernel.ndim == 4 and data.ndim in (3, 4),
                f"im2col 2D: kernel (OC, IC, KH, KW), data (N, IC, H, W); got {kernel.shape}, {data.shape}")
-        d4 = data if data.ndim == 4 else g.op("reshape_4d", [data], shape_to_ne((1,) + data.shape), shape=(1,) + data.shape)
+        d4 = _batched(g, data, 4)
         oc, ic, kh, kw = kernel.shape
         n, ic2, h, w = d4.shape
         expect(ic == ic2, f"im2col: kernel has {ic} input channels, data {ic2}")
@@ -23,19 +37,18 @@ def _im2col(g: Graph, kernel: Tensor, data: Tensor, stride: tuple, padding: tupl
                                   "stride/padding/dilation")
         shape = (n, oh, ow, ic * kh * kw)
         ints = [stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1], 1, type_id(dtype)]
-        out = g.op("im2col", [kernel, d4], ints=ints, shape=shape, contiguous_srcs=True)
-        return out if data.ndim == 4 else g.op("reshape_4d", [out], shape_to_ne(shape[1:]), shape=shape[1:])
+        return _unbatched(g, g.op("im2col", [kernel, d4], ints=ints, shape=shape), data, 4)
     expect(kernel.ndim == 3 and data.ndim in (2, 3),
            f"im2col 1D: kernel (OC, IC, K), data (N, IC, L) or (IC, L); got {kernel.shape}, {data.shape}")
-    d3 = data if data.ndim == 3 else g.op("reshape_4d", [data], shape_to_ne((1,) + data.shape), shape=(1,) + data.shape)
+    d3 = _batched(g, data, 3)
     oc, ic, k = kernel.shape
     n, ic2, length = d3.shape
     expect(ic == ic2, f"im2col: kernel has {ic} input channels, data {ic2}")
     ol = _out(length, k, stride[0], padding[0], dilation[0])
     expect(ol > 0, f"im2col: data {data.shape} is too small for kernel {kernel.shape} with these stride/padding/dilation")
     shape = (n, ol, ic * k)
-    out = g.op("im2col", [kernel, d3], ints=[stride[0], 0, padding[0], 0, dilation[0], 0, 0, type_id(dtype)], shape=shape)
-    return out if data.ndim == 3 else g.op("reshape_4d", [out], shape_to_ne(shape[1:]), shape=shape[1:])
+    ints = [stride[0], 0, padding[0], 0, dilation[0], 0, 0, type_id(dtype)]
+    return _unbatched(g, g.op("im2col", [kernel, d3], ints=ints, shape=shape), data, 3)
 
 
 def _pair(x, name: str, n: int, lo: int) -> tuple:
@@ -67,14 +80,13 @@ def _conv_1d(g: Graph, kernel: Tensor, data: Tensor, stride: int, padding: int, 
     expect_dtype("conv_1d", "kernel", kernel, tuple(d for d in (F32, F16, BF16) if d is not None), g.device)
     expect_dtype("conv_1d", "data", data, (F32,), g.device)
     expect(kernel.ndim == 3 and data.ndim in (2, 3), f"conv_1d: kernel (OC, IC, K), data (N, IC, L); got {kernel.shape}, {data.shape}")
-    d3 = data if data.ndim == 3 else g.op("reshape_4d", [data], shape_to_ne((1,) + data.shape), shape=(1,) + data.shape)
+    d3 = _batched(g, data, 3)
     oc, ic, k = kernel.shape
     expect(ic == d3.shape[1], f"conv_1d: kernel has {ic} input channels, data {d3.shape[1]}")
     ol = _out(d3.shape[2], k, stride, padding, dilation)
     expect(ol > 0, f"conv_1d: data {data.shape} is too small for kernel {kernel.shape}")
     shape = (d3.shape[0], oc, ol)
-    out = g.op("conv_1d", [kernel, d3], ints=[stride, padding, dilation], shape=shape)
-    return out if data.ndim == 3 else g.op("reshape_4d", [out], shape_to_ne(shape[1:]), shape=shape[1:])
+    return _unbatched(g, g.op("conv_1d", [kernel, d3], ints=[stride, padding, dilation], shape=shape), data, 3)
 
 
 def conv_1d(kernel, data, stride: int = 1, padding: int = 0, dilation: int = 1, *, backend: str | None = None):
@@ -91,16 +103,15 @@ def _conv_2d(g: Graph, kernel: Tensor, data: Tensor, stride: tuple, padding: tup
     expect_dtype("conv_2d", "data", data, (F32,), g.device)
     expect(kernel.ndim == 4 and data.ndim in (3, 4), f"conv_2d: kernel (OC, IC, KH, KW), data (N, IC, H, W); got "
                                                      f"{kernel.shape}, {data.shape}")
-    d4 = data if data.ndim == 4 else g.op("reshape_4d", [data], shape_to_ne((1,) + data.shape), shape=(1,) + data.shape)
+    d4 = _batched(g, data, 4)
     oc, ic, kh, kw = kernel.shape
     n, ic2, h, w = d4.shape
     expect(ic == ic2, f"conv_2d: kernel has {ic} input channels, data {ic2}")
     oh, ow = _out(h, kh, stride[1], padding[1], dilation[1]), _out(w, kw, stride[0], padding[0], dilation[0])
     expect(oh > 0 and ow > 0, f"conv_2d: data {data.shape} is too small for kernel {kernel.shape}")
     shape = (n, oc, oh, ow)
-    out = g.op("conv_2d", [kernel, d4], ints=[stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1]],
-               shape=shape)
-    return out if data.ndim == 4 else g.op("reshape_4d", [out], shape_to_ne(shape[1:]), shape=shape[1:])
+    ints = [stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1]]
+    return _unbatched(g, g.op("conv_2d", [kernel, d4], ints=ints, shape=shape), data, 4)
 
 
 def conv_2d(kernel, data, stride=1, padding=0, dilation=1, *, backend: str | None = None):
