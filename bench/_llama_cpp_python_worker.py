@@ -12,9 +12,15 @@ from llama_cpp import Llama
 
 a = json.loads(sys.argv[1])
 n_prompt, n_gen = a["n_prompt"], a["n_gen"]
-llm = Llama(model_path=a["model"], n_ctx=n_prompt + n_gen, n_batch=a["n_batch"], n_ubatch=a["n_ubatch"],
-            n_threads=a["threads"], n_threads_batch=a["threads"], verbose=False, seed=a["seed"])
 rng = random.Random(a["seed"])
+
+
+def make(n_ctx):  # as llama-bench: each test in its own context
+    return Llama(model_path=a["model"], n_ctx=n_ctx, n_batch=a["n_batch"], n_ubatch=a["n_ubatch"],
+                 n_threads=a["threads"], n_threads_batch=a["threads"], verbose=False, seed=a["seed"])
+
+
+llm = make(n_prompt)
 n_vocab = llm.n_vocab()
 bos = llm.token_bos() if llm._model.add_bos_token() else None
 
@@ -26,13 +32,15 @@ def prompt_tokens():
     return t
 
 
-llm.reset()
 llm.eval(prompt_tokens()[: min(n_prompt, a["n_batch"])])  # warm-up
 llm.reset()
 toks = prompt_tokens()
 t0 = time.perf_counter()
 llm.eval(toks)
 pp = n_prompt / (time.perf_counter() - t0)
+llm.close()
+llm = make(n_gen)
+llm.eval([bos if bos is not None else rng.randrange(n_vocab)])  # warm-up
 llm.reset()
 tok = bos if bos is not None else rng.randrange(n_vocab)
 t0 = time.perf_counter()
@@ -40,6 +48,8 @@ for _ in range(n_gen):
     llm.eval([tok])
     tok = rng.randrange(n_vocab)
 tg = n_gen / (time.perf_counter() - t0)
+llm.close()
+llm = make(n_prompt + n_gen)
 llm.reset()
 t0 = time.perf_counter()
 n_tok, text = 0, ""

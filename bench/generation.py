@@ -37,23 +37,24 @@ def llamabind_round(model: llamabind.Model, n_prompt: int, n_gen: int, n_batch: 
                     seed: int) -> dict:
     rng = random.Random(seed)
     n_vocab = model.n_vocab
-    with model.context(n_ctx=n_prompt + n_gen, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads) as ctx:
-        bos = model.token_bos if model._m.add_bos else None
+    bos = model.token_bos if model._m.add_bos else None
 
-        def prompt_tokens():
-            toks = [rng.randrange(n_vocab) for _ in range(n_prompt)]
-            if bos is not None:
-                toks[0] = bos
-            return toks
+    def prompt_tokens():
+        toks = [rng.randrange(n_vocab) for _ in range(n_prompt)]
+        if bos is not None:
+            toks[0] = bos
+        return toks
 
-        # warm-up, as llama-bench does
-        ctx.clear()
-        ctx.decode(prompt_tokens()[: min(n_prompt, n_batch)])
+    # as llama-bench: each test in its own context of n_ctx = n_prompt + n_gen of that test
+    with model.context(n_ctx=n_prompt, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads) as ctx:
+        ctx.decode(prompt_tokens()[: min(n_prompt, n_batch)])  # warm-up, as llama-bench does
         ctx.clear()
         toks = prompt_tokens()
         t0 = time.perf_counter()
         ctx.decode(toks)  # n_batch chunks inside
         pp = n_prompt / (time.perf_counter() - t0)
+    with model.context(n_ctx=n_gen, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads) as ctx:
+        ctx.decode([bos if bos is not None else rng.randrange(n_vocab)])  # warm-up
         ctx.clear()
         tok = bos if bos is not None else rng.randrange(n_vocab)
         t0 = time.perf_counter()
@@ -61,6 +62,7 @@ def llamabind_round(model: llamabind.Model, n_prompt: int, n_gen: int, n_batch: 
             ctx.decode([tok])
             tok = rng.randrange(n_vocab)
         tg = n_gen / (time.perf_counter() - t0)
+    with model.context(n_ctx=n_prompt + n_gen, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads) as ctx:
         t0 = time.perf_counter()
         stream = ctx.generate(E2E_PROMPT, max_tokens=n_gen, temperature=0, stream=True)
         text = "".join(stream)
@@ -122,17 +124,26 @@ def main() -> int:
     res: dict[str, dict[str, list]] = {k: {"pp": [], "tg": [], "e2e": []} for k in ("llama-bench", "llamabind",
                                                                                    "llama-cpp-python")}
     info = {}
-    for r in range(args.rounds):  # interleaved: A B C, A B C, ...
+    def run_llama_bench(r):
+        nonlocal info
         lb = llama_bench_round(bench, model_path, p, n, b, ub, t)
         info = lb.pop("info")
         for k, v in lb.items():
             res["llama-bench"][k].append(v)
+
+    def run_llamabind(r):
         for k, v in llamabind_round(model, p, n, b, ub, t, seed=r).items():
             res["llamabind"].setdefault(k, []).append(v)
+
+    def run_llama_cpp_python(r):
         lcp = llama_cpp_python_round(Path(args.llama_cpp_python), model_path, p, n, b, ub, t, seed=r)
-        if lcp:
-            for k, v in lcp.items():
-                res["llama-cpp-python"].setdefault(k, []).append(v)
+        for k, v in (lcp or {}).items():
+            res["llama-cpp-python"].setdefault(k, []).append(v)
+
+    order = [run_llama_bench, run_llamabind, run_llama_cpp_python]
+    for r in range(args.rounds):  # interleaved, alternating order: A B C, C B A, A B C, ...
+        for fn in (order if r % 2 == 0 else order[::-1]):
+            fn(r)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
     med = {impl: {k: statistics.median(v) for k, v in d.items() if v and isinstance(v[0], (int, float))}

@@ -41,22 +41,30 @@ def per_call_us(fn, min_time=0.2) -> float:
             return dt / n * 1e6
 
 
-def cases(rng):
+def cases(rng, dev: str, torch=None):
     def f32(*s):
         return rng.standard_normal(s).astype(np.float32)
 
     small, large = f32(64, 64), f32(2048, 2048)
     a, b = f32(1024, 1024), f32(1024, 1024)
     x = f32(512, 4096)
+    T = (lambda v: torch.from_numpy(v)) if torch else (lambda v: None)
+    ts, tl, ta, tb, tx = T(small), T(large), T(a), T(b), T(x)
+    tch = (lambda f: f) if torch else (lambda f: None)
     return [
-        # name, llamabind call, numpy call, bytes moved (for GB/s)
-        ("add 64x64 (per-call overhead)", lambda: ops.add(small, small), lambda: np.add(small, small), 3 * small.nbytes),
-        ("add 2048x2048", lambda: ops.add(large, large), lambda: np.add(large, large), 3 * large.nbytes),
-        ("silu 2048x2048", lambda: ops.silu(large), lambda: large / (1 + np.exp(-large)), 2 * large.nbytes),
-        ("soft_max 512x4096", lambda: ops.soft_max(x), lambda: _softmax(x), 2 * x.nbytes),
-        ("rms_norm 512x4096", lambda: ops.rms_norm(x), lambda: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5),
+        # name, llamabind call, numpy call, torch call (or None), bytes moved (for GB/s)
+        ("add 64x64 (per-call overhead)", lambda: ops.add(small, small, backend=dev), lambda: np.add(small, small),
+         tch(lambda: ts + ts), 3 * small.nbytes),
+        ("add 2048x2048", lambda: ops.add(large, large, backend=dev), lambda: np.add(large, large), tch(lambda: tl + tl),
+         3 * large.nbytes),
+        ("silu 2048x2048", lambda: ops.silu(large, backend=dev), lambda: large / (1 + np.exp(-large)),
+         tch(lambda: torch.nn.functional.silu(tl)), 2 * large.nbytes),
+        ("soft_max 512x4096", lambda: ops.soft_max(x, backend=dev), lambda: _softmax(x), tch(lambda: tx.softmax(-1)),
          2 * x.nbytes),
-        ("mul_mat 1024^3", lambda: ops.mul_mat(a, b), lambda: a @ b, 3 * a.nbytes),
+        ("rms_norm 512x4096", lambda: ops.rms_norm(x, backend=dev),
+         lambda: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5),
+         tch(lambda: tx * torch.rsqrt((tx * tx).mean(-1, keepdim=True) + 1e-5)), 2 * x.nbytes),
+        ("mul_mat 1024^3", lambda: ops.mul_mat(a, b, backend=dev), lambda: a @ b, tch(lambda: ta @ tb), 3 * a.nbytes),
     ]
 
 
@@ -82,24 +90,37 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    cs = cases(rng)
-    res = {name: {"llamabind_us": [], "numpy_us": [], "bytes": nbytes} for name, _, _, nbytes in cs}
+    try:
+        import torch
+        torch.set_num_threads(max(1, len(__import__("os").sched_getaffinity(0))))
+    except ImportError:
+        torch = None
+    devices = [d["name"] for d in ops.devices()]
+    per_dev = {dev: cases(rng, dev, torch) for dev in devices}
+    res = {(dev, name): {"llamabind_us": [], "numpy_us": [], "torch_us": [], "bytes": nbytes}
+           for dev, cs in per_dev.items() for name, _, _, _, nbytes in cs}
     ggp = {"per_call_us": [], "reused_graph_us": []}
-    for r in range(args.rounds):  # interleaved: llamabind, numpy, ggml-python each round
-        for name, lb, npf, _ in cs:
-            res[name]["llamabind_us"].append(per_call_us(lb))
-            res[name]["numpy_us"].append(per_call_us(npf))
+    for r in range(args.rounds):  # interleaved: llamabind (each device), numpy, torch, ggml-python each round
+        for dev, cs in per_dev.items():
+            for name, lb, npf, tf, _ in cs:
+                res[(dev, name)]["llamabind_us"].append(per_call_us(lb))
+                res[(dev, name)]["numpy_us"].append(per_call_us(npf))
+                if tf is not None:
+                    res[(dev, name)]["torch_us"].append(per_call_us(tf))
         g = ggml_python_round(args.ggml_python)
         if g:
             ggp["per_call_us"].append(g["per_call_us"])
             ggp["reused_graph_us"].append(g["reused_graph_us"])
     rows = []
-    print(f"{'op':34} {'llamabind us':>13} {'numpy us':>10} {'lb/np':>6} {'llamabind GB/s':>15}")
-    for name, d in res.items():
+    print(f"{'device':8} {'op':32} {'llamabind us':>13} {'numpy us':>10} {'torch us':>9} {'lb/np':>6} {'GB/s':>7}")
+    for (dev, name), d in res.items():
         lb, npm = statistics.median(d["llamabind_us"]), statistics.median(d["numpy_us"])
+        tq = statistics.median(d["torch_us"]) if d["torch_us"] else None
         gbs = d["bytes"] / (lb * 1e-6) / 1e9
-        rows.append({"op": name, "llamabind_us": lb, "numpy_us": npm, "ratio": lb / npm, "llamabind_GBps": gbs})
-        print(f"{name:34} {lb:13.1f} {npm:10.1f} {lb / npm:6.2f} {gbs:15.2f}")
+        rows.append({"device": dev, "op": name, "llamabind_us": lb, "numpy_us": npm, "torch_us": tq,
+                     "ratio_numpy": lb / npm, "llamabind_GBps": gbs})
+        tstr = f"{tq:9.1f}" if tq is not None else f"{'-':>9}"
+        print(f"{dev:8} {name:32} {lb:13.1f} {npm:10.1f} {tstr} {lb / npm:6.2f} {gbs:7.2f}")
     overhead = rows[0]["llamabind_us"]
     print(f"\nper-call overhead, 64x64 float32 add on CPU: llamabind {overhead:.1f} us (target < 20 us)")
     if ggp["per_call_us"]:
@@ -112,7 +133,7 @@ def main() -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
         "machine": platform.machine(), "python": platform.python_version(), "rounds": args.rounds,
         "build_info": {k: v for k, v in llamabind.build_info().items() if k != "devices"},
-        "ops": rows, "raw": res,
+        "ops": rows, "raw": {f"{d}|{n}": v for (d, n), v in res.items()},
         "ggml_python_0_0_45": {k: statistics.median(v) for k, v in ggp.items()} if ggp["per_call_us"] else None,
     }
     path = Path(args.out) if args.out else HERE / "results" / f"ops-{socket.gethostname()}-{datetime.date.today()}.json"

@@ -1,6 +1,7 @@
 // Context: a llama_context (KV cache, compute buffers, threads) on a Model, and llama_decode.
 #include "objects.h"
 
+#include <ggml-cpu.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/vector.h>
 
@@ -63,6 +64,10 @@ void Context::release() {
         llama_free(ctx);
         ctx = nullptr;
     }
+    if (threadpool) {
+        ggml_threadpool_free(threadpool);
+        threadpool = nullptr;
+    }
     if (owner) {
         owner->contexts.erase(this);
         owner = nullptr;
@@ -100,6 +105,11 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
     }
     if (!c) throw LlamaError("llama_init_from_model failed (n_ctx=" + std::to_string(n_ctx) + ")\n" + take_recent_errors());
     llama_set_abort_callback(c, abort_callback, nullptr);
+    // A persistent CPU threadpool for this context (default params: poll 50), as llama-bench and
+    // llama.cpp's common attach; without one ggml makes a disposable pool on every graph compute.
+    ggml_threadpool_params tpp = ggml_threadpool_params_default(std::max(n_threads, n_threads_batch));
+    self->threadpool = ggml_threadpool_new(&tpp);
+    if (self->threadpool) llama_attach_threadpool(c, self->threadpool, nullptr);
     self->ctx = c;
     self->owner = &model;
     model.contexts.insert(self);

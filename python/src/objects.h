@@ -45,6 +45,7 @@ struct Model {
 struct Context {
     Model * owner = nullptr;
     llama_context * ctx = nullptr;
+    ggml_threadpool * threadpool = nullptr;  // ours, attached to ctx (as llama-bench and common do)
     std::atomic<bool> busy{false};
     bool has_logits = false;  // the last decode asked for logits of its last token
     uint32_t n_past = 0;      // tokens in sequence 0 of the KV cache
