@@ -8,6 +8,7 @@ compute and download.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import math
@@ -437,8 +438,13 @@ def apply(builder: Callable[..., Tensor], args: Sequence[Any], params: dict[str,
 
 
 def clear_cache() -> None:
-    """Free every cached eager graph."""
+    """Free every cached eager graph (also done at interpreter exit)."""
     _cache.clear()
+    from . import quant
+    quant._cache.clear()
+
+
+atexit.register(clear_cache)  # free the graphs before the extension is torn down
 
 
 # ---------------------------------------------------------------------------------------------
