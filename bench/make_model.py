@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 SIZES = {  # n_embd, n_layer, n_head, n_head_kv, n_ff
+    "micro": (64, 1, 2, 1, 128),
     "tiny": (256, 2, 4, 2, 512),
     "0.5b": (1536, 16, 12, 4, 4096),
     "1b": (2048, 16, 32, 8, 8192),

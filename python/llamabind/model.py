@@ -90,6 +90,11 @@ class Model:
         return self._metadata
 
     @property
+    def vocab_only(self) -> bool:
+        """True if only the vocabulary was loaded (no weights: tokenizer only)."""
+        return self._m.vocab_only
+
+    @property
     def n_ctx_train(self) -> int:
         """Context length the model was trained with (tokens)."""
         return self._m.n_ctx_train
