@@ -1,0 +1,214 @@
+"""Reliability: no crash on any input (GGUF fuzzing, property tests of the generation API), no leaks,
+threads, interrupts. The longer fuzz run and the sanitizer run are in docs/reliability.md."""
+from __future__ import annotations
+
+import gzip
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import llamabind
+from llamabind import ops
+from conftest import ROOT, VENDOR, run_python
+
+sys.path.insert(0, str(ROOT / "tests" / "fuzz"))
+import gguf_fuzz  # noqa: E402
+
+CRASHES = ROOT / "tests" / "fuzz" / "crashes"
+
+
+def rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+@pytest.fixture(scope="module")
+def micro_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fuzz") / "micro.gguf"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "make_model.py"), "--size", "micro", "--type", "q8_0", "-o",
+                    str(out)], check=True, capture_output=True, timeout=300)
+    return out
+
+
+# ---- GGUF fuzzing
+
+
+def test_fuzz_regressions_load_as_errors(tmp_path):
+    """Every crashing input the fuzzer ever found is kept and must now be a clean ValueError."""
+    cases = sorted(CRASHES.glob("*.gguf.gz"))
+    assert cases
+    paths = []
+    for c in cases:
+        p = tmp_path / c.name[:-3]
+        p.write_bytes(gzip.decompress(c.read_bytes()))
+        paths.append(str(p))
+    r = run_python(f"""
+import llamabind
+for p in {paths!r}:
+    try:
+        llamabind.Model(p, vocab_only=True)
+        print("loaded", p)
+    except ValueError as e:
+        print("ValueError", " / ".join(str(e).splitlines())[:600])
+""", env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert r.stdout.count("ValueError") == len(paths), r.stdout
+    assert "invalid vocabulary" in r.stdout  # patches/0008's message, not an abort
+
+
+def test_duplicate_token_texts_are_an_error(tmp_path):
+    """patches/0008: a vocabulary with the same token text twice (written by the gguf package)."""
+    import gguf
+    src = gguf.GGUFReader(VENDOR / "models" / "ggml-vocab-llama-spm.gguf")
+    w = gguf.GGUFWriter(tmp_path / "dup.gguf", "llama")
+    for name, f in src.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        value = f.contents()
+        if name == "tokenizer.ggml.tokens":
+            value = list(value)
+            value[300] = value[301]  # two ids with the same text
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, value, vtype, sub_type=f.types[-1])
+        else:
+            w.add_key_value(name, value, vtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="invalid vocabulary"):
+        llamabind.Model(tmp_path / "dup.gguf", vocab_only=True)
+
+
+def test_fuzz_bounded_run(micro_model):
+    """A bounded run of the GGUF fuzzer (full loads of a small llama and vocab-only loads of
+    upstream's vocab GGUFs): no crash, no hang, no unexpected exception type."""
+    n = int(os.environ.get("LLAMABIND_FUZZ_ITERATIONS", "600"))
+    stats = gguf_fuzz.run(n, seed=12345, model=micro_model, keep=Path(os.environ.get("LLAMABIND_FUZZ_KEEP", "/tmp")))
+    assert stats["tried"] == n
+    assert stats["crash"] == 0 and stats["hang"] == 0 and stats["unexpected"] == 0, stats["crashes"]
+    assert stats["error"] > n // 3 and stats["ok"] > 0  # the mutations do reach both outcomes
+
+
+# ---- property tests of the generation API
+
+
+GEN = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+@GEN
+@given(n_ctx=st.integers(-5, 300), n_batch=st.integers(-2, 600), n_ubatch=st.integers(-2, 600),
+       n_threads=st.one_of(st.none(), st.integers(-1, 5)))
+def test_context_parameters_never_crash(model, n_ctx, n_batch, n_ubatch, n_threads):
+    try:
+        with model.context(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads) as ctx:
+            ctx.decode(model.tokenize("Hello"))
+            assert ctx.n_past > 0
+    except (ValueError, TypeError, llamabind.LlamaError):
+        pass
+
+
+@GEN
+@given(tokens=st.lists(st.integers(-3, 49160), min_size=0, max_size=40), max_tokens=st.integers(-2, 40),
+       temperature=st.one_of(st.floats(-1, 3), st.just(float("nan"))), top_k=st.integers(-2, 100), top_p=st.floats(-0.5, 1.5),
+       seed=st.one_of(st.none(), st.integers(-5, 2**33)), stop=st.one_of(st.none(), st.text(max_size=3)))
+def test_generate_parameters_never_crash(model, tokens, max_tokens, temperature, top_k, top_p, seed, stop):
+    try:
+        with model.context(n_ctx=64) as ctx:
+            r = ctx.generate(tokens, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             seed=seed, stop=stop)
+            assert r.finish_reason in ("stop", "length")
+    except (ValueError, TypeError, llamabind.LlamaError):
+        pass
+
+
+@GEN
+@given(text=st.text(max_size=200), special=st.booleans(), ids=st.lists(st.integers(-10, 60000), max_size=20))
+def test_tokenizer_never_crashes(model, text, special, ids):
+    toks = model.tokenize(text, add_special=special, parse_special=special)
+    assert all(0 <= t < model.n_vocab for t in toks)
+    try:
+        model.detokenize(ids)
+    except ValueError:
+        assert any(not 0 <= i < model.n_vocab for i in ids)
+
+
+# ---- leaks
+
+
+def test_no_leak_over_load_generate_close_cycles(model_path):
+    """200 load / generate / close cycles: RSS drift under 10 MB (after warm-up cycles)."""
+    def cycle():
+        with llamabind.Model(model_path, n_ctx=64, n_threads=1) as m:
+            m.generate("Hi", max_tokens=2, temperature=0)
+    for _ in range(10):
+        cycle()
+    start = rss_kib()
+    for _ in range(200):
+        cycle()
+    drift = (rss_kib() - start) / 1024
+    assert drift < 10, f"RSS grew by {drift:.1f} MB over 200 cycles"
+
+
+def test_no_leak_over_op_calls():
+    """10,000 eager op calls (a few shapes, so graphs are cached and reused): RSS drift under 10 MB."""
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((8, n)).astype(np.float32) for n in (16, 32, 64)]
+    for x in xs:
+        ops.soft_max(ops.add(x, x))
+    start = rss_kib()
+    for i in range(5000):
+        x = xs[i % 3]
+        ops.soft_max(ops.add(x, x))
+    drift = (rss_kib() - start) / 1024
+    assert drift < 10, f"RSS grew by {drift:.1f} MB over 10,000 op calls"
+
+
+# ---- threads
+
+
+def test_four_threads_four_contexts_one_model(model):
+    prompt = "The history of the printing press"
+    want = model.generate(prompt, max_tokens=16, temperature=0).tokens
+    results, errors = [None] * 4, []
+
+    def work(i):
+        try:
+            with model.context(n_ctx=256, n_threads=1) as ctx:
+                results[i] = ctx.generate(prompt, max_tokens=16, temperature=0).tokens
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    assert all(r == want for r in results), results
+
+
+# ---- interrupts
+
+
+def test_ctrl_c_during_a_long_op_and_ops_still_work():
+    """SIGINT while a graph computes (GIL released): KeyboardInterrupt once the graph returns."""
+    a = np.random.default_rng(0).standard_normal((1536, 1536)).astype(np.float32)
+    ops.mul_mat(a, a)  # compile and warm up
+    timer = threading.Timer(0.05, lambda: signal.raise_signal(signal.SIGINT))
+    timer.start()
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(200):  # far longer than the timer
+            ops.mul_mat(a, a)
+    timer.join()
+    assert time.perf_counter() - t0 < 60
+    np.testing.assert_allclose(ops.mul_mat(a[:4, :4], a[:4, :4]), a[:4, :4] @ a[:4, :4], rtol=1e-5, atol=1e-5)
