@@ -143,7 +143,11 @@ def test_tokenizer_never_crashes(model, text, special, ids):
 
 # ---- leaks
 
+rss_meaningful = pytest.mark.skipif(os.environ.get("LLAMABIND_SANITIZED") == "1",
+                                    reason="under ASan the quarantine keeps freed memory resident: RSS says nothing")
 
+
+@rss_meaningful
 def test_no_leak_over_load_generate_close_cycles(model_path):
     """200 load / generate / close cycles: RSS drift under 10 MB (after warm-up cycles)."""
     def cycle():
@@ -158,6 +162,7 @@ def test_no_leak_over_load_generate_close_cycles(model_path):
     assert drift < 10, f"RSS grew by {drift:.1f} MB over 200 cycles"
 
 
+@rss_meaningful
 def test_no_leak_over_op_calls():
     """10,000 eager op calls (a few shapes, so graphs are cached and reused): RSS drift under 10 MB."""
     rng = np.random.default_rng(0)
