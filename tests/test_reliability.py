@@ -54,7 +54,9 @@ def test_fuzz_regressions_load_as_errors(tmp_path):
 import llamabind
 for p in {paths!r}:
     try:
-        llamabind.Model(p, vocab_only=True)
+        m = llamabind.Model(p, vocab_only="-vocab-" in p, n_ctx=64)
+        if not m.vocab_only:
+            m.generate("Hi", max_tokens=2)
         print("loaded", p)
     except ValueError as e:
         print("ValueError", " / ".join(str(e).splitlines())[:600])
@@ -217,3 +219,30 @@ def test_ctrl_c_during_a_long_op_and_ops_still_work():
     timer.join()
     assert time.perf_counter() - t0 < 60
     np.testing.assert_allclose(ops.mul_mat(a[:4, :4], a[:4, :4]), a[:4, :4] @ a[:4, :4], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("type_id,name", [(26, "i32"), (2, "q4_0"), (24, "i8")])
+def test_weight_types_are_checked(micro_model, tmp_path, type_id, name):
+    """patches/0009 + 0010: a norm weight declared int32/int8 or quantized used to load and then
+    abort in ggml-cpu's binary_op at the first decode; now the load fails with ValueError."""
+    data = bytearray(micro_model.read_bytes())
+    lay = gguf_fuzz.parse(bytes(data))
+    names = []
+    for t in lay.tensors:
+        n = int.from_bytes(data[t["name_len"]:t["name_len"] + 8], "little")
+        names.append(bytes(data[t["name_len"] + 8:t["name_len"] + 8 + n]).decode())
+    t = lay.tensors[names.index("blk.0.attn_norm.weight")]  # 64 float32 values: 256 bytes of data
+    data[t["type"]:t["type"] + 4] = type_id.to_bytes(4, "little")  # i32/i8/q4_0 fit in those bytes
+    p = tmp_path / f"norm-{name}.gguf"
+    p.write_bytes(bytes(data))
+    r = run_python(f"""
+import llamabind
+try:
+    m = llamabind.Model({str(p)!r}, n_ctx=64)
+    m.generate("Hi", max_tokens=2)
+    print("generated")
+except ValueError as e:
+    print("ValueError", " / ".join(str(e).splitlines())[:300])
+""", env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+    assert r.returncode == 0, r.stderr[-800:]
+    assert r.stdout.startswith("ValueError"), r.stdout

@@ -136,10 +136,10 @@ def mutate(data: bytes, lay: Layout, rng: random.Random) -> tuple[bytes, str]:
             put(b, lay.alignment_value_pos, "<I", rng.choice([0, 1, 3, 7, 48, 2**31, 2**32 - 1]))
     elif kind == "dup" and lay.kv_entries:
         e = rng.choice(lay.kv_entries)
-        b[lay.header_end:lay.header_end] = data[e["key_len"]:e["end"]]  # a second copy of a key/value
-        n_kv = struct.unpack_from("<Q", data, lay.n_kv_pos)[0]
-        put(b, lay.n_kv_pos, "<Q", n_kv + 1)
-        b = bytearray(bytes(b[: lay.header_end]) + bytes(b[lay.header_end:]))
+        if len(data) >= lay.header_end:
+            b[lay.header_end:lay.header_end] = data[e["key_len"]:e["end"]]  # a second copy of a key/value
+            n_kv = struct.unpack_from("<Q", data, lay.n_kv_pos)[0]
+            put(b, lay.n_kv_pos, "<Q", (n_kv + 1) % 2**64)
     elif kind == "trunc":
         cut = rng.choice([rng.randrange(0, max(1, lay.header_end)), rng.randrange(0, len(data))])
         del b[cut:]
