@@ -44,9 +44,10 @@ def main() -> int:
     ap.add_argument("--type", choices=["f16", "q8_0", "q4_0"], default="q4_0")
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer-from", default=None, help="a GGUF to copy tokenizer.* from (default: the default model)")
     args = ap.parse_args()
 
-    src = gguf.GGUFReader(models.resolve(models.DEFAULT))
+    src = gguf.GGUFReader(args.tokenizer_from or models.resolve(models.DEFAULT))
     tok_fields = {k: f for k, f in src.fields.items() if k.startswith("tokenizer.")}
     n_vocab = len(tok_fields["tokenizer.ggml.tokens"].data)
     e, L, h, kv, ff = SIZES[args.size]
