@@ -252,7 +252,8 @@ class Context:
         return self._c.n_past
 
     def decode(self, tokens: Sequence[int]) -> None:
-        """Evaluate token ids after the n_past tokens already in the KV cache (wraps llama_decode).
+        """Evaluate token ids after the n_past tokens already in the KV cache (wraps llama_decode,
+        then llama_synchronize: the computation is finished when this returns, on any backend).
 
         The GIL is released while llama.cpp computes; Ctrl-C raises KeyboardInterrupt and leaves
         the cache as it was before the interrupted chunk. Raises ValueError for ids outside

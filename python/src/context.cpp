@@ -142,6 +142,9 @@ static void decode(Context & self, const std::vector<int64_t> & tokens) {
             clear_recent_errors();
             llama_batch b = llama_batch_get_one(t.data() + i, n);  // logits for the last token only
             rc = llama_decode(c, b);
+            // llama_decode may return before an accelerator finishes (CUDA, Metal): decode() means
+            // "done", so a caller's timing and the Ctrl-C check below see the finished computation
+            if (rc == 0) llama_synchronize(c);
         }
         if (rc != 0 && rc != 2) {
             const std::string why = rc == 1 ? "no KV cache slot for the batch (n_ctx too small)"
