@@ -8,15 +8,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
 {
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl
-export PYTHONPATH=/tmp/site
-mkdir -p vendor/llama.cpp && tar xJf .device/llama.cpp.tar.xz -C vendor/llama.cpp
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-export CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90" CMAKE_BUILD_PARALLEL_LEVEL=16 LLAMABIND_BUILD_TOOLS=ON
-t0=$SECONDS
-python3 -m pip install -v --no-build-isolation --no-deps --target build/lb-cuda . > "$OUT/build.log" 2>&1
-echo "build rc=$? in $((SECONDS - t0)) s"
-export PYTHONPATH=$PWD/build/lb-cuda:/tmp/site
+source "$(dirname "$0")/setup.sh"
 python3 -m llamabind info
 python3 -c "from llamabind import ops; print(ops.devices())"
 t0=$SECONDS

@@ -71,8 +71,19 @@ def resolve_device(backend: str | None) -> str:
     as listed by :func:`devices` (e.g. "CUDA0"). None means the current default."""
     if backend is None:
         backend = _default_backend.get()
+    hit = _resolved.get(backend) if isinstance(backend, str) else None
+    if hit is not None:  # every eager op call resolves its backend: keep the device scan off that path
+        return hit
     if not isinstance(backend, str) or not backend:
         raise TypeError(f"backend must be a non-empty str such as 'cpu' or 'cuda:0'; got {backend!r}")
+    _resolved[backend] = name = _resolve_uncached(backend)
+    return name
+
+
+_resolved: dict[str, str] = {}
+
+
+def _resolve_uncached(backend: str) -> str:
     devs = devices()
     names = [d["name"] for d in devs]
     if backend in names:
