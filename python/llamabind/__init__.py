@@ -11,11 +11,13 @@ from . import _core
 from . import _log  # noqa: F401  (installs the llama.cpp -> logging bridge)
 from ._core import LlamaError
 from .build import build_info, devices, tool_path
-from .generation import GenerationResult, SamplingParams, Stream, Timings
-from .model import Context, Model
+from .generation import GenerationResult, SamplingParams, Stream, Timings, TokenLogprob
+from .model import Context, LoraAdapter, Model, json_schema_to_grammar
+from .chat import ChatResult, ChatTemplates
 from . import models
 
 __version__ = _core.build_info()["version"]
 
 __all__ = ["Model", "Context", "GenerationResult", "Stream", "Timings", "SamplingParams", "LlamaError",
+           "TokenLogprob", "LoraAdapter", "ChatResult", "ChatTemplates", "json_schema_to_grammar",
            "build_info", "devices", "tool_path", "models", "__version__"]

@@ -35,6 +35,7 @@ void register_backends(nb::module_ & m);
 void register_model(nb::module_ & m);
 void register_context(nb::module_ & m);
 void register_sampling(nb::module_ & m);
+void register_chat(nb::module_ & m);
 void register_testing(nb::module_ & m);
 void register_graph(nb::module_ & m);
 void register_ops(nb::module_ & m);

@@ -7,7 +7,9 @@
 
 #include <Python.h>
 
+#include <cmath>
 #include <cstring>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <csignal>
@@ -56,7 +58,16 @@ static bool abort_callback(void *) { return g_interrupted.load(std::memory_order
 
 void Context::close() {
     if (busy.load()) throw LlamaError("the context is in use by another thread: cannot close it now");
+    check_no_views("close the context");
     release();
+}
+
+void Context::check_no_views(const char * what) const {
+    if (views > 0) {
+        throw LlamaError(std::string("cannot ") + what + ": " + std::to_string(views) +
+                         " logits array(s) from eval(copy=False) still view llama.cpp's output buffer; "
+                         "delete them (or use copy=True) first");
+    }
 }
 
 void Context::release() {
@@ -72,10 +83,11 @@ void Context::release() {
         owner->contexts.erase(this);
         owner = nullptr;
     }
+    loras.clear();
 }
 
 static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch, int n_threads,
-                         int n_threads_batch) {
+                         int n_threads_batch, uint32_t n_seq_max, bool embeddings, int pooling, bool kv_unified) {
     new (self) Context();
     llama_model * m = model.get();
     if (model.vocab_only) raise_value("the model was loaded with vocab_only=True: it has no weights to run a context on");
@@ -88,6 +100,8 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
     if (n_ctx < 8) raise_value("n_ctx must be >= 8 tokens (or 0 for the model's n_ctx_train); got " + std::to_string(n_ctx));
     if (n_batch < 1) raise_value("n_batch must be >= 1; got " + std::to_string(n_batch));
     if (n_ubatch < 1) raise_value("n_ubatch must be >= 1; got " + std::to_string(n_ubatch));
+    if (n_seq_max < 1 || n_seq_max > (uint32_t) llama_max_parallel_sequences()) raise_value("n_seq_max must be in [1, " + std::to_string(llama_max_parallel_sequences()) + "]; got " + std::to_string(n_seq_max));
+    if (pooling < LLAMA_POOLING_TYPE_UNSPECIFIED || pooling > LLAMA_POOLING_TYPE_RANK) raise_value("pooling must be a llama_pooling_type (-1..4); got " + std::to_string(pooling));
     n_batch = std::min(n_batch, n_ctx);
     n_ubatch = std::min(n_ubatch, n_batch);
     llama_context_params p = llama_context_default_params();
@@ -96,6 +110,10 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
     p.n_ubatch = n_ubatch;
     p.n_threads = n_threads;
     p.n_threads_batch = n_threads_batch;
+    p.n_seq_max = n_seq_max;
+    p.kv_unified = kv_unified;
+    p.embeddings = embeddings;
+    p.pooling_type = (enum llama_pooling_type) pooling;
     p.no_perf = false;
     llama_context * c;
     {
@@ -112,75 +130,269 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
     if (self->threadpool) llama_attach_threadpool(c, self->threadpool, nullptr);
     self->ctx = c;
     self->owner = &model;
+    self->encoder_only = llama_model_has_encoder(m) && !llama_model_has_decoder(m);
     model.contexts.insert(self);
 }
 
-// Evaluate tokens at the end of sequence 0, in chunks of n_batch; logits of the last token only.
-// The GIL is released during each llama_decode; Ctrl-C is honoured between chunks.
-static void decode(Context & self, const std::vector<int64_t> & tokens) {
+static llama_pos next_pos(llama_context * c, llama_seq_id seq) {
+    return llama_memory_seq_pos_max(llama_get_memory(c), seq) + 1;  // pos_max is -1 for an empty sequence
+}
+
+static void check_seq(llama_context * c, int64_t seq) {
+    const int64_t n = llama_n_seq_max(c);
+    if (seq < 0 || seq >= n) raise_value("seq_id must be in [0, n_seq_max) = [0, " + std::to_string(n) + "); got " + std::to_string(seq));
+}
+
+// One entry of a batch: tokens appended to sequence seq after what the KV cache holds.
+struct Entry {
+    llama_seq_id seq;
+    std::vector<llama_token> tokens;
+};
+
+// Run one llama_decode (or llama_encode for encoder-only models) over entries whose total is
+// <= n_batch. all_logits: every token gets an output row, else only each entry's last token.
+// Returns the batch position of each entry's last token. Ctrl-C rolls the entries back.
+static std::vector<int32_t> run_batch(Context & self, const std::vector<Entry> & entries, bool all_logits) {
     llama_context * c = self.get();
-    if (tokens.empty()) raise_value("tokens must not be empty");
+    size_t total = 0;
+    for (const auto & e : entries) total += e.tokens.size();
+    std::vector<llama_pos> p0(entries.size());
+    for (size_t k = 0; k < entries.size(); ++k) p0[k] = next_pos(c, entries[k].seq);
+    llama_batch b = llama_batch_init((int32_t) total, 0, 1);
+    std::vector<int32_t> last(entries.size());
+    for (size_t k = 0; k < entries.size(); ++k) {
+        const auto & e = entries[k];
+        for (size_t i = 0; i < e.tokens.size(); ++i) {
+            const int32_t j = b.n_tokens++;
+            b.token[j] = e.tokens[i];
+            b.pos[j] = p0[k] + (llama_pos) i;
+            b.n_seq_id[j] = 1;
+            b.seq_id[j][0] = e.seq;
+            b.logits[j] = all_logits || i + 1 == e.tokens.size();
+        }
+        last[k] = b.n_tokens - 1;
+    }
+    int32_t rc;
+    self.has_logits = false;
+    {
+        nb::gil_scoped_release release;
+        clear_recent_errors();
+        rc = self.encoder_only ? llama_encode(c, b) : llama_decode(c, b);
+        // llama_decode may return before an accelerator finishes (CUDA, Metal): decode() means
+        // "done", so a caller's timing and the Ctrl-C check below see the finished computation
+        if (rc == 0) llama_synchronize(c);
+    }
+    llama_batch_free(b);
+    if (rc != 0 && rc != 2) {
+        const std::string why = rc == 1 ? "no KV cache slot for the batch (n_ctx too small)"
+                                        : rc == -1 ? "invalid batch" : "fatal error " + std::to_string(rc);
+        throw LlamaError(std::string(self.encoder_only ? "llama_encode" : "llama_decode") + " failed: " + why + "\n" + take_recent_errors());
+    }
+    if (rc == 2) {
+        // The aborted ubatches may remain in the KV cache: drop what this call added.
+        for (size_t k = 0; k < entries.size(); ++k) llama_memory_seq_rm(llama_get_memory(c), entries[k].seq, p0[k], -1);
+        if (PyErr_CheckSignals() != 0) throw nb::python_error();
+        raise_keyboard_interrupt();
+    }
+    self.has_logits = true;
+    self.n_batch_last = (int32_t) total;
+    if (PyErr_CheckSignals() != 0) throw nb::python_error();  // Ctrl-C between batches
+    return last;
+}
+
+static std::vector<llama_token> checked(const Context & self, const std::vector<int64_t> & tokens) {
     std::vector<llama_token> t(tokens.size());
     for (size_t i = 0; i < tokens.size(); ++i) {
         self.owner->check_token(tokens[i]);
         t[i] = (llama_token) tokens[i];
     }
-    const uint32_t n_ctx = llama_n_ctx(c);
-    if ((uint64_t) self.n_past + t.size() > n_ctx) {
-        raise_value("the context is full: n_past (" + std::to_string(self.n_past) + ") + " + std::to_string(t.size()) +
-                    " new tokens > n_ctx (" + std::to_string(n_ctx) + ")");
+    return t;
+}
+
+static void check_room(llama_context * c, llama_seq_id seq, size_t n) {
+    const llama_pos p = next_pos(c, seq);
+    const uint32_t n_ctx = llama_n_ctx_seq(c);
+    if ((uint64_t) p + n > n_ctx) {
+        raise_value("the context is full: sequence " + std::to_string(seq) + " holds " + std::to_string(p) + " tokens, + " +
+                    std::to_string(n) + " new tokens > n_ctx per sequence (" + std::to_string(n_ctx) + ")");
     }
+}
+
+// Evaluate tokens at the end of sequence seq, in chunks of n_batch. Logits (or embeddings) of the
+// last token only; the GIL is released during each llama_decode.
+static void decode(Context & self, const std::vector<int64_t> & tokens, int64_t seq, bool all_logits) {
+    llama_context * c = self.get();
+    if (tokens.empty()) raise_value("tokens must not be empty");
+    check_seq(c, seq);
+    std::vector<llama_token> t = checked(self, tokens);
+    check_room(c, (llama_seq_id) seq, t.size());
+    self.check_no_views("decode");
     BusyGuard guard(self);
     SigintScope sigint;
-    const size_t n_batch = llama_n_batch(c);
-    self.has_logits = false;
-    for (size_t i = 0; i < t.size(); i += n_batch) {
-        const int32_t n = (int32_t) std::min(n_batch, t.size() - i);
-        int32_t rc;
-        {
-            nb::gil_scoped_release release;
-            clear_recent_errors();
-            llama_batch b = llama_batch_get_one(t.data() + i, n);  // logits for the last token only
-            rc = llama_decode(c, b);
-            // llama_decode may return before an accelerator finishes (CUDA, Metal): decode() means
-            // "done", so a caller's timing and the Ctrl-C check below see the finished computation
-            if (rc == 0) llama_synchronize(c);
-        }
-        if (rc != 0 && rc != 2) {
-            const std::string why = rc == 1 ? "no KV cache slot for the batch (n_ctx too small)"
-                                            : rc == -1 ? "invalid batch" : "fatal error " + std::to_string(rc);
-            throw LlamaError("llama_decode failed: " + why + "\n" + take_recent_errors());
-        }
-        if (rc == 2) {
-            // The aborted ubatches may remain in the KV cache: drop what this call added.
-            llama_memory_seq_rm(llama_get_memory(c), 0, (llama_pos) self.n_past, -1);
-            if (PyErr_CheckSignals() != 0) throw nb::python_error();
-            raise_keyboard_interrupt();
-        }
-        self.n_past += (uint32_t) n;
-        if (PyErr_CheckSignals() != 0) throw nb::python_error();  // Ctrl-C between chunks
+    const size_t n_batch = self.encoder_only ? t.size() : llama_n_batch(c);
+    if (self.encoder_only && t.size() > llama_n_ubatch(c)) {
+        raise_value("an encoder-only model needs the whole input in one ubatch: " + std::to_string(t.size()) + " tokens > n_ubatch (" +
+                    std::to_string(llama_n_ubatch(c)) + ")");
     }
-    self.has_logits = true;
+    if (all_logits && t.size() > n_batch) {
+        raise_value("all_logits needs the tokens in one batch: " + std::to_string(t.size()) + " > n_batch (" + std::to_string(n_batch) + ")");
+    }
+    for (size_t i = 0; i < t.size(); i += n_batch) {
+        const size_t n = std::min(n_batch, t.size() - i);
+        run_batch(self, {Entry{(llama_seq_id) seq, std::vector<llama_token>(t.begin() + i, t.begin() + i + n)}}, all_logits);
+    }
 }
 
-static void clear(Context & self) {
+// Several sequences in one llama_decode: entries [(seq_id, tokens)], total <= n_batch.
+static std::vector<int32_t> decode_batch(Context & self, const std::vector<std::pair<int64_t, std::vector<int64_t>>> & entries) {
     llama_context * c = self.get();
+    if (entries.empty()) raise_value("entries must not be empty");
+    std::vector<Entry> es;
+    size_t total = 0;
+    std::vector<bool> seen(llama_n_seq_max(c), false);
+    for (const auto & [seq, tokens] : entries) {
+        check_seq(c, seq);
+        if (seen[seq]) raise_value("seq_id " + std::to_string(seq) + " appears twice in one batch");
+        seen[seq] = true;
+        if (tokens.empty()) raise_value("the tokens of seq_id " + std::to_string(seq) + " are empty");
+        es.push_back(Entry{(llama_seq_id) seq, checked(self, tokens)});
+        check_room(c, (llama_seq_id) seq, tokens.size());
+        total += tokens.size();
+    }
+    if (total > llama_n_batch(c)) {
+        raise_value("a batch holds at most n_batch (" + std::to_string(llama_n_batch(c)) + ") tokens; got " + std::to_string(total));
+    }
+    self.check_no_views("decode");
     BusyGuard guard(self);
-    llama_memory_clear(llama_get_memory(c), true);
-    self.n_past = 0;
-    self.has_logits = false;
+    SigintScope sigint;
+    return run_batch(self, es, false);
 }
 
-static nb::ndarray<nb::numpy, float, nb::ndim<1>> logits(Context & self) {
+// A zero-copy logits view's owner: keeps the Python Context alive and counts the view.
+struct ViewRef {
+    Context * ctx;
+    PyObject * ref;
+};
+
+static void release_view(void * p) noexcept {  // capsule destructors run with the GIL held
+    ViewRef * v = (ViewRef *) p;
+    if (v->ctx->views > 0) v->ctx->views--;
+    Py_DECREF(v->ref);
+    delete v;
+}
+
+// Logits of every token: float32 (n_tokens, n_vocab). copy=False returns a read-only view into
+// llama.cpp's output buffer when the tokens fit one batch (decode/close refuse while it lives).
+static nb::object eval(nb::handle py_self, const std::vector<int64_t> & tokens, int64_t seq, bool copy) {
+    Context & self = nb::cast<Context &>(py_self);
     llama_context * c = self.get();
-    if (!self.has_logits) raise_value("no logits: call decode() first");
-    const float * l = llama_get_logits_ith(c, -1);
-    if (!l) throw LlamaError("llama_get_logits_ith returned no logits\n" + take_recent_errors());
+    if (tokens.empty()) raise_value("tokens must not be empty");
+    if (self.encoder_only) raise_value("eval() gives next-token logits: this is an encoder-only model, use embeddings");
+    check_seq(c, seq);
+    std::vector<llama_token> t = checked(self, tokens);
+    check_room(c, (llama_seq_id) seq, t.size());
+    self.check_no_views("eval");
+    const size_t n_vocab = (size_t) self.owner->n_vocab();
+    const size_t n_batch = llama_n_batch(c);
+    BusyGuard guard(self);
+    SigintScope sigint;
+    if (!copy && t.size() <= n_batch) {
+        run_batch(self, {Entry{(llama_seq_id) seq, t}}, true);
+        // every token has an output row: llama_get_logits gives them contiguous, in batch order
+        float * l = llama_get_logits(c);
+        if (!l) throw LlamaError("llama_get_logits returned no logits\n" + take_recent_errors());
+        Py_INCREF(py_self.ptr());
+        nb::capsule owner(new ViewRef{&self, py_self.ptr()}, release_view);
+        self.views++;
+        return nb::cast(nb::ndarray<nb::numpy, const float, nb::ndim<2>>(l, {t.size(), n_vocab}, owner));
+    }
+    float * out = new float[t.size() * n_vocab];
+    nb::capsule owner(out, [](void * p) noexcept { delete[] (float *) p; });
+    for (size_t i = 0; i < t.size(); i += n_batch) {
+        const size_t n = std::min(n_batch, t.size() - i);
+        run_batch(self, {Entry{(llama_seq_id) seq, std::vector<llama_token>(t.begin() + i, t.begin() + i + n)}}, true);
+        for (size_t r = 0; r < n; ++r) {
+            const float * l = llama_get_logits_ith(c, (int32_t) r);
+            if (!l) throw LlamaError("llama_get_logits_ith returned no logits\n" + take_recent_errors());
+            std::copy(l, l + n_vocab, out + (i + r) * n_vocab);
+        }
+    }
+    return nb::cast(nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {t.size(), n_vocab}, owner));
+}
+
+static const float * logits_at(Context & self, int32_t idx) {
+    llama_context * c = self.get();
+    if (!self.has_logits || self.encoder_only) raise_value("no logits: call decode() first");
+    if (idx < -1 || idx >= self.n_batch_last) {
+        raise_value("idx must be -1 or a position of the last batch, in [0, " + std::to_string(self.n_batch_last) + "); got " + std::to_string(idx));
+    }
+    clear_recent_errors();
+    const float * l = llama_get_logits_ith(c, idx);
+    if (!l) raise_value("no logits at batch position " + std::to_string(idx) + " (only positions that asked for logits have them)\n" + take_recent_errors());
+    return l;
+}
+
+static nb::ndarray<nb::numpy, float, nb::ndim<1>> logits(Context & self, int32_t idx) {
+    const float * l = logits_at(self, idx);
     const size_t n = (size_t) self.owner->n_vocab();
     float * copy = new float[n];
     std::copy(l, l + n, copy);
     nb::capsule owner(copy, [](void * p) noexcept { delete[] (float *) p; });
     return nb::ndarray<nb::numpy, float, nb::ndim<1>>(copy, {n}, owner);
+}
+
+// log-softmax of the raw logits at batch position idx: (logprob of token, top-n ids, their logprobs)
+static nb::tuple logprobs(Context & self, int32_t idx, int64_t token, int32_t n_top) {
+    const float * l = logits_at(self, idx);
+    const int32_t n = self.owner->n_vocab();
+    if (token >= 0) self.owner->check_token(token);
+    if (n_top < 0 || n_top > n) raise_value("n_top must be in [0, n_vocab]; got " + std::to_string(n_top));
+    float mx = -INFINITY;
+    for (int32_t i = 0; i < n; ++i) mx = std::max(mx, l[i]);
+    double sum = 0.0;
+    for (int32_t i = 0; i < n; ++i) sum += std::exp((double) l[i] - mx);
+    const double lse = mx + std::log(sum);
+    std::vector<int32_t> ids(n);
+    for (int32_t i = 0; i < n; ++i) ids[i] = i;
+    std::partial_sort(ids.begin(), ids.begin() + n_top, ids.end(), [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+    nb::list top_ids, top_lp;
+    for (int32_t i = 0; i < n_top; ++i) {
+        top_ids.append(ids[i]);
+        top_lp.append((double) l[ids[i]] - lse);
+    }
+    nb::object tok_lp = token >= 0 ? nb::object(nb::float_((double) l[token] - lse)) : nb::object(nb::none());
+    return nb::make_tuple(tok_lp, top_ids, top_lp);
+}
+
+// Pooled embedding of a sequence (pooling != none), or of batch position idx (pooling none).
+static nb::ndarray<nb::numpy, float, nb::ndim<1>> embedding(Context & self, int64_t seq, int32_t idx) {
+    llama_context * c = self.get();
+    if (!self.has_logits) raise_value("no embeddings: call decode() first");
+    clear_recent_errors();
+    const float * e;
+    size_t n = (size_t) llama_model_n_embd(self.owner->get());
+    if (llama_pooling_type(c) == LLAMA_POOLING_TYPE_NONE) {
+        if (idx < -1 || idx >= self.n_batch_last) raise_value("idx must be in [-1, " + std::to_string(self.n_batch_last) + "); got " + std::to_string(idx));
+        e = llama_get_embeddings_ith(c, idx);
+    } else {
+        check_seq(c, seq);
+        e = llama_get_embeddings_seq(c, (llama_seq_id) seq);
+        if (llama_pooling_type(c) == LLAMA_POOLING_TYPE_RANK) n = (size_t) std::max<uint32_t>(1, llama_model_n_cls_out(self.owner->get()));
+    }
+    if (!e) raise_value("no embeddings: create the context with embeddings=True\n" + take_recent_errors());
+    float * copy = new float[n];
+    std::copy(e, e + n, copy);
+    nb::capsule owner(copy, [](void * p) noexcept { delete[] (float *) p; });
+    return nb::ndarray<nb::numpy, float, nb::ndim<1>>(copy, {n}, owner);
+}
+
+static void clear(Context & self) {
+    llama_context * c = self.get();
+    self.check_no_views("clear the KV cache");
+    BusyGuard guard(self);
+    llama_memory_clear(llama_get_memory(c), true);
+    self.has_logits = false;
+    self.n_batch_last = 0;
 }
 
 static nb::dict perf(Context & self) {
@@ -195,23 +407,227 @@ static nb::dict perf(Context & self) {
     return out;
 }
 
+// --- KV cache per sequence (llama_memory_seq_*) and state (llama_state_*)
+static llama_memory_t memory(Context & self, int64_t seq) {
+    llama_context * c = self.get();
+    if (seq != -1) check_seq(c, seq);
+    self.check_no_views("change the KV cache");
+    return llama_get_memory(c);
+}
+
+static bool seq_rm(Context & self, int64_t seq, int64_t p0, int64_t p1) {
+    llama_memory_t mem = memory(self, seq);
+    if (p0 < -1 || p1 < -1) raise_value("positions must be >= 0, or -1 for an open end");
+    BusyGuard guard(self);
+    self.has_logits = false;
+    return llama_memory_seq_rm(mem, (llama_seq_id) seq, (llama_pos) p0, (llama_pos) p1);
+}
+
+static void seq_cp(Context & self, int64_t src, int64_t dst, int64_t p0, int64_t p1) {
+    llama_memory_t mem = memory(self, src);
+    check_seq(self.get(), dst);
+    if (src == dst) raise_value("seq_cp needs two different sequences; got " + std::to_string(src) + " twice");
+    if (p0 < -1 || p1 < -1) raise_value("positions must be >= 0, or -1 for an open end");
+    BusyGuard guard(self);
+    llama_memory_seq_cp(mem, (llama_seq_id) src, (llama_seq_id) dst, (llama_pos) p0, (llama_pos) p1);
+}
+
+static nb::bytes state_get(Context & self) {
+    llama_context * c = self.get();
+    BusyGuard guard(self);
+    std::string buf;
+    {
+        nb::gil_scoped_release release;
+        buf.resize(llama_state_get_size(c));
+        buf.resize(llama_state_get_data(c, (uint8_t *) buf.data(), buf.size()));
+    }
+    if (buf.empty()) throw LlamaError("llama_state_get_data failed\n" + take_recent_errors());
+    return nb::bytes(buf.data(), buf.size());
+}
+
+static void after_failed_restore(Context & self) {
+    llama_memory_clear(llama_get_memory(self.get()), true);  // a partial restore is not a state: start empty
+    self.has_logits = false;
+}
+
+static void state_set(Context & self, nb::bytes data) {
+    llama_context * c = self.get();
+    self.check_no_views("restore a state");
+    BusyGuard guard(self);
+    clear_recent_errors();
+    size_t n;
+    {
+        nb::gil_scoped_release release;
+        n = llama_state_set_data(c, (const uint8_t *) data.c_str(), data.size());
+    }
+    if (n == 0 || n != data.size()) {
+        after_failed_restore(self);
+        raise_value("not a state of this context (llama_state_set_data read " + std::to_string(n) + " of " + std::to_string(data.size()) +
+                    " bytes); the KV cache was cleared\n" + take_recent_errors());
+    }
+    self.has_logits = true;
+    self.n_batch_last = 0;
+}
+
+static void state_save_file(Context & self, const std::string & path, const std::vector<int64_t> & tokens) {
+    llama_context * c = self.get();
+    std::vector<llama_token> t = checked(self, tokens);
+    BusyGuard guard(self);
+    clear_recent_errors();
+    bool ok;
+    {
+        nb::gil_scoped_release release;
+        ok = llama_state_save_file(c, path.c_str(), t.data(), t.size());
+    }
+    if (!ok) raise_value("cannot save the state to '" + path + "'\n" + take_recent_errors());
+}
+
+static std::vector<int32_t> state_load_file(Context & self, const std::string & path) {
+    llama_context * c = self.get();
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0) raise_file_not_found("no such state file: '" + path + "'");
+    self.check_no_views("restore a state");
+    BusyGuard guard(self);
+    std::vector<llama_token> t(llama_n_ctx(c));
+    size_t n = 0;
+    clear_recent_errors();
+    bool ok;
+    {
+        nb::gil_scoped_release release;
+        ok = llama_state_load_file(c, path.c_str(), t.data(), t.size(), &n);
+    }
+    if (!ok) {
+        after_failed_restore(self);
+        raise_value("'" + path + "' is not a state file of this context; the KV cache was cleared\n" + take_recent_errors());
+    }
+    self.has_logits = true;
+    self.n_batch_last = 0;
+    return std::vector<int32_t>(t.begin(), t.begin() + n);
+}
+
+// --- LoRA adapters (llama_adapter_lora_*), loaded on a model, applied per context with a scale
+Lora::~Lora() {
+    if (!owner) return;
+    owner->loras.erase(this);
+    for (Context * c : owner->contexts) {
+        auto & v = c->loras;
+        v.erase(std::remove_if(v.begin(), v.end(), [this](const auto & e) { return e.first == this; }), v.end());
+    }
+}
+
+void Lora::close() {
+    if (!adapter) return;
+    if (owner) {
+        for (Context * c : owner->contexts) {
+            for (auto & [l, s] : c->loras) {
+                if (l == this) throw LlamaError("the LoRA adapter is applied to a context: remove it there first (set_loras)");
+            }
+        }
+        llama_adapter_lora_free(adapter);
+        owner->loras.erase(this);
+    }
+    adapter = nullptr;
+    owner = nullptr;
+}
+
+static void lora_init(Lora * self, Model & model, const std::string & path) {
+    new (self) Lora();
+    llama_model * m = model.get();
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0) raise_file_not_found("no such LoRA adapter file: '" + path + "'");
+    clear_recent_errors();
+    llama_adapter_lora * a;
+    {
+        nb::gil_scoped_release release;
+        a = llama_adapter_lora_init(m, path.c_str());
+    }
+    if (!a) raise_value("cannot load the LoRA adapter '" + path + "' for this model\n" + take_recent_errors());
+    self->adapter = a;
+    self->owner = &model;
+    self->path = path;
+    model.loras.insert(self);
+}
+
+static void set_loras(Context & self, const std::vector<std::pair<Lora *, double>> & loras) {
+    llama_context * c = self.get();
+    std::vector<llama_adapter_lora *> as;
+    std::vector<float> scales;
+    for (const auto & [l, s] : loras) {
+        if (!l || !l->adapter) raise_value("the LoRA adapter is closed");
+        if (l->owner != self.owner) raise_value("the LoRA adapter was loaded on a different model");
+        if (!std::isfinite(s)) raise_value("a LoRA scale must be finite; got " + std::to_string(s));
+        as.push_back(l->adapter);
+        scales.push_back((float) s);
+    }
+    BusyGuard guard(self);
+    clear_recent_errors();
+    if (llama_set_adapters_lora(c, as.data(), as.size(), scales.data()) != 0) {
+        throw LlamaError("llama_set_adapters_lora failed\n" + take_recent_errors());
+    }
+    self.loras.clear();
+    for (const auto & [l, s] : loras) self.loras.push_back({l, (float) s});
+}
+
 void register_context(nb::module_ & m) {
+    nb::class_<Lora>(m, "Lora", "A LoRA adapter loaded on a Model (llama_adapter_lora_init).")
+        .def("__init__", &lora_init, nb::arg("model"), nb::arg("path"), nb::keep_alive<1, 2>())
+        .def("close", &Lora::close)
+        .def_prop_ro("closed", [](const Lora & l) { return l.adapter == nullptr; })
+        .def_prop_ro("path", [](const Lora & l) { return l.path; })
+        .def("metadata", [](const Lora & l) {
+            if (!l.adapter) raise_value("the LoRA adapter is closed");
+            nb::dict out;
+            char k[512], v[4096];
+            for (int32_t i = 0; i < llama_adapter_meta_count(l.adapter); ++i) {
+                if (llama_adapter_meta_key_by_index(l.adapter, i, k, sizeof k) < 0) continue;
+                if (llama_adapter_meta_val_str_by_index(l.adapter, i, v, sizeof v) < 0) continue;
+                out[k] = std::string(v);
+            }
+            return out;
+        });
     nb::class_<Context>(m, "Context", "A llama_context on a Model (see llamabind.Context).")
         .def("__init__", &context_init, nb::arg("model"), nb::arg("n_ctx") = 4096, nb::arg("n_batch") = 2048,
-             nb::arg("n_ubatch") = 512, nb::arg("n_threads") = 0, nb::arg("n_threads_batch") = 0, nb::keep_alive<1, 2>(),
+             nb::arg("n_ubatch") = 512, nb::arg("n_threads") = 0, nb::arg("n_threads_batch") = 0, nb::arg("n_seq_max") = 1,
+             nb::arg("embeddings") = false, nb::arg("pooling") = -1, nb::arg("kv_unified") = true, nb::keep_alive<1, 2>(),
              "Wraps llama_init_from_model. n_threads=0: all cores.")
         .def("close", &Context::close)
         .def_prop_ro("closed", [](const Context & s) { return s.ctx == nullptr; })
         .def_prop_ro("n_ctx", [](const Context & s) { return llama_n_ctx(s.get()); })
+        .def_prop_ro("n_ctx_seq", [](const Context & s) { return llama_n_ctx_seq(s.get()); })
         .def_prop_ro("n_batch", [](const Context & s) { return llama_n_batch(s.get()); })
         .def_prop_ro("n_ubatch", [](const Context & s) { return llama_n_ubatch(s.get()); })
+        .def_prop_ro("n_seq_max", [](const Context & s) { return llama_n_seq_max(s.get()); })
         .def_prop_ro("n_threads", [](const Context & s) { return llama_n_threads(s.get()); })
         .def_prop_ro("n_threads_batch", [](const Context & s) { return llama_n_threads_batch(s.get()); })
-        .def_prop_ro("n_past", [](const Context & s) { return s.n_past; }, "Tokens held in the KV cache (sequence 0).")
-        .def("decode", &decode, nb::arg("tokens"),
-             "Evaluate token ids after the KV cache's n_past, in n_batch chunks (wraps llama_decode).")
+        .def_prop_ro("pooling", [](const Context & s) { return (int) llama_pooling_type(s.get()); })
+        .def_prop_ro("encoder_only", [](const Context & s) { return s.encoder_only; })
+        .def("pos", [](Context & s, int64_t seq) { check_seq(s.get(), seq); return next_pos(s.get(), (llama_seq_id) seq); },
+             nb::arg("seq_id") = 0, "Tokens held for a sequence: its next position (llama_memory_seq_pos_max + 1).")
+        .def("pos_min", [](Context & s, int64_t seq) { check_seq(s.get(), seq); return llama_memory_seq_pos_min(llama_get_memory(s.get()), (llama_seq_id) seq); },
+             nb::arg("seq_id") = 0)
+        .def("decode", &decode, nb::arg("tokens"), nb::arg("seq_id") = 0, nb::arg("all_logits") = false,
+             "Evaluate token ids at the end of a sequence, in n_batch chunks (llama_decode, or llama_encode for encoder-only models).")
+        .def("decode_batch", &decode_batch, nb::arg("entries"),
+             "[(seq_id, tokens)] in one llama_decode (total <= n_batch); returns each entry's last batch position.")
+        .def("eval", &eval, nb::arg("tokens"), nb::arg("seq_id") = 0, nb::arg("copy") = true,
+             "Logits of every token, float32 (n_tokens, n_vocab).")
         .def("clear", &clear, "Empty the KV cache (wraps llama_memory_clear).")
-        .def("logits", &logits, "Logits of the last decoded token: float32 array (n_vocab,).")
+        .def("logits", &logits, nb::arg("idx") = -1, "Logits at a batch position (-1: last): float32 (n_vocab,).")
+        .def("logprobs", &logprobs, nb::arg("idx"), nb::arg("token"), nb::arg("n_top"),
+             "(logprob of token or None, top ids, top logprobs) of the raw logits at batch position idx.")
+        .def("embedding", &embedding, nb::arg("seq_id") = 0, nb::arg("idx") = -1,
+             "Pooled embedding of a sequence (llama_get_embeddings_seq), or of a batch position with pooling none.")
+        .def("seq_rm", &seq_rm, nb::arg("seq_id"), nb::arg("p0") = -1, nb::arg("p1") = -1,
+             "Remove positions [p0, p1) of a sequence (-1: all sequences / open end). Wraps llama_memory_seq_rm.")
+        .def("seq_cp", &seq_cp, nb::arg("src"), nb::arg("dst"), nb::arg("p0") = -1, nb::arg("p1") = -1,
+             "Share positions [p0, p1) of sequence src with dst (llama_memory_seq_cp).")
+        .def("seq_keep", [](Context & s, int64_t seq) { llama_memory_seq_keep(memory(s, seq), (llama_seq_id) seq); }, nb::arg("seq_id"))
+        .def("state_get", &state_get, "The whole context state as bytes (llama_state_get_data).")
+        .def("state_set", &state_set, nb::arg("data"), "Restore a state from state_get (llama_state_set_data).")
+        .def("state_save_file", &state_save_file, nb::arg("path"), nb::arg("tokens"))
+        .def("state_load_file", &state_load_file, nb::arg("path"))
+        .def("set_loras", &set_loras, nb::arg("loras"), "[(Lora, scale)] applied to this context (llama_set_adapters_lora).")
+        .def_prop_ro("views", [](const Context & s) { return s.views; })
         .def("perf", &perf, "llama_perf_context timings (ms) and token counts.")
         .def("perf_reset", [](Context & s) { llama_perf_context_reset(s.get()); });
 }

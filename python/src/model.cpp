@@ -8,7 +8,9 @@
 
 #include <Python.h>
 
+#include <cmath>
 #include <cstdio>
+#include <memory>
 #include <cstring>
 #include <sys/stat.h>
 
@@ -18,6 +20,7 @@ void Model::close() {
     if (in_use.load()) throw LlamaError("the model is in use by another thread: cannot close it now");
     for (auto * c : contexts) {
         if (c->busy.load()) throw LlamaError("cannot close the model while one of its contexts is in use by another thread");
+        c->check_no_views("close the model");
     }
     release();
 }
@@ -25,6 +28,11 @@ void Model::close() {
 void Model::release() {
     for (auto * c : std::set<Context *>(contexts)) c->release();
     contexts.clear();
+    for (auto * l : loras) {  // llama_model_free frees them
+        l->adapter = nullptr;
+        l->owner = nullptr;
+    }
+    loras.clear();
     if (model) {
         llama_model_free(model);
         model = nullptr;
@@ -107,7 +115,33 @@ static nb::dict read_metadata(const std::string & path) {
     return out;
 }
 
-static void model_init(Model * self, const std::string & path, int n_gpu_layers, int load_mode, bool vocab_only) {
+// Load progress -> a Python callable(progress: float in [0, 1]) -> bool | None (False cancels).
+struct Progress {
+    nb::object fn;
+    bool cancelled = false;
+    std::unique_ptr<nb::python_error> error;  // raised by fn; re-raised after the load returns
+};
+
+static bool on_progress(float progress, void * user) {
+    Progress * p = (Progress *) user;
+    nb::gil_scoped_acquire gil;
+    try {
+        nb::object r = p->fn(progress);
+        const bool go = r.is_none() || nb::cast<bool>(r);
+        if (!go) p->cancelled = true;
+        return go;
+    } catch (nb::python_error & e) {
+        p->error = std::make_unique<nb::python_error>(e);
+        return false;
+    } catch (const std::exception & e) {  // e.g. a cast error on the return value
+        PyErr_SetString(PyExc_TypeError, (std::string("progress callback: ") + e.what()).c_str());
+        p->error = std::make_unique<nb::python_error>();
+        return false;
+    }
+}
+
+static void model_init(Model * self, const std::string & path, int n_gpu_layers, int load_mode, bool vocab_only, int split_mode,
+                       int main_gpu, const std::vector<float> & tensor_split, nb::object progress) {
     new (self) Model();
     if (n_gpu_layers < -1) raise_value("n_gpu_layers must be >= 0, or -1 for all layers; got " + std::to_string(n_gpu_layers));
     check_gguf_file(path);
@@ -118,12 +152,52 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
         raise_value("load_mode must be one of llama_load_mode (-1 auto, 0 none, 1 mmap, ...); got " + std::to_string(load_mode));
     }
     p.load_mode = (enum llama_load_mode) load_mode;
+    if (split_mode < LLAMA_SPLIT_MODE_NONE || split_mode > LLAMA_SPLIT_MODE_ROW) {
+        raise_value("split_mode must be 0 (none), 1 (layer) or 2 (row); got " + std::to_string(split_mode));
+    }
+    p.split_mode = (enum llama_split_mode) split_mode;
+    const int n_dev = (int) llama_max_devices();
+    std::vector<float> split(std::max<size_t>(n_dev, tensor_split.size()), 0.0f);
+    if (!tensor_split.empty()) {
+        if ((int) tensor_split.size() > n_dev) {
+            raise_value("tensor_split has " + std::to_string(tensor_split.size()) + " entries; this build supports at most " + std::to_string(n_dev));
+        }
+        float sum = 0.0f;
+        for (size_t i = 0; i < tensor_split.size(); ++i) {
+            if (!std::isfinite(tensor_split[i]) || tensor_split[i] < 0.0f) raise_value("tensor_split entries must be finite and >= 0");
+            split[i] = tensor_split[i];
+            sum += split[i];
+        }
+        if (sum <= 0.0f) raise_value("tensor_split must have a positive entry");
+        p.tensor_split = split.data();
+    }
+    size_t n_gpu = 0;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        const auto t = ggml_backend_dev_type(ggml_backend_dev_get(i));
+        if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) n_gpu++;
+    }
+    if (main_gpu < 0 || (n_gpu > 0 && (size_t) main_gpu >= n_gpu) || (n_gpu == 0 && main_gpu != 0)) {
+        raise_value("main_gpu must be in [0, " + std::to_string(std::max<size_t>(n_gpu, 1)) + "); got " + std::to_string(main_gpu));
+    }
+    p.main_gpu = main_gpu;
+    Progress prog;
+    if (!progress.is_none()) {
+        if (!PyCallable_Check(progress.ptr())) raise_type("progress must be a callable(float) or None");
+        prog.fn = progress;
+        p.progress_callback = on_progress;
+        p.progress_callback_user_data = &prog;
+    }
     llama_model * m;
     {
         nb::gil_scoped_release release;
         clear_recent_errors();
         m = llama_model_load_from_file(path.c_str(), p);
     }
+    if (prog.error) {
+        if (m) llama_model_free(m);
+        throw nb::python_error(*prog.error);
+    }
+    if (!m && prog.cancelled) raise_value("loading '" + path + "' was cancelled by the progress callback");
     if (!m) raise_value("failed to load the GGUF model '" + path + "'\n" + take_recent_errors());
     self->model = m;
     self->vocab = llama_model_get_vocab(m);
@@ -189,7 +263,8 @@ static nb::object opt_token(llama_token t) { return t == LLAMA_TOKEN_NULL ? nb::
 void register_model(nb::module_ & m) {
     nb::class_<Model>(m, "Model", "A GGUF model loaded by llama_model_load_from_file (see llamabind.Model).")
         .def("__init__", &model_init, nb::arg("path"), nb::arg("n_gpu_layers") = -1, nb::arg("load_mode") = -1,
-             nb::arg("vocab_only") = false,
+             nb::arg("vocab_only") = false, nb::arg("split_mode") = 1, nb::arg("main_gpu") = 0,
+             nb::arg("tensor_split") = std::vector<float>(), nb::arg("progress").none() = nb::none(),
              "Load a GGUF file. Raises FileNotFoundError (no file), ValueError (not GGUF, corrupt, truncated).")
         .def("close", &Model::close, "Free the weights and every context opened on this model.")
         .def_prop_ro("closed", [](const Model & s) { return s.model == nullptr; })

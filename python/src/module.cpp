@@ -13,6 +13,7 @@ NB_MODULE(_core, m) {
     lb::register_model(m);
     lb::register_context(m);
     lb::register_sampling(m);
+    lb::register_chat(m);
     lb::register_testing(m);
     lb::register_graph(m);
     lb::register_ops(m);

@@ -4,6 +4,7 @@
 
 #include "common.h"
 
+#include <chat.h>
 #include <llama.h>
 
 #include <atomic>
@@ -12,6 +13,7 @@
 namespace lb {
 
 struct Context;
+struct Lora;
 
 struct Model {
     llama_model * model = nullptr;
@@ -19,6 +21,7 @@ struct Model {
     std::string path;
     bool vocab_only = false;
     std::set<Context *> contexts;  // open contexts on this model; closed with it
+    std::set<Lora *> loras;        // LoRA adapters loaded on it (llama.cpp frees them with the model)
     std::atomic<int> in_use{0};    // native calls running without the GIL (e.g. tokenize)
 
     ~Model() { release(); }
@@ -47,16 +50,34 @@ struct Context {
     llama_context * ctx = nullptr;
     ggml_threadpool * threadpool = nullptr;  // ours, attached to ctx (as llama-bench and common do)
     std::atomic<bool> busy{false};
-    bool has_logits = false;  // the last decode asked for logits of its last token
-    uint32_t n_past = 0;      // tokens in sequence 0 of the KV cache
+    bool has_logits = false;  // the last decode produced logits
+    int32_t n_batch_last = 0; // tokens in the last llama_decode (valid sample() positions)
+    int views = 0;            // live zero-copy logits arrays (eval(copy=False)) into llama.cpp's buffer
+    bool encoder_only = false;  // e.g. BERT: llama_encode, no KV cache
+    std::vector<std::pair<Lora *, float>> loras;  // adapters applied (set_loras)
 
     ~Context() { release(); }
     void close();    // raises LlamaError while another thread is inside decode/sample on it
     void release();  // frees the llama_context; no checks (destructor)
+    void check_no_views(const char * what) const;  // LlamaError while eval(copy=False) views live
     llama_context * get() const {
         if (!ctx) raise_value("the context is closed");
         return ctx;
     }
+};
+
+struct Lora {
+    Model * owner = nullptr;
+    llama_adapter_lora * adapter = nullptr;
+    std::string path;
+    ~Lora();  // forgets itself; the adapter is freed with the model (or by close())
+    void close();  // frees the adapter (LlamaError while a context applies it)
+};
+
+// The result of applying a chat template (common_chat_templates_apply): prompt, grammar, parser.
+struct ChatParams {
+    common_chat_params p;
+    bool from_schema = false;  // the grammar came from a JSON schema (output format), not tools
 };
 
 // Held while native code uses a model without the GIL: close() then raises instead of freeing it.

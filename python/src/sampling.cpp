@@ -1,8 +1,12 @@
-// Sampler: a llama.cpp sampler chain (llama_sampler_chain_init + llama_sampler_init_*), in the
-// order of common/sampling.cpp: penalties -> top_k -> top_p -> min_p -> temperature -> dist.
-// temperature <= 0 gives greedy decoding (argmax) after the penalties.
+// Sampler: llama.cpp common's sampler (common_sampler_init over common_params_sampling): logit
+// bias -> penalties -> DRY -> top-n-sigma -> top_k -> typical_p -> top_p -> min_p -> XTC ->
+// temperature -> dist, or mirostat v1/v2, with an optional GBNF grammar (user, JSON schema or a
+// chat template's tool-call grammar, lazy with triggers). The same code path as llama-cli/server.
 #include "objects.h"
 
+#include <sampling.h>
+
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cmath>
@@ -10,101 +14,204 @@
 namespace lb {
 
 struct Sampler {
-    llama_sampler * chain = nullptr;
+    common_sampler * s = nullptr;
+    const llama_vocab * vocab = nullptr;
+    int32_t n_vocab = 0;
     ~Sampler() { close(); }
     void close() {
-        if (chain) {
-            llama_sampler_free(chain);
-            chain = nullptr;
+        if (s) {
+            common_sampler_free(s);
+            s = nullptr;
         }
     }
-    llama_sampler * get() const {
-        if (!chain) raise_value("the sampler is closed");
-        return chain;
+    common_sampler * get() const {
+        if (!s) raise_value("the sampler is closed");
+        return s;
     }
 };
 
-static void check_finite(const char * name, double v) {
-    if (!std::isfinite(v)) raise_value(std::string(name) + " must be a finite number; got " + std::to_string(v));
+template <typename T> static T take(nb::dict & d, const char * key, T dflt) {
+    if (!d.contains(key)) return dflt;
+    nb::object v = d[key];
+    nb::del(d[key]);
+    if (v.is_none()) return dflt;
+    try {
+        return nb::cast<T>(v);
+    } catch (const nb::cast_error &) {
+        raise_type(std::string("sampling parameter ") + key + " has the wrong type (" + nb::type_name(v.type()).c_str() + ")");
+    }
 }
 
-static void sampler_init(Sampler * self, Model & model, double temperature, int top_k, double top_p, double min_p,
-                         double repeat_penalty, int repeat_last_n, double frequency_penalty, double presence_penalty,
-                         uint32_t seed) {
+static float finite(const char * name, double v) {
+    if (!std::isfinite(v)) raise_value(std::string(name) + " must be a finite number; got " + std::to_string(v));
+    return (float) v;
+}
+
+// params: the fields of llamabind.SamplingParams (validated in Python; re-checked here where a
+// bad value would reach a GGML_ASSERT or an infinite loop).
+static void sampler_init(Sampler * self, Model & model, nb::dict params, const ChatParams * chat) {
     new (self) Sampler();
     model.get();
-    check_finite("temperature", temperature);
-    check_finite("top_p", top_p);
-    check_finite("min_p", min_p);
-    check_finite("repeat_penalty", repeat_penalty);
-    check_finite("frequency_penalty", frequency_penalty);
-    check_finite("presence_penalty", presence_penalty);
-    if (top_k < 0) raise_value("top_k must be >= 0 (0 disables it); got " + std::to_string(top_k));
-    if (top_p <= 0.0 || top_p > 1.0) raise_value("top_p must be in (0, 1] (1 disables it); got " + std::to_string(top_p));
-    if (min_p < 0.0 || min_p > 1.0) raise_value("min_p must be in [0, 1] (0 disables it); got " + std::to_string(min_p));
-    if (repeat_penalty <= 0.0) raise_value("repeat_penalty must be > 0 (1 disables it); got " + std::to_string(repeat_penalty));
-    if (repeat_last_n < -1) raise_value("repeat_last_n must be >= 0, or -1 for the whole context; got " + std::to_string(repeat_last_n));
+    const llama_vocab * vocab = model.get_vocab();
+    const int32_t n_vocab = model.n_vocab();
+    common_params_sampling p;
+    nb::dict d = nb::dict(params);  // a copy: keys are removed as they are read
+    const int64_t seed = take<int64_t>(d, "seed", (int64_t) LLAMA_DEFAULT_SEED);
+    if (seed < 0 || seed > 0xFFFFFFFFll) raise_value("seed must be in [0, 2**32 - 1]; got " + std::to_string(seed));
+    p.seed = (uint32_t) seed;
+    p.temp = finite("temperature", take<double>(d, "temperature", 0.8));
+    p.dynatemp_range = finite("dynatemp_range", take<double>(d, "dynatemp_range", 0.0));
+    p.dynatemp_exponent = finite("dynatemp_exponent", take<double>(d, "dynatemp_exponent", 1.0));
+    p.top_k = take<int>(d, "top_k", 40);
+    p.top_p = finite("top_p", take<double>(d, "top_p", 0.95));
+    p.min_p = finite("min_p", take<double>(d, "min_p", 0.05));
+    p.typ_p = finite("typical_p", take<double>(d, "typical_p", 1.0));
+    p.top_n_sigma = finite("top_n_sigma", take<double>(d, "top_n_sigma", -1.0));
+    p.xtc_probability = finite("xtc_probability", take<double>(d, "xtc_probability", 0.0));
+    p.xtc_threshold = finite("xtc_threshold", take<double>(d, "xtc_threshold", 0.1));
+    p.min_keep = take<int>(d, "min_keep", 0);
+    p.penalty_repeat = finite("repeat_penalty", take<double>(d, "repeat_penalty", 1.0));
+    p.penalty_freq = finite("frequency_penalty", take<double>(d, "frequency_penalty", 0.0));
+    p.penalty_present = finite("presence_penalty", take<double>(d, "presence_penalty", 0.0));
+    p.penalty_last_n = take<int>(d, "repeat_last_n", 64);
+    p.dry_multiplier = finite("dry_multiplier", take<double>(d, "dry_multiplier", 0.0));
+    p.dry_base = finite("dry_base", take<double>(d, "dry_base", 1.75));
+    p.dry_allowed_length = take<int>(d, "dry_allowed_length", 2);
+    p.dry_penalty_last_n = take<int>(d, "dry_penalty_last_n", -1);
+    p.dry_sequence_breakers = take<std::vector<std::string>>(d, "dry_sequence_breakers", p.dry_sequence_breakers);
+    p.mirostat = take<int>(d, "mirostat", 0);
+    p.mirostat_tau = finite("mirostat_tau", take<double>(d, "mirostat_tau", 5.0));
+    p.mirostat_eta = finite("mirostat_eta", take<double>(d, "mirostat_eta", 0.1));
+    p.ignore_eos = take<bool>(d, "ignore_eos", false);
+    p.no_perf = true;
+    if (p.mirostat < 0 || p.mirostat > 2) raise_value("mirostat must be 0 (off), 1 or 2; got " + std::to_string(p.mirostat));
+    if (p.penalty_last_n < -1) raise_value("repeat_last_n must be >= -1; got " + std::to_string(p.penalty_last_n));
+    if (p.dry_penalty_last_n < -1) raise_value("dry_penalty_last_n must be >= -1; got " + std::to_string(p.dry_penalty_last_n));
+    if (p.dry_allowed_length < 0) raise_value("dry_allowed_length must be >= 0; got " + std::to_string(p.dry_allowed_length));
+    if (p.min_keep < 0) raise_value("min_keep must be >= 0; got " + std::to_string(p.min_keep));
+    if (p.penalty_last_n == -1) p.penalty_last_n = 1 << 30;  // common's "-1 = ctx size", without a context at hand
 
-    llama_sampler_chain_params cp = llama_sampler_chain_default_params();
-    cp.no_perf = true;
-    llama_sampler * c = llama_sampler_chain_init(cp);
-    if (repeat_last_n != 0 && (repeat_penalty != 1.0 || frequency_penalty != 0.0 || presence_penalty != 0.0)) {
-        llama_sampler_chain_add(c, llama_sampler_init_penalties(model.n_vocab(), repeat_last_n == -1 ? 1 << 30 : repeat_last_n,
-                                                                (float) repeat_penalty, (float) frequency_penalty,
-                                                                (float) presence_penalty));
+    // logit bias: {token id: bias}; -inf bans the token
+    nb::dict bias = take<nb::dict>(d, "logit_bias", nb::dict());
+    for (auto [k, v] : bias) {
+        const int64_t t = nb::cast<int64_t>(k);
+        model.check_token(t, "logit_bias token");
+        const double b = nb::cast<double>(v);
+        if (std::isnan(b) || b == INFINITY) raise_value("logit_bias values must be finite or -inf; got " + std::to_string(b));
+        p.logit_bias.push_back({(llama_token) t, (float) b});
     }
-    if (temperature <= 0.0) {
-        llama_sampler_chain_add(c, llama_sampler_init_greedy());
-    } else {
-        if (top_k > 0) llama_sampler_chain_add(c, llama_sampler_init_top_k(top_k));
-        if (top_p < 1.0) llama_sampler_chain_add(c, llama_sampler_init_top_p((float) top_p, 1));
-        if (min_p > 0.0) llama_sampler_chain_add(c, llama_sampler_init_min_p((float) min_p, 1));
-        llama_sampler_chain_add(c, llama_sampler_init_temp((float) temperature));
-        llama_sampler_chain_add(c, llama_sampler_init_dist(seed));
+    if (p.ignore_eos) {
+        for (int32_t t = 0; t < n_vocab; ++t) {
+            if (llama_vocab_is_eog(vocab, t)) p.logit_bias.push_back({t, -INFINITY});
+        }
     }
-    self->chain = c;
+
+    // grammar: a user's GBNF, or one from a chat template (tool calls / JSON schema output)
+    std::string grammar = take<std::string>(d, "grammar", "");
+    if (chat && !chat->p.grammar.empty()) {
+        if (!grammar.empty()) raise_value("give either grammar or a chat response format/tools, not both");
+        const common_chat_params & cp = chat->p;
+        p.grammar = {chat->from_schema ? COMMON_GRAMMAR_TYPE_OUTPUT_FORMAT : COMMON_GRAMMAR_TYPE_TOOL_CALLS, cp.grammar};
+        p.grammar_lazy = cp.grammar_lazy;
+        p.generation_prompt = cp.generation_prompt;
+        for (const auto & t : cp.preserved_tokens) {
+            auto ids = common_tokenize(vocab, t, false, true);
+            if (ids.size() == 1) p.preserved_tokens.insert(ids[0]);
+        }
+        for (const auto & t : cp.grammar_triggers) {
+            if (t.type == COMMON_GRAMMAR_TRIGGER_TYPE_WORD) {
+                auto ids = common_tokenize(vocab, t.value, false, true);
+                if (ids.size() == 1 && p.preserved_tokens.count(ids[0])) {
+                    common_grammar_trigger tt;
+                    tt.type = COMMON_GRAMMAR_TRIGGER_TYPE_TOKEN;
+                    tt.value = t.value;
+                    tt.token = ids[0];
+                    p.grammar_triggers.push_back(tt);
+                    continue;
+                }
+            }
+            p.grammar_triggers.push_back(t);
+        }
+        if (p.grammar_lazy && p.grammar_triggers.empty()) raise_value("the chat template gave a lazy grammar without triggers");
+    } else if (!grammar.empty()) {
+        p.grammar = {COMMON_GRAMMAR_TYPE_USER, grammar};
+    }
+    if (d.size() != 0) {
+        std::string names;
+        for (auto [k, v] : d) names += (names.empty() ? "" : ", ") + nb::cast<std::string>(nb::str(k));
+        raise_type("unknown sampling parameter(s): " + names);
+    }
+
+    common_sampler * s = nullptr;
+    {
+        clear_recent_errors();
+        try {
+            s = common_sampler_init(model.get(), p);
+        } catch (const std::exception & e) {
+            raise_value(std::string("invalid sampler parameters: ") + e.what() + "\n" + take_recent_errors());
+        }
+    }
+    if (!s) raise_value("common_sampler_init failed\n" + take_recent_errors());
+    self->s = s;
+    self->vocab = vocab;
+    self->n_vocab = n_vocab;
 }
 
-// Sample the next token from the context's last logits, and accept it into the chain's state.
-static int32_t sample(Sampler & self, Context & ctx) {
-    llama_sampler * s = self.get();
+// Sample the next token from the logits of batch position idx (-1: the last output), and accept
+// it into the chain's state (penalties, grammar, mirostat), as llama-cli does.
+static int32_t sample(Sampler & self, Context & ctx, int32_t idx) {
+    common_sampler * s = self.get();
     llama_context * c = ctx.get();
-    if (!ctx.has_logits) raise_value("no logits to sample from: decode() the prompt first");
+    if (!ctx.has_logits) raise_value("no logits to sample from: decode() first");
+    if (idx < -1 || (idx >= 0 && idx >= ctx.n_batch_last)) {
+        raise_value("idx must be -1 or a position of the last batch, in [0, " + std::to_string(ctx.n_batch_last) + "); got " +
+                    std::to_string(idx));
+    }
     BusyGuard guard(ctx);
     llama_token t;
+    std::string err;
     {
         nb::gil_scoped_release release;
-        t = llama_sampler_sample(s, c, -1);
+        clear_recent_errors();
+        try {
+            t = common_sampler_sample(s, c, idx);
+            common_sampler_accept(s, t, true);
+        } catch (const std::exception & e) {
+            err = e.what();
+        }
     }
+    if (!err.empty()) throw LlamaError("sampling failed: " + err + "\n" + take_recent_errors());
     return t;
 }
 
-static void accept(Sampler & self, Model & model, const std::vector<int64_t> & tokens) {
-    llama_sampler * s = self.get();
+static void accept(Sampler & self, const std::vector<int64_t> & tokens, bool is_generated) {
+    common_sampler * s = self.get();
     for (int64_t t : tokens) {
-        model.check_token(t);
-        llama_sampler_accept(s, (llama_token) t);
+        if (t < 0 || t >= self.n_vocab) raise_value("token id " + std::to_string(t) + " is out of range [0, n_vocab)");
+    }
+    try {
+        for (int64_t t : tokens) common_sampler_accept(s, (llama_token) t, is_generated);
+    } catch (const std::exception & e) {
+        // a grammar that cannot accept the token: llama.cpp throws std::runtime_error
+        raise_value(std::string("the sampler rejected a token: ") + e.what());
     }
 }
 
 void register_sampling(nb::module_ & m) {
-    nb::class_<Sampler>(m, "Sampler", "A llama.cpp sampler chain (llama_sampler_chain_init).")
-        .def("__init__", &sampler_init, nb::arg("model"), nb::arg("temperature") = 0.8, nb::arg("top_k") = 40,
-             nb::arg("top_p") = 0.95, nb::arg("min_p") = 0.05, nb::arg("repeat_penalty") = 1.0, nb::arg("repeat_last_n") = 64,
-             nb::arg("frequency_penalty") = 0.0, nb::arg("presence_penalty") = 0.0, nb::arg("seed") = LLAMA_DEFAULT_SEED, nb::keep_alive<1, 2>())
-        .def("sample", &sample, nb::arg("context"), "Next token id from the context's last logits (llama_sampler_sample).")
-        .def("accept", &accept, nb::arg("model"), nb::arg("tokens"), "Feed tokens to the chain's state (e.g. penalties).")
-        .def("reset", [](Sampler & s) { llama_sampler_reset(s.get()); })
+    nb::class_<Sampler>(m, "Sampler", "llama.cpp common's sampler chain (common_sampler_init).")
+        .def("__init__", &sampler_init, nb::arg("model"), nb::arg("params"), nb::arg("chat").none() = nb::none(),
+             nb::keep_alive<1, 2>(),
+             "params: dict of llamabind.SamplingParams fields; chat: the ChatParams whose grammar to apply. "
+             "Raises ValueError (bad value, grammar that does not parse), TypeError (unknown key).")
+        .def("sample", &sample, nb::arg("context"), nb::arg("idx") = -1,
+             "Next token id from the logits of batch position idx (-1: last), accepted into the chain "
+             "(common_sampler_sample + common_sampler_accept).")
+        .def("accept", &accept, nb::arg("tokens"), nb::arg("is_generated") = false,
+             "Feed tokens to the chain's state (penalties; grammar only if is_generated).")
+        .def("reset", [](Sampler & s) { common_sampler_reset(s.get()); })
         .def("close", &Sampler::close)
-        .def_prop_ro("description", [](const Sampler & s) {
-            std::string out;
-            llama_sampler * c = s.get();
-            for (int i = 0; i < llama_sampler_chain_n(c); ++i) {
-                if (i) out += " -> ";
-                out += llama_sampler_name(llama_sampler_chain_get(c, i));
-            }
-            return out;
-        });
+        .def_prop_ro("seed", [](const Sampler & s) { return common_sampler_get_seed(s.get()); })
+        .def_prop_ro("description", [](const Sampler & s) { return common_sampler_print(s.get()); });
 }
 
 }  // namespace lb
