@@ -1,4 +1,4 @@
-"""Command line: ``python -m llamabind generate|info``."""
+"""Command line: ``python -m llamabind generate|chat|info``."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +32,50 @@ def _generate(args) -> int:
         name = args.model if args.model in models.KNOWN else str(m.path)
         print(f"[{name} | {m.description} | {r.timings.summary()} | finish: {r.finish_reason}]",
               file=sys.stderr)
+    return 0
+
+
+def _chat(args) -> int:
+    """An interactive chat: each line is a user turn; the history is kept (and its KV cache
+    reused). Commands: /exit (or EOF) ends, /reset clears the history, /system TEXT sets it."""
+    from . import Model
+
+    interactive = sys.stdin.isatty()
+    with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, progress=args.progress and interactive) as m:
+        history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+        while True:
+            try:
+                line = input("> " if interactive else "")
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                print()
+                break
+            cmd = line.strip()
+            if cmd in ("/exit", "/quit"):
+                break
+            if cmd == "/reset":
+                history = history[:1] if args.system else []
+                continue
+            if cmd.startswith("/system "):
+                history = [{"role": "system", "content": cmd[8:]}] + [h for h in history if h["role"] != "system"]
+                continue
+            if not cmd:
+                continue
+            history.append({"role": "user", "content": line})
+            stream = m.chat(history, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stream=True)
+            try:
+                for piece in stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                print("\n[interrupted]", file=sys.stderr)
+                history.pop()
+                continue
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            history.append(stream.result.message)
     return 0
 
 
@@ -72,6 +116,18 @@ def main(argv=None) -> int:
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     g.set_defaults(fn=_generate)
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template (history kept)")
+    c.add_argument("--model", "-m", default=models.DEFAULT, help=f"model name or GGUF path (default {models.DEFAULT})")
+    c.add_argument("--system", default=None, help="system message (default: the template's)")
+    c.add_argument("--max-tokens", "-n", type=int, default=512)
+    c.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
+    c.add_argument("--top-k", type=int, default=40)
+    c.add_argument("--top-p", type=float, default=0.95)
+    c.add_argument("--seed", "-s", type=int, default=None)
+    c.add_argument("--n-ctx", type=int, default=4096)
+    c.add_argument("--threads", type=int, default=None)
+    c.add_argument("--no-progress", dest="progress", action="store_false", help="no loading progress bar")
+    c.set_defaults(fn=_chat)
     i = sub.add_parser("info", help="print build_info()")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=_info)

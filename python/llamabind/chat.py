@@ -152,8 +152,9 @@ def chat(ctx: "Context", messages: Sequence[dict], *, tools: Sequence[dict] | No
 
 def _reply(gen: Iterator[str], cp: _core.ChatParams, parse_tools: bool, reasoning_format: str) -> Iterator[str]:
     r = yield from gen
-    msg = json.loads(cp.parse(r.text, False, parse_tools, reasoning_format))
+    cut = r.finish_reason == "length"  # the reply may stop mid-way: parse it as partial
+    msg = json.loads(cp.parse(r.text, cut, parse_tools, reasoning_format))
     msg.setdefault("role", "assistant")
     msg.setdefault("content", "")
-    finish = "tool_calls" if msg.get("tool_calls") else r.finish_reason
+    finish = "tool_calls" if msg.get("tool_calls") and not cut else r.finish_reason
     return ChatResult(message=msg, text=r.text, finish_reason=finish, generation=r)

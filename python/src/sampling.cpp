@@ -89,7 +89,12 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
     if (p.dry_penalty_last_n < -1) raise_value("dry_penalty_last_n must be >= -1; got " + std::to_string(p.dry_penalty_last_n));
     if (p.dry_allowed_length < 0) raise_value("dry_allowed_length must be >= 0; got " + std::to_string(p.dry_allowed_length));
     if (p.min_keep < 0) raise_value("min_keep must be >= 0; got " + std::to_string(p.min_keep));
-    if (p.penalty_last_n == -1) p.penalty_last_n = 1 << 30;  // common's "-1 = ctx size", without a context at hand
+    // common's "-1 = the context size": without a context at hand, the model's training context
+    // (the samplers allocate a ring buffer of that many tokens)
+    const int32_t whole = std::min<int32_t>(std::max<int32_t>(llama_model_n_ctx_train(model.get()), 1), 1 << 20);
+    if (p.penalty_last_n == -1) p.penalty_last_n = whole;
+    if (p.dry_penalty_last_n == -1) p.dry_penalty_last_n = whole;
+    if (p.penalty_last_n > (1 << 20) || p.dry_penalty_last_n > (1 << 20)) raise_value("repeat_last_n and dry_penalty_last_n must be <= 2**20");
 
     // logit bias: {token id: bias}; -inf bans the token
     nb::dict bias = take<nb::dict>(d, "logit_bias", nb::dict());

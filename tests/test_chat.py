@@ -1,0 +1,210 @@
+"""Chat through common's jinja templates and parser; grammars and JSON schema; the sampler chain."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import llamabind
+from llamabind import SamplingParams, _core
+
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def chatml(messages, system=DEFAULT_SYSTEM):
+    """ChatML written out by hand (the format SmolLM2's GGUF template implements)."""
+    out = "" if messages[0]["role"] == "system" else f"<|im_start|>system\n{system}<|im_end|>\n"
+    for m in messages:
+        out += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+    return out + "<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Hi there"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "Ünïcödé 日本語?"}],
+])
+def test_template_renders_chatml(model, messages):
+    assert model.chat_templates().render(messages) == chatml(messages)
+
+
+def test_override_template(model):
+    tpl = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}"
+           "{% if add_generation_prompt %}[assistant]{% endif %}")
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    assert model.chat_templates(tpl).render(msgs) == "[user]a\n[assistant]b\n[user]c\n[assistant]"
+    with pytest.raises(ValueError):
+        model.chat_templates("{% for %}")
+
+
+def test_chat_equals_generate_on_the_rendered_prompt(model):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = model.chat(msgs, temperature=0, max_tokens=20)
+    g = model.generate(chatml(msgs), temperature=0, max_tokens=20)
+    assert r.generation.tokens == g.tokens
+    assert r.message == {"role": "assistant", "content": g.text}
+    assert r.finish_reason == g.finish_reason
+
+
+def test_second_turn_reuses_the_kv_cache_of_the_first(model):
+    ctx = model.context(n_ctx=1024)
+    first = [{"role": "user", "content": "Name a fruit."}]
+    r1 = ctx.chat(first, temperature=0, max_tokens=12)
+    second = first + [r1.message, {"role": "user", "content": "And a vegetable?"}]
+    cached = ctx.tokens
+    r2 = ctx.chat(second, temperature=0, max_tokens=12)
+    new = model.tokenize(chatml(second), parse_special=True)
+    common = next((i for i, (a, b) in enumerate(zip(cached, new)) if a != b), min(len(cached), len(new)))
+    assert r2.generation.timings.prompt_reused == common > len(model.tokenize(chatml(first), parse_special=True)) - 2
+    fresh = model.context(n_ctx=1024).chat(second, temperature=0, max_tokens=12)
+    assert fresh.generation.tokens == r2.generation.tokens and fresh.generation.timings.prompt_reused == 0
+
+
+def test_stream_chat(model):
+    msgs = [{"role": "user", "content": "Say hello."}]
+    s = model.chat(msgs, temperature=0, max_tokens=16, stream=True)
+    text = "".join(s)
+    assert isinstance(s.result, llamabind.ChatResult) and s.result.text == text
+    assert text == model.chat(msgs, temperature=0, max_tokens=16).text
+
+
+def test_tool_call_parsing_with_a_tool_template(model, vendor_dir):
+    """Qwen2.5's template (Hermes-style <tool_call>): common gives a grammar and a parser; text in
+    that format parses into an OpenAI tool call."""
+    tpl = (vendor_dir / "models/templates/Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    cp = model.chat_templates(tpl).apply([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+                                         tool_choice="required")
+    assert "get_weather" in cp.prompt and cp.grammar and "tool" in cp.grammar
+    msg = json.loads(cp.parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'))
+    (call,) = msg["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    # the grammar reaches the sampler: a forced generation stays inside it
+    r = model.chat([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], tool_choice="required",
+                   template=tpl, temperature=0.8, seed=3, max_tokens=120,
+                   logit_bias={t: 8.0 for t in model.tokenize("<tool_call>", add_special=False)})
+    if r.finish_reason == "tool_calls":
+        assert r.tool_calls[0]["function"]["name"] == "get_weather"
+        json.loads(r.tool_calls[0]["function"]["arguments"])
+
+
+@pytest.mark.parametrize("bad", [
+    "hello", [{"content": "no role"}], [1, 2], [],
+])
+def test_bad_messages(model, bad):
+    with pytest.raises((TypeError, ValueError)):
+        model.chat(bad, max_tokens=1)
+
+
+def test_json_schema_output_always_parses(model):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 10},
+                                                        "maxItems": 3}},
+              "required": ["name", "age", "tags"], "additionalProperties": False}
+    for seed in range(4):
+        r = model.chat([{"role": "user", "content": "Describe a person as JSON."}], seed=seed, temperature=1.0,
+                       max_tokens=120, response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+        assert r.finish_reason == "stop", r.text
+        obj = json.loads(r.content)
+        assert set(obj) == {"name", "age", "tags"}
+        assert isinstance(obj["name"], str) and len(obj["name"]) <= 20
+        assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 150
+        assert isinstance(obj["tags"], list) and len(obj["tags"]) <= 3
+
+
+def test_json_object_and_generate_json_schema(model):
+    r = model.chat([{"role": "user", "content": "Give me JSON."}], response_format={"type": "json_object"},
+                   temperature=0.9, seed=7, max_tokens=150)
+    assert isinstance(json.loads(r.content), dict)
+    g = model.generate("Colors:", json_schema={"type": "array", "items": {"enum": ["red", "green", "blue"]}},
+                       temperature=1.0, seed=2, max_tokens=40)
+    assert g.finish_reason == "stop" and all(c in ("red", "green", "blue") for c in json.loads(g.text))
+
+
+def test_gbnf_grammar(model):
+    for seed in range(3):
+        r = model.generate("Is the sky blue? Answer:", grammar='root ::= " yes" | " no"', temperature=1.5, seed=seed,
+                           max_tokens=10)
+        assert r.text in (" yes", " no") and r.finish_reason == "stop"
+    with pytest.raises(ValueError, match="grammar"):
+        model.generate("x", grammar="root ::= (", max_tokens=1)
+    with pytest.raises(ValueError):
+        llamabind.json_schema_to_grammar("{not json")
+
+
+CHAINS = [
+    dict(temperature=0.9, typical_p=0.8),
+    dict(temperature=1.0, xtc_probability=0.5, xtc_threshold=0.1),
+    dict(temperature=0.8, dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2),
+    dict(temperature=1.0, mirostat=1, mirostat_tau=4.0, mirostat_eta=0.2),
+    dict(temperature=1.0, mirostat=2),
+    dict(temperature=0.7, repeat_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5, repeat_last_n=32),
+    dict(temperature=1.2, top_n_sigma=1.5, top_k=0),
+    dict(temperature=1.0, dynatemp_range=0.5, dynatemp_exponent=1.2, min_p=0.1),
+]
+
+
+@pytest.mark.parametrize("params", CHAINS, ids=lambda p: "-".join(k for k in p if k != "temperature"))
+def test_every_sampler_is_seed_deterministic(model, params):
+    a = model.generate("Once upon a time", max_tokens=24, seed=42, **params)
+    b = model.generate("Once upon a time", max_tokens=24, seed=42, **params)
+    c = model.generate("Once upon a time", max_tokens=24, seed=43, **params)
+    assert a.tokens == b.tokens
+    assert len(a.tokens) > 0
+    assert a.tokens != c.tokens or len(set(a.tokens)) <= 2  # the seed matters
+
+
+def test_chain_contents(model):
+    d = SamplingParams(temperature=1.0, typical_p=0.5, xtc_probability=0.3, dry_multiplier=0.5).build(model._m).description
+    for name in ("typical", "xtc", "dry", "temp-ext", "dist"):
+        assert name in d and f"?{name}" not in d, d
+    m = SamplingParams(mirostat=2).build(model._m).description
+    assert "mirostat-v2" in m
+
+
+def test_logit_bias(model):
+    greedy = model.generate("The capital of France is", max_tokens=4, temperature=0)
+    first = greedy.tokens[0]
+    banned = model.generate("The capital of France is", max_tokens=4, temperature=0, logit_bias={first: float("-inf")})
+    assert banned.tokens[0] != first
+    x = model.tokenize(" banana", add_special=False)[0]
+    forced = model.generate("The capital of France is", max_tokens=4, temperature=0, logit_bias={x: 100.0})
+    assert forced.tokens == [x] * 4
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=-0.1), dict(typical_p=0), dict(top_k=-1),
+    dict(xtc_probability=2), dict(mirostat=3), dict(mirostat_eta=0), dict(repeat_penalty=0), dict(repeat_last_n=-2),
+    dict(dry_base=0.5), dict(frequency_penalty=3), dict(seed=-1), dict(seed=2**32), dict(top_n_sigma=0),
+    dict(temperature=float("nan")), dict(logit_bias={-1: 1.0}), dict(logit_bias={0: float("nan")}),
+    dict(logprobs=-1), dict(logprobs=101), dict(max_tokens=-1), dict(n_draft=0, lookup_ngram=2),
+])
+def test_out_of_range_raises_value_error(model, kw):
+    with pytest.raises(ValueError):
+        model.generate("x", **{"max_tokens": 1, **kw})
+
+
+def test_unknown_sampling_argument(model):
+    with pytest.raises(TypeError, match="tempurature"):
+        model.generate("x", tempurature=0.5)
+    with pytest.raises(ValueError):  # a token id outside the vocabulary, checked natively
+        _core.Sampler(model._m, {"logit_bias": {10**7: 1.0}}, None)
+
+
+def test_chat_cli_repl(model_path):
+    """python -m llamabind chat: an interactive loop with history, /exit ends it."""
+    p = subprocess.run([sys.executable, "-m", "llamabind", "chat", "-m", str(model_path), "-t", "0", "-n", "8",
+                        "--no-progress"], input="Hi\nWhat did I just say?\n/exit\n", capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    msgs = [{"role": "user", "content": "Hi"}]
+    with llamabind.Model(model_path, n_ctx=4096) as m:
+        r1 = m.chat(msgs, temperature=0, max_tokens=8)
+        r2 = m.chat(msgs + [r1.message, {"role": "user", "content": "What did I just say?"}], temperature=0, max_tokens=8)
+    assert r1.content.strip() in p.stdout and r2.content.strip() in p.stdout
