@@ -161,7 +161,7 @@ def test_every_sampler_is_seed_deterministic(model, params):
 
 
 def test_chain_contents(model):
-    d = SamplingParams(temperature=1.0, typical_p=0.5, xtc_probability=0.3, dry_multiplier=0.5).build(model._m).description
+    d = SamplingParams(temperature=0.7, typical_p=0.5, xtc_probability=0.3, dry_multiplier=0.5).build(model._m).description
     for name in ("typical", "xtc", "dry", "temp-ext", "dist"):
         assert name in d and f"?{name}" not in d, d
     m = SamplingParams(mirostat=2).build(model._m).description
