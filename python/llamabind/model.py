@@ -431,8 +431,9 @@ class Context:
             self._tokens = []  # no longer known: prefix reuse starts afresh
 
     def save_state(self) -> bytes:
-        """The context's whole state (KV cache, logits, RNG) as bytes (llama_state_get_data);
-        restore with :meth:`load_state` on a context of the same model and parameters."""
+        """The context's state as bytes: the KV cache (llama_state_get_data; at this pin it holds
+        no logits) and sequence 0's tokens. Restore with :meth:`load_state` on a context of the
+        same model and parameters; generate() then re-evaluates only the last token."""
         return self._c.state_get() + _state_trailer(self._tokens)
 
     def load_state(self, data: bytes) -> None:

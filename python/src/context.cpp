@@ -3,6 +3,8 @@
 
 #include <ggml-cpu.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <Python.h>
@@ -465,7 +467,7 @@ static void state_set(Context & self, nb::bytes data) {
         raise_value("not a state of this context (llama_state_set_data read " + std::to_string(n) + " of " + std::to_string(data.size()) +
                     " bytes); the KV cache was cleared\n" + take_recent_errors());
     }
-    self.has_logits = true;
+    self.has_logits = false;  // at this pin a state holds the KV cache only, not the outputs
     self.n_batch_last = 0;
 }
 
@@ -500,7 +502,7 @@ static std::vector<int32_t> state_load_file(Context & self, const std::string & 
         after_failed_restore(self);
         raise_value("'" + path + "' is not a state file of this context; the KV cache was cleared\n" + take_recent_errors());
     }
-    self.has_logits = true;
+    self.has_logits = false;
     self.n_batch_last = 0;
     return std::vector<int32_t>(t.begin(), t.begin() + n);
 }
