@@ -1,0 +1,96 @@
+"""Prompt-prefix reuse and batched generation, each beside its plain counterpart in one run.
+
+- prefix reuse: a follow-up prompt that extends the previous one (a chat's second turn). With
+  reuse the context evaluates only the new tokens; the counterpart is a fresh context per call.
+  Reports prompt tokens evaluated (llama.cpp's n_p_eval) and prompt time.
+- batched generation: N prompts through Model.generate_batch (one llama_decode per step for all
+  sequences) against generating them one after another; reports total tokens/s.
+
+    .venv/bin/python bench/generation_api.py [--model PATH] [--threads 2] [--rounds 3]
+Writes bench/results/generation-api-<host>-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import llamabind
+
+BASE = "You are a helpful assistant. " * 20 + "Question: what are the three primary colors?"
+FOLLOW = BASE + " Answer: red, yellow and blue. Question: and the secondary colors?"
+PROMPTS = ["The three primary colors are", "Paris is the capital of", "def fibonacci(n):", "Once upon a time",
+           "The quick brown fox", "In 1492, Columbus", "Water boils at", "The largest planet is"]
+
+
+def prefix_reuse(m, rounds):
+    rows = []
+    for mode in ("reuse", "fresh"):
+        times, evals = [], []
+        for _ in range(rounds):
+            with m.context(n_ctx=1024) as c:
+                c.generate(BASE, max_tokens=1, temperature=0)
+                if mode == "fresh":
+                    c.clear()
+                c._c.perf_reset()
+                t = time.perf_counter()
+                r = c.generate(FOLLOW, max_tokens=1, temperature=0)
+                times.append((time.perf_counter() - t) * 1e3)
+                evals.append(c._c.perf()["n_p_eval"])
+        rows.append({"mode": mode, "prompt_tokens": r.prompt_tokens, "evaluated": evals[-1],
+                     "reused": r.timings.prompt_reused, "ms_median": statistics.median(times)})
+    return rows
+
+
+def batched(m, n, max_tokens, rounds):
+    prompts = PROMPTS[:n]
+    out = {}
+    for mode in ("batch", "sequential") * rounds:
+        t = time.perf_counter()
+        if mode == "batch":
+            rs = m.generate_batch(prompts, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        else:
+            rs = []
+            for p in prompts:
+                with m.context(n_ctx=512) as c:
+                    rs.append(c.generate(p, max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        dt = time.perf_counter() - t
+        out.setdefault(mode, []).append(sum(len(r.tokens) for r in rs) / dt)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=llamabind.models.DEFAULT)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    a = ap.parse_args()
+    with llamabind.Model(a.model, n_threads=a.threads) as m:
+        reuse = prefix_reuse(m, a.rounds)
+        print(f"prefix reuse ({m.description}):")
+        print(f"{'mode':<8} {'prompt':>7} {'evaluated':>9} {'reused':>7} {'ms':>8}")
+        for r in reuse:
+            print(f"{r['mode']:<8} {r['prompt_tokens']:>7} {r['evaluated']:>9} {r['reused']:>7} {r['ms_median']:>8.1f}")
+        print(f"speed-up of the follow-up prompt: {reuse[1]['ms_median'] / reuse[0]['ms_median']:.2f}x")
+        bat = {}
+        print(f"\nbatched generation, {a.max_tokens} tokens per prompt (total tokens/s):")
+        print(f"{'prompts':>7} {'batch':>8} {'sequential':>10} {'ratio':>6}")
+        for n in (2, 4, 8):
+            b = batched(m, n, a.max_tokens, a.rounds)
+            bat[n] = b
+            print(f"{n:>7} {b['batch']:>8.1f} {b['sequential']:>10.1f} {b['batch'] / b['sequential']:>6.2f}")
+        res = {"model": str(m.path.name), "description": m.description, "threads": a.threads, "rounds": a.rounds,
+               "prefix_reuse": reuse, "batched_tokens_per_s": bat, "host": platform.node(),
+               "date": datetime.date.today().isoformat(), "llamabind": llamabind.build_info()["upstream_release"]}
+    out = Path(__file__).parent / "results" / f"generation-api-vm-{datetime.date.today().isoformat()}.json"
+    out.write_text(json.dumps(res, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
