@@ -208,3 +208,13 @@ def test_chat_cli_repl(model_path):
         r1 = m.chat(msgs, temperature=0, max_tokens=8)
         r2 = m.chat(msgs + [r1.message, {"role": "user", "content": "What did I just say?"}], temperature=0, max_tokens=8)
     assert r1.content.strip() in p.stdout and r2.content.strip() in p.stdout
+
+
+def test_common_logs_do_not_reach_stderr(model_path):
+    """llama.cpp common's own logger (chat templates, sampler) is silenced: stderr stays clean."""
+    code = ("import llamabind; m = llamabind.Model(%r, n_ctx=256); "
+            "print(m.chat_templates().render([{'role': 'user', 'content': [{'type': 'text', 'text': 'hi'}]}]))"
+            % str(model_path))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "<|im_start|>user\nhi<|im_end|>" in p.stdout
+    assert p.stderr == "", p.stderr
