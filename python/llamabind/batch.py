@@ -2,6 +2,7 @@
 llama_batch per step holding a token of every active sequence, one sampler chain per sequence)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Sequence
 
@@ -60,16 +61,16 @@ def embed(model: "Model", texts: str | Sequence[str], *, pooling: str | None = N
     _int("n_seq_max", n_seq_max, 1, 256)
     n_ctx = min(model.n_ctx_train or 512, 8192)
     key = (pooling, n_ctx, n_seq_max)
+    if pooling is None:  # the model's own (GGUF {arch}.pooling_type); mean for a model without one
+        own = model.metadata.get(f"{model.metadata.get('general.architecture')}.pooling_type", 0)
+        pooling = {1: "mean", 2: "cls", 3: "last"}.get(own, "mean")
+    key = (pooling, n_ctx, n_seq_max)
     ctx = model._embed_ctx
     if ctx is None or ctx.closed or ctx._embed_key != key:
         if ctx is not None:
             ctx.close()
         ctx = Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=n_seq_max, embeddings=True,
                       pooling=pooling, kv_unified=True)
-        if pooling is None and ctx._c.pooling == 0:  # the model has no pooling of its own: mean
-            ctx.close()
-            ctx = Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=n_seq_max, embeddings=True,
-                          pooling="mean", kv_unified=True)
         ctx._embed_key = key
         model._embed_ctx = ctx
     tokens = [model.tokenize(t, add_special=True, parse_special=False) for t in items]
@@ -142,7 +143,7 @@ def generate_batch(model: "Model", prompts: Sequence[str | Sequence[int]], *, ma
     try:
         for i in range(len(toks)):
             seed = None if params.seed is None else (params.seed + i) & 0xFFFFFFFF
-            samplers.append(SamplingParams(**{**{f: getattr(params, f) for f in SamplingParams.FIELDS}, "seed": seed}).build(model._m))
+            samplers.append(dataclasses.replace(params, seed=seed).build(model._m))
         return _run_batch(ctx, model, toks, max_tokens, samplers, stops)
     finally:
         for s in samplers:

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Iterator, Sequence
 
+import numpy as np
+
 from . import _core, _log
 
 if TYPE_CHECKING:
@@ -26,12 +28,14 @@ def _num(name: str, v, lo: float | None = None, hi: float | None = None, lo_open
     return v
 
 
-def _int(name: str, v, lo: int, hi: int | None = None, note="") -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int; got {type(v).__name__}")
-    if v < lo or (hi is not None and v > hi):
-        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}]{note}; got {v}")
-    return v
+def _int(name: str, value, lo: int, hi: int | None = None, note: str = "") -> int:
+    """value as an int in [lo, hi]: TypeError for a non-int (bool too), ValueError out of range."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {rng}{note}; got {value}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -232,8 +236,7 @@ def run(ctx: "Context", prompt: str | Sequence[int], max_tokens: int, sampling: 
     return value is the GenerationResult."""
     _log.sync_level()
     model = ctx.model
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise ValueError(f"max_tokens must be an int >= 0; got {max_tokens!r}")
+    _int("max_tokens", max_tokens, 0)
     if logprobs is not None:
         _int("logprobs", logprobs, 0, 100, note=" (top alternatives per token)")
     stops = _normalize_stop(stop)
@@ -332,22 +335,17 @@ def _loop(ctx: "Context", model, tokens: list[int], max_tokens: int, sampler, st
     n_ctx = native.n_ctx
     timings = Timings(prompt_tokens=len(tokens))
 
-    t0 = time.perf_counter()
-    try:
-        timings.prompt_reused = _prefill(ctx, tokens)
-    except BaseException:
-        sampler.close()
-        raise
-    timings.prompt_ms = (time.perf_counter() - t0) * 1e3
-    sampler.accept(tokens)  # penalties see the prompt, as in llama.cpp's tools
-
     out = _TextState(model, stops)
     generated: list[int] = []
     lps: list[TokenLogprob] | None = [] if n_logprobs is not None else None
     finish = "length"
     pending: list[int] = []  # tokens sampled ahead by speculative decoding, not yet emitted
-    t1 = time.perf_counter()
+    t0 = t1 = time.perf_counter()
     try:
+        timings.prompt_reused = _prefill(ctx, tokens)
+        t1 = time.perf_counter()
+        timings.prompt_ms = (t1 - t0) * 1e3
+        sampler.accept(tokens)  # penalties see the prompt, as in llama.cpp's tools
         while len(generated) < max_tokens:
             if ctx._generation != me:
                 raise SupersededError("a newer generate() call on this context replaced this stream's KV cache; "
@@ -386,6 +384,8 @@ def _loop(ctx: "Context", model, tokens: list[int], max_tokens: int, sampler, st
         timings.generated_tokens = len(generated)
         timings.generate_ms = (time.perf_counter() - t1) * 1e3
         sampler.close()
+        if draft is not None:
+            draft.close()
         if pending:  # speculative tokens evaluated but not used: drop them from the cache
             ctx._truncate(len(ctx._tokens) - len(pending))
     return GenerationResult(text=out.text, tokens=generated, finish_reason=finish, prompt_tokens=len(tokens),

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _core, _log, batch, chat, generation, models, speculative
-from .generation import GenerationResult, SamplingParams, Stream
+from .generation import GenerationResult, SamplingParams, Stream, _int
 
 __all__ = ["Model", "Context", "LoraAdapter", "json_schema_to_grammar"]
 
@@ -40,15 +40,6 @@ def _default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
         return max(1, os.cpu_count() or 1)
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int | None = None, note: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
-    if value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {rng}{note}; got {value}")
-    return int(value)
 
 
 class Model:
@@ -84,10 +75,10 @@ class Model:
                  n_threads: int | None = None, split_mode: str = "layer", main_gpu: int = 0,
                  tensor_split: Sequence[float] | None = None, progress: bool | Callable[[float], Any] = False):
         _log.sync_level()
-        n_gpu_layers = _check_int("n_gpu_layers", n_gpu_layers, -1, note=" (-1: all layers)")
+        n_gpu_layers = _int("n_gpu_layers", n_gpu_layers, -1, note=" (-1: all layers)")
         if split_mode not in _SPLIT_MODES:
             raise ValueError(f"split_mode must be one of {sorted(_SPLIT_MODES)}; got {split_mode!r}")
-        main_gpu = _check_int("main_gpu", main_gpu, 0)
+        main_gpu = _int("main_gpu", main_gpu, 0)
         split = [float(x) for x in tensor_split] if tensor_split is not None else []
         self.path = models.resolve(path)
         cb, bar = _progress_callback(progress, self.path)
@@ -231,7 +222,8 @@ class Model:
         return chat.chat(self._context(), messages, **kwargs)
 
     def chat_templates(self, template: str | None = None) -> "chat.ChatTemplates":
-        """The model's chat templates (or ``template``, a jinja template, instead of the GGUF's)."""
+        """The model's chat templates (or ``template``, jinja source, instead of the GGUF's); wraps
+        common_chat_templates_init. Raises ValueError for a template that does not parse."""
         return chat.ChatTemplates(self, template)
 
     def _chat_templates(self, template: str | None) -> "chat.ChatTemplates":
@@ -312,15 +304,15 @@ class Context:
         _log.sync_level()
         if not isinstance(model, Model):
             raise TypeError(f"model must be a llamabind.Model; got {type(model).__name__}")
-        n_ctx = _check_int("n_ctx", n_ctx, 0, 1 << 24, " (0: the model's n_ctx_train)")
+        n_ctx = _int("n_ctx", n_ctx, 0, 1 << 24, " (0: the model's n_ctx_train)")
         if n_ctx == 0:
             n_ctx = model.n_ctx_train
         if 0 < n_ctx < 8:
             raise ValueError(f"n_ctx must be >= 8 tokens (or 0 for the model's n_ctx_train); got {n_ctx}")
-        n_batch = _check_int("n_batch", n_batch, 1, 1 << 24)
-        n_ubatch = _check_int("n_ubatch", n_ubatch, 1, 1 << 24)
-        n_threads = _default_threads() if n_threads is None else _check_int("n_threads", n_threads, 1, 512)
-        n_seq_max = _check_int("n_seq_max", n_seq_max, 1, 256)
+        n_batch = _int("n_batch", n_batch, 1, 1 << 24)
+        n_ubatch = _int("n_ubatch", n_ubatch, 1, 1 << 24)
+        n_threads = _default_threads() if n_threads is None else _int("n_threads", n_threads, 1, 512)
+        n_seq_max = _int("n_seq_max", n_seq_max, 1, 256)
         if pooling not in self.POOLING:
             raise ValueError(f"pooling must be one of {list(self.POOLING)}; got {pooling!r}")
         self.model = model
@@ -372,8 +364,11 @@ class Context:
         n0 = self._c.pos(0)
         try:
             self._c.decode(tokens)
-        finally:
-            self._track(n0, tokens)
+        except BaseException:
+            self._track(n0, tokens)  # earlier chunks may have been kept
+            raise
+        if len(self._tokens) == n0:
+            self._tokens += tokens
 
     def eval(self, tokens: Sequence[int], *, copy: bool = True) -> np.ndarray:
         """Evaluate tokens after sequence 0's cache and return the logits of every one of them:

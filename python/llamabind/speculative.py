@@ -5,7 +5,7 @@ llama.cpp's speculative tools). Each accepted token is exactly what the sampler 
 token by token, so the output equals non-speculative decoding with the same seed."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from . import _core
 from .generation import _int
@@ -20,11 +20,12 @@ class _Speculator:
     def __init__(self, n_draft: int):
         self.n_draft = n_draft
         self.last: int | None = None
-        self.proposed = 0
-        self.accepted = 0
 
     def propose(self, history: list[int], k: int) -> list[int]:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Free what the proposer holds (called when the generation ends)."""
 
     def step(self, ctx: "Context", sampler: _core.Sampler, remaining: int) -> list[int]:
         """Tokens to emit, in order; all of them are in ctx's KV cache when this returns."""
@@ -48,8 +49,6 @@ class _Speculator:
             out.append(t)
         else:
             self.last = sampler.sample(native, len(draft))
-        self.proposed += len(draft)
-        self.accepted += len(out) - 1
         if len(out) - 1 < len(draft):
             ctx._truncate(n0 + len(out))  # drop the rejected draft tokens from the KV cache
         return out
@@ -65,6 +64,10 @@ class _DraftModel(_Speculator):
                              f"({target.model.n_vocab})")
         self.ctx = draft.context(n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=target.n_threads)
         self.greedy = _core.Sampler(draft._m, {"temperature": 0.0, "top_k": 1}, None)
+
+    def close(self) -> None:
+        self.greedy.close()
+        self.ctx.close()
 
     def propose(self, history: list[int], k: int) -> list[int]:
         from .generation import _prefill
@@ -115,5 +118,3 @@ def make(ctx: "Context", draft_model: "Model | None", lookup_ngram: int | None, 
         raise TypeError(f"draft_model must be a llamabind.Model; got {type(draft_model).__name__}")
     return _DraftModel(ctx, draft_model, n_draft)
 
-
-__all__: Sequence[str] = []

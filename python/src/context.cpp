@@ -148,7 +148,8 @@ static void check_seq(llama_context * c, int64_t seq) {
 // One entry of a batch: tokens appended to sequence seq after what the KV cache holds.
 struct Entry {
     llama_seq_id seq;
-    std::vector<llama_token> tokens;
+    const llama_token * tokens;  // a view: the caller owns the ids
+    size_t n;
 };
 
 // Run one llama_decode (or llama_encode for encoder-only models) over entries whose total is
@@ -157,23 +158,30 @@ struct Entry {
 static std::vector<int32_t> run_batch(Context & self, const std::vector<Entry> & entries, bool all_logits) {
     llama_context * c = self.get();
     size_t total = 0;
-    for (const auto & e : entries) total += e.tokens.size();
+    for (const auto & e : entries) total += e.n;
     std::vector<llama_pos> p0(entries.size());
     for (size_t k = 0; k < entries.size(); ++k) p0[k] = next_pos(c, entries[k].seq);
-    llama_batch b = llama_batch_init((int32_t) total, 0, 1);
+    BatchBuf & bb = self.batch;
+    bb.token.resize(total);
+    bb.pos.resize(total);
+    bb.n_seq_id.assign(total, 1);
+    bb.seq.resize(total);
+    bb.seq_id.resize(total);
+    bb.logits.resize(total);
     std::vector<int32_t> last(entries.size());
+    size_t j = 0;
     for (size_t k = 0; k < entries.size(); ++k) {
         const auto & e = entries[k];
-        for (size_t i = 0; i < e.tokens.size(); ++i) {
-            const int32_t j = b.n_tokens++;
-            b.token[j] = e.tokens[i];
-            b.pos[j] = p0[k] + (llama_pos) i;
-            b.n_seq_id[j] = 1;
-            b.seq_id[j][0] = e.seq;
-            b.logits[j] = all_logits || i + 1 == e.tokens.size();
+        for (size_t i = 0; i < e.n; ++i, ++j) {
+            bb.token[j] = e.tokens[i];
+            bb.pos[j] = p0[k] + (llama_pos) i;
+            bb.seq[j] = e.seq;
+            bb.seq_id[j] = &bb.seq[j];
+            bb.logits[j] = all_logits || i + 1 == e.n;
         }
-        last[k] = b.n_tokens - 1;
+        last[k] = (int32_t) j - 1;
     }
+    llama_batch b = {(int32_t) total, bb.token.data(), nullptr, bb.pos.data(), bb.n_seq_id.data(), bb.seq_id.data(), bb.logits.data()};
     int32_t rc;
     self.has_logits = false;
     {
@@ -184,7 +192,6 @@ static std::vector<int32_t> run_batch(Context & self, const std::vector<Entry> &
         // "done", so a caller's timing and the Ctrl-C check below see the finished computation
         if (rc == 0) llama_synchronize(c);
     }
-    llama_batch_free(b);
     if (rc != 0 && rc != 2) {
         const std::string why = rc == 1 ? "no KV cache slot for the batch (n_ctx too small)"
                                         : rc == -1 ? "invalid batch" : "fatal error " + std::to_string(rc);
@@ -241,7 +248,7 @@ static void decode(Context & self, const std::vector<int64_t> & tokens, int64_t 
     }
     for (size_t i = 0; i < t.size(); i += n_batch) {
         const size_t n = std::min(n_batch, t.size() - i);
-        run_batch(self, {Entry{(llama_seq_id) seq, std::vector<llama_token>(t.begin() + i, t.begin() + i + n)}}, all_logits);
+        run_batch(self, {Entry{(llama_seq_id) seq, t.data() + i, n}}, all_logits);
     }
 }
 
@@ -249,6 +256,8 @@ static void decode(Context & self, const std::vector<int64_t> & tokens, int64_t 
 static std::vector<int32_t> decode_batch(Context & self, const std::vector<std::pair<int64_t, std::vector<int64_t>>> & entries) {
     llama_context * c = self.get();
     if (entries.empty()) raise_value("entries must not be empty");
+    std::vector<std::vector<llama_token>> ids;  // checked copies; es views them
+    ids.reserve(entries.size());
     std::vector<Entry> es;
     size_t total = 0;
     std::vector<bool> seen(llama_n_seq_max(c), false);
@@ -257,7 +266,8 @@ static std::vector<int32_t> decode_batch(Context & self, const std::vector<std::
         if (seen[seq]) raise_value("seq_id " + std::to_string(seq) + " appears twice in one batch");
         seen[seq] = true;
         if (tokens.empty()) raise_value("the tokens of seq_id " + std::to_string(seq) + " are empty");
-        es.push_back(Entry{(llama_seq_id) seq, checked(self, tokens)});
+        ids.push_back(checked(self, tokens));
+        es.push_back(Entry{(llama_seq_id) seq, ids.back().data(), ids.back().size()});
         check_room(c, (llama_seq_id) seq, tokens.size());
         total += tokens.size();
     }
@@ -299,7 +309,7 @@ static nb::object eval(nb::handle py_self, const std::vector<int64_t> & tokens, 
     BusyGuard guard(self);
     SigintScope sigint;
     if (!copy && t.size() <= n_batch) {
-        run_batch(self, {Entry{(llama_seq_id) seq, t}}, true);
+        run_batch(self, {Entry{(llama_seq_id) seq, t.data(), t.size()}}, true);
         // every token has an output row: llama_get_logits gives them contiguous, in batch order
         float * l = llama_get_logits(c);
         if (!l) throw LlamaError("llama_get_logits returned no logits\n" + take_recent_errors());
@@ -312,7 +322,7 @@ static nb::object eval(nb::handle py_self, const std::vector<int64_t> & tokens, 
     nb::capsule owner(out, [](void * p) noexcept { delete[] (float *) p; });
     for (size_t i = 0; i < t.size(); i += n_batch) {
         const size_t n = std::min(n_batch, t.size() - i);
-        run_batch(self, {Entry{(llama_seq_id) seq, std::vector<llama_token>(t.begin() + i, t.begin() + i + n)}}, true);
+        run_batch(self, {Entry{(llama_seq_id) seq, t.data() + i, n}}, true);
         for (size_t r = 0; r < n; ++r) {
             const float * l = llama_get_logits_ith(c, (int32_t) r);
             if (!l) throw LlamaError("llama_get_logits_ith returned no logits\n" + take_recent_errors());

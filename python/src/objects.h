@@ -45,6 +45,16 @@ struct Model {
     }
 };
 
+// llama_batch storage reused across decode calls (llama_batch_init would allocate per token).
+struct BatchBuf {
+    std::vector<llama_token> token;
+    std::vector<llama_pos> pos;
+    std::vector<int32_t> n_seq_id;
+    std::vector<llama_seq_id> seq;
+    std::vector<llama_seq_id *> seq_id;
+    std::vector<int8_t> logits;
+};
+
 struct Context {
     Model * owner = nullptr;
     llama_context * ctx = nullptr;
@@ -55,6 +65,7 @@ struct Context {
     int views = 0;            // live zero-copy logits arrays (eval(copy=False)) into llama.cpp's buffer
     bool encoder_only = false;  // e.g. BERT: llama_encode, no KV cache
     std::vector<std::pair<Lora *, float>> loras;  // adapters applied (set_loras)
+    BatchBuf batch;
 
     ~Context() { release(); }
     void close();    // raises LlamaError while another thread is inside decode/sample on it

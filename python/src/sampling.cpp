@@ -47,6 +47,9 @@ static float finite(const char * name, double v) {
     return (float) v;
 }
 
+// A finite float parameter (NaN/inf would reach samplers that divide or compare by it).
+static float num(nb::dict & d, const char * key, double dflt) { return finite(key, take<double>(d, key, dflt)); }
+
 // params: the fields of llamabind.SamplingParams (validated in Python; re-checked here where a
 // bad value would reach a GGML_ASSERT or an infinite loop).
 static void sampler_init(Sampler * self, Model & model, nb::dict params, const ChatParams * chat) {
@@ -59,29 +62,29 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
     const int64_t seed = take<int64_t>(d, "seed", (int64_t) LLAMA_DEFAULT_SEED);
     if (seed < 0 || seed > 0xFFFFFFFFll) raise_value("seed must be in [0, 2**32 - 1]; got " + std::to_string(seed));
     p.seed = (uint32_t) seed;
-    p.temp = finite("temperature", take<double>(d, "temperature", 0.8));
-    p.dynatemp_range = finite("dynatemp_range", take<double>(d, "dynatemp_range", 0.0));
-    p.dynatemp_exponent = finite("dynatemp_exponent", take<double>(d, "dynatemp_exponent", 1.0));
+    p.temp = num(d, "temperature", 0.8);
+    p.dynatemp_range = num(d, "dynatemp_range", 0.0);
+    p.dynatemp_exponent = num(d, "dynatemp_exponent", 1.0);
     p.top_k = take<int>(d, "top_k", 40);
-    p.top_p = finite("top_p", take<double>(d, "top_p", 0.95));
-    p.min_p = finite("min_p", take<double>(d, "min_p", 0.05));
-    p.typ_p = finite("typical_p", take<double>(d, "typical_p", 1.0));
-    p.top_n_sigma = finite("top_n_sigma", take<double>(d, "top_n_sigma", -1.0));
-    p.xtc_probability = finite("xtc_probability", take<double>(d, "xtc_probability", 0.0));
-    p.xtc_threshold = finite("xtc_threshold", take<double>(d, "xtc_threshold", 0.1));
+    p.top_p = num(d, "top_p", 0.95);
+    p.min_p = num(d, "min_p", 0.05);
+    p.typ_p = num(d, "typical_p", 1.0);
+    p.top_n_sigma = num(d, "top_n_sigma", -1.0);
+    p.xtc_probability = num(d, "xtc_probability", 0.0);
+    p.xtc_threshold = num(d, "xtc_threshold", 0.1);
     p.min_keep = take<int>(d, "min_keep", 0);
-    p.penalty_repeat = finite("repeat_penalty", take<double>(d, "repeat_penalty", 1.0));
-    p.penalty_freq = finite("frequency_penalty", take<double>(d, "frequency_penalty", 0.0));
-    p.penalty_present = finite("presence_penalty", take<double>(d, "presence_penalty", 0.0));
+    p.penalty_repeat = num(d, "repeat_penalty", 1.0);
+    p.penalty_freq = num(d, "frequency_penalty", 0.0);
+    p.penalty_present = num(d, "presence_penalty", 0.0);
     p.penalty_last_n = take<int>(d, "repeat_last_n", 64);
-    p.dry_multiplier = finite("dry_multiplier", take<double>(d, "dry_multiplier", 0.0));
-    p.dry_base = finite("dry_base", take<double>(d, "dry_base", 1.75));
+    p.dry_multiplier = num(d, "dry_multiplier", 0.0);
+    p.dry_base = num(d, "dry_base", 1.75);
     p.dry_allowed_length = take<int>(d, "dry_allowed_length", 2);
     p.dry_penalty_last_n = take<int>(d, "dry_penalty_last_n", -1);
     p.dry_sequence_breakers = take<std::vector<std::string>>(d, "dry_sequence_breakers", p.dry_sequence_breakers);
     p.mirostat = take<int>(d, "mirostat", 0);
-    p.mirostat_tau = finite("mirostat_tau", take<double>(d, "mirostat_tau", 5.0));
-    p.mirostat_eta = finite("mirostat_eta", take<double>(d, "mirostat_eta", 0.1));
+    p.mirostat_tau = num(d, "mirostat_tau", 5.0);
+    p.mirostat_eta = num(d, "mirostat_eta", 0.1);
     p.ignore_eos = take<bool>(d, "ignore_eos", false);
     p.no_perf = true;
     if (p.mirostat < 0 || p.mirostat > 2) raise_value("mirostat must be 0 (off), 1 or 2; got " + std::to_string(p.mirostat));
