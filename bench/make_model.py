@@ -6,8 +6,9 @@
 Sizes follow real llama shapes (0.5b: 1536 x 16 layers; 1b: Llama-3.2-1B's 2048 x 16, GQA 32/8,
 ffn 8192; 8b: Llama-3-8B's 4096 x 32, GQA 32/8, ffn 14336) with SmolLM2's 49152-token tokenizer,
 copied from the default model so prompts tokenize. Weights are N(0, 0.02) (norms 1), written by
-the gguf package in F16, Q8_0 or Q4_0 (gguf's own quantizers). The text is meaningless; the
-speed is a real model's.
+the gguf package in F16, Q8_0 or Q4_0 (gguf's own quantizers); one random matrix is drawn per
+shape and written for every layer (an 8B F16 file takes seconds plus the disk write, not minutes
+of random numbers). The text is meaningless; the speed is a real model's.
 """
 from __future__ import annotations
 
@@ -78,12 +79,16 @@ def main() -> int:
     rng = np.random.default_rng(args.seed)
     qtype = {"f16": None, "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[args.type]
 
-    def matrix(name: str, rows: int, cols: int, quant: bool = True):
-        x = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02)
-        if qtype is None or not quant:
-            w.add_tensor(name, x.astype(np.float16))
-        else:
-            w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)  # (rows, bytes): gguf derives the shape
+    drawn: dict[tuple[int, int], np.ndarray] = {}
+
+    def matrix(name: str, rows: int, cols: int):
+        if (rows, cols) not in drawn:
+            x = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
+            drawn[rows, cols] = x.astype(np.float16) if qtype is None else quantize(x, qtype)
+        if qtype is None:
+            w.add_tensor(name, drawn[rows, cols])
+        else:  # (rows, bytes): gguf derives the shape
+            w.add_tensor(name, drawn[rows, cols], raw_dtype=qtype)
 
     def norm(name: str):
         w.add_tensor(name, np.ones(e, np.float32))

@@ -49,3 +49,87 @@ def run_python(code: str, timeout: float = 120, **kw):
     import subprocess
 
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+# ---- GPU runs (tests/device/cuda_run.sh): LLAMABIND_TEST_BACKEND=cuda runs the op tests on that
+# device; each eager op call there is also run on the CPU and compared by NMSE (ops.check's metric),
+# and LLAMABIND_OPS_CHECK_OUT=FILE.json writes the op x dtype table. LLAMABIND_REQUIRE_GPU=1 turns
+# the skips of GPU-only tests ("needs a GPU ...") into failures: on a GPU machine they must run.
+
+TEST_BACKEND = os.environ.get("LLAMABIND_TEST_BACKEND") or None
+OPS_TEST_MODULES = {"test_ops", "test_ops_grad", "test_ops_errors"}
+# test-backend-ops' limits: 1e-7, 5e-4 for mat-mul-like ops (its test_mul_mat, test_out_prod,
+# test_flash_attn_ext, conv via im2col + mul_mat)
+NMSE_LIMIT = {"mul_mat": 5e-4, "out_prod": 5e-4, "flash_attn_ext": 5e-4, "conv_1d": 5e-4, "conv_2d": 5e-4,
+              "conv_transpose_1d": 5e-4}
+_NOT_OPS = {"check", "nmse", "devices", "default_backend", "graph", "grad", "vjp", "clear_cache", "row_size",
+            "Graph", "Tensor"}
+_ops_check: dict[tuple[str, str], dict] = {}
+
+
+def gpu_skip_reason(n: int = 1) -> str:
+    return f"needs a GPU backend device ({n} or more) in this build"
+
+
+def _checked(name, fn):
+    import numpy as np
+
+    from llamabind import ops
+
+    def call(*args, **kw):
+        out = fn(*args, **kw)
+        if kw.get("backend") is not None or not isinstance(out, (np.ndarray, tuple)) \
+                or any(isinstance(a, ops.Tensor) for a in args):
+            return out
+        ref = fn(*args, **{**kw, "backend": "cpu"})
+        outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+        e = max(ops.nmse(o, r) for o, r in zip(outs, refs))
+        dtypes = ",".join(str(a.dtype) for a in args if isinstance(a, np.ndarray))
+        rec = _ops_check.setdefault((name, dtypes), {"calls": 0, "max_nmse": 0.0})
+        rec["calls"] += 1
+        rec["max_nmse"] = max(rec["max_nmse"], e)
+        limit = NMSE_LIMIT.get(name, 1e-7)
+        assert e <= limit, f"ops.{name}({dtypes}) on {TEST_BACKEND}: NMSE {e:.3g} against the CPU, limit {limit}"
+        return out
+
+    return call
+
+
+@pytest.fixture(autouse=True)
+def _ops_on_test_backend(request, monkeypatch):
+    if TEST_BACKEND is None or request.module.__name__.rsplit(".", 1)[-1] not in OPS_TEST_MODULES:
+        yield
+        return
+    from llamabind import ops
+
+    if request.module.__name__.endswith("test_ops"):
+        import inspect
+
+        for name in ops.__all__:
+            fn = getattr(ops, name)
+            if name not in _NOT_OPS and inspect.isfunction(fn) and "backend" in inspect.signature(fn).parameters:
+                monkeypatch.setattr(ops, name, _checked(name, fn))
+    with ops.default_backend(TEST_BACKEND):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.skipped and os.environ.get("LLAMABIND_REQUIRE_GPU") == "1":
+        reason = str(rep.longrepr[-1]) if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        if "needs a GPU" in reason:
+            rep.outcome = "failed"
+            rep.longrepr = f"LLAMABIND_REQUIRE_GPU=1 but skipped: {reason}"
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("LLAMABIND_OPS_CHECK_OUT")
+    if not path or not _ops_check:
+        return
+    import json
+
+    rows = [{"op": op, "dtypes": dt, **rec, "limit": NMSE_LIMIT.get(op, 1e-7)} for (op, dt), rec in sorted(_ops_check.items())]
+    with open(path, "w") as f:
+        json.dump({"backend": TEST_BACKEND, "rows": rows}, f, indent=1)

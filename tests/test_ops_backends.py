@@ -7,10 +7,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import gpu_skip_reason
 from llamabind import ops
 
 GPUS = [d["name"] for d in ops.devices() if d["type"] != "cpu"]
-pytestmark = pytest.mark.skipif(not GPUS, reason="no GPU backend device in this build")
+pytestmark = pytest.mark.skipif(not GPUS, reason=gpu_skip_reason())
 rng = np.random.default_rng(0)
 
 
@@ -31,6 +32,11 @@ CASES = [
     ("im2col_kw3_ic512", ops.im2col, (f32(8, 512, 3), f32(1, 512, 300), 1, 1, 1), {}),  # PR #24220
     ("get_rows", ops.get_rows, (f32(10, 16), np.array([3, 1, 9], np.int32)), {}),
 ]
+
+
+def test_gpu_devices_listed():
+    """Runs only where a GPU device exists (else skipped; a failure under LLAMABIND_REQUIRE_GPU=1)."""
+    assert all(d["memory_total"] > 0 for d in ops.devices() if d["name"] in GPUS)
 
 
 @pytest.mark.parametrize("device", GPUS)

@@ -156,11 +156,17 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
         raise_value("split_mode must be 0 (none), 1 (layer) or 2 (row); got " + std::to_string(split_mode));
     }
     p.split_mode = (enum llama_split_mode) split_mode;
+    size_t n_gpu = 0;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        const auto t = ggml_backend_dev_type(ggml_backend_dev_get(i));
+        if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) n_gpu++;
+    }
     const int n_dev = (int) llama_max_devices();
     std::vector<float> split(std::max<size_t>(n_dev, tensor_split.size()), 0.0f);
     if (!tensor_split.empty()) {
-        if ((int) tensor_split.size() > n_dev) {
-            raise_value("tensor_split has " + std::to_string(tensor_split.size()) + " entries; this build supports at most " + std::to_string(n_dev));
+        if ((int) tensor_split.size() > n_dev || (n_gpu > 0 && tensor_split.size() > n_gpu)) {
+            raise_value("tensor_split has " + std::to_string(tensor_split.size()) + " entries; there are " +
+                        std::to_string(n_gpu) + " GPU devices (at most " + std::to_string(n_dev) + " in this build)");
         }
         float sum = 0.0f;
         for (size_t i = 0; i < tensor_split.size(); ++i) {
@@ -170,11 +176,6 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
         }
         if (sum <= 0.0f) raise_value("tensor_split must have a positive entry");
         p.tensor_split = split.data();
-    }
-    size_t n_gpu = 0;
-    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
-        const auto t = ggml_backend_dev_type(ggml_backend_dev_get(i));
-        if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) n_gpu++;
     }
     if (main_gpu < 0 || (n_gpu > 0 && (size_t) main_gpu >= n_gpu) || (n_gpu == 0 && main_gpu != 0)) {
         raise_value("main_gpu must be in [0, " + std::to_string(std::max<size_t>(n_gpu, 1)) + "); got " + std::to_string(main_gpu));

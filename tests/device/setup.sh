@@ -1,11 +1,19 @@
-# Sourced by the device scripts: wheels from .device/whl, the patched vendor tree from
-# .device/llama.cpp.tar.xz, and a CUDA (sm_90) build of llamabind with upstream's tools into
-# build/lb-cuda; PYTHONPATH is set to use it. Expects OUT to be set.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/whl/*.whl
-mkdir -p vendor/llama.cpp && tar xJf .device/llama.cpp.tar.xz -C vendor/llama.cpp
+# Sourced by cuda_run.sh on the device machine (CUDA 13, Python 3.12 with numpy, nanobind,
+# scikit-build-core, pytest, hypothesis, ml_dtypes, torch; no network). Installs the carried wheels,
+# unpacks the patched vendor tree and builds llamabind with CUDA for sm_90 plus upstream's tools
+# into build/lb-cuda (once per machine: a warm machine keeps it, and the scikit-build-core build
+# dir build/{wheel_tag} makes a rebuild incremental). Sets PYTHONPATH to use it. Expects OUT.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .device/whl/*.whl
 export PYTHONPATH=/tmp/site
-export CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90" CMAKE_BUILD_PARALLEL_LEVEL=16 LLAMABIND_BUILD_TOOLS=ON
-t0=$SECONDS
-python3 -m pip install -v --no-build-isolation --no-deps --target build/lb-cuda . > "$OUT/build.log" 2>&1
-echo "build rc=$? in $((SECONDS - t0)) s"
+if [ ! -f vendor/llama.cpp/.llamabind-stamp.json ]; then
+  mkdir -p vendor/llama.cpp && tar xJf .device/llama.cpp.tar.xz -C vendor/llama.cpp
+fi
+export CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) LLAMABIND_BUILD_TOOLS=ON
+if [ ! -f build/lb-cuda/.built ]; then
+  t0=$SECONDS
+  python3 -m pip install -v --no-build-isolation --no-deps --target build/lb-cuda . > "$OUT/build.log" 2>&1 \
+    && touch build/lb-cuda/.built
+  echo "build rc=$? in $((SECONDS - t0)) s ($(nproc) jobs)"
+fi
 export PYTHONPATH=$PWD/build/lb-cuda:/tmp/site
+export LLAMABIND_CACHE=/tmp/llamabind-cache PYTHONUNBUFFERED=1

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Prepares what the device calls carry (the device machine has no network and a 64 MiB carry):
+#   .device/    llama.cpp.tar.xz (the patched vendor tree, trimmed to what the build and tests use),
+#               whl/ (gguf: the one test dependency missing from the device image), tokenizer.gguf
+#               (SmolLM2's tokenizer, for bench/make_model.py) and smollm2.part-a
+#   .device-b/  smollm2.part-b
+# SmolLM2 Q4_1 (98 MB) is over the carry limit, so it travels in two calls (cuda_run.sh joins the parts
+# and checks its sha256). Both folders are git-ignored through .git/info/exclude.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+for d in /.device/ /.device-b/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+rm -rf .device .device-b && mkdir -p .device/whl .device-b
+python3 vendor/vendor.py status >/dev/null
+tar cJf .device/llama.cpp.tar.xz -C vendor/llama.cpp CMakeLists.txt cmake include licenses LICENSE .llamabind-stamp.json \
+  src ggml common vendor tools/llama-bench tools/completion tools/rpc examples/simple
+python3 -m pip download -q --no-deps --only-binary=:all: -d .device/whl "gguf==$(./dev python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+model=$(./dev python -c 'from llamabind import models; print(models.resolve(models.DEFAULT))')
+./dev python - "$model" .device/tokenizer.gguf <<'PY'
+import sys, gguf
+src = gguf.GGUFReader(sys.argv[1])
+w = gguf.GGUFWriter(sys.argv[2], "llama")
+for name, field in src.fields.items():
+    if name.startswith("tokenizer."):
+        t = field.types[0]
+        if t == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, field.contents(), t, sub_type=field.types[-1])
+        else:
+            w.add_key_value(name, field.contents(), t)
+w.write_header_to_file(); w.write_kv_data_to_file(); w.close()
+PY
+head -c 55000000 "$model" > .device/smollm2.part-a
+tail -c +55000001 "$model" > .device-b/smollm2.part-b
+du -sh .device .device-b

@@ -1,0 +1,61 @@
+"""Several GPUs: llama.cpp's layer and row split (tensor_split, main_gpu) give the same greedy tokens
+as the whole model on one GPU, and the weights really are spread. Skips below two GPU devices
+(tests/device/cuda_run.sh runs it on nvidia-h200-x2)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import llamabind
+from conftest import gpu_skip_reason
+from llamabind import ops
+
+GPUS = [d["name"] for d in ops.devices() if d["type"] == "gpu"]
+pytestmark = pytest.mark.skipif(len(GPUS) < 2, reason=gpu_skip_reason(2))
+PROMPT = "The three primary colors are"
+
+
+def used_per_gpu() -> list[int]:
+    free = {d["name"]: d["memory_free"] for d in ops.devices()}
+    return [free[g] for g in GPUS]
+
+
+def greedy(model_path, **kw) -> tuple[list[int], list[int]]:
+    """Greedy tokens, and the bytes of device memory the loaded model took on each GPU."""
+    before = used_per_gpu()
+    with llamabind.Model(model_path, n_gpu_layers=-1, n_ctx=512, **kw) as m:
+        taken = [b - a for b, a in zip(before, used_per_gpu())]
+        return m.generate(PROMPT, max_tokens=48, temperature=0).tokens, taken
+
+
+@pytest.fixture(scope="module")
+def single(model_path):
+    tokens, taken = greedy(model_path, split_mode="none", main_gpu=0)
+    assert taken[0] > 0.5 * os.path.getsize(model_path)  # the weights are on GPU 0
+    return tokens
+
+
+@pytest.mark.parametrize("kw", [
+    {"split_mode": "none", "main_gpu": 1},
+    {"split_mode": "layer"},
+    {"split_mode": "layer", "tensor_split": [3, 1]},
+    {"split_mode": "layer", "tensor_split": [1, 3], "main_gpu": 1},
+    {"split_mode": "row", "tensor_split": [1, 1]},
+    {"split_mode": "row", "tensor_split": [1, 1], "main_gpu": 1},
+], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_split_matches_single_gpu(model_path, single, kw):
+    tokens, taken = greedy(model_path, **kw)
+    size = os.path.getsize(model_path)
+    if kw["split_mode"] == "none":
+        assert taken[kw["main_gpu"]] > 0.5 * size
+    else:  # both GPUs hold a real share of the weights
+        assert min(taken[:2]) > 0.1 * size, taken
+    assert tokens == single
+
+
+def test_bad_split_arguments_raise(model_path):
+    with pytest.raises(ValueError):
+        llamabind.Model(model_path, split_mode="layer", main_gpu=len(GPUS))
+    with pytest.raises(ValueError):
+        llamabind.Model(model_path, split_mode="layer", tensor_split=[1.0] * (len(GPUS) + 1))
