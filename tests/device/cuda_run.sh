@@ -23,15 +23,17 @@ phase=${1:?phase: ops, models or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
+# the image's pytest plugins are not autoloaded (one of them crashed the interpreter at start-up)
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+PYTEST_ARGS="-q -p no:cacheprovider -p _hypothesis_pytestplugin -rs"
 {
 nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
 source tests/device/setup.sh
 python3 -m llamabind info
 case $phase in
 ops)
-  mkdir -p $MODELS
   cp .device/smollm2.part-a /tmp/smollm2.part-a
-  (setsid bash -c "for s in 1b 8b; do python3 bench/make_model.py --size \$s --type f16 -o $MODELS/llama-\$s-f16.gguf \
+  [ -d $MODELS ] || (mkdir -p $MODELS && setsid bash -c "for s in 1b 8b; do python3 bench/make_model.py --size \$s --type f16 -o $MODELS/llama-\$s-f16.gguf \
       --tokenizer-from .device/tokenizer.gguf && for q in q8_0 q4_0; do python3 bench/make_model.py --size \$s --type \$q \
       -o $MODELS/llama-\$s-\$q.gguf --tokenizer-from .device/tokenizer.gguf; done; done > $MODELS/make.log 2>&1; \
       touch $MODELS/done" < /dev/null &)
@@ -40,7 +42,7 @@ ops)
   t0=$SECONDS
   LLAMABIND_TEST_BACKEND=cuda LLAMABIND_OPS_CHECK_OUT="$OUT/ops-check.json" LLAMABIND_REQUIRE_GPU=1 \
     python3 -m pytest tests/test_ops.py tests/test_ops_grad.py tests/test_ops_errors.py tests/test_ops_backends.py \
-    tests/test_patches.py -q -p no:cacheprovider -rs -x --timeout 600 2>&1 | tail -60
+    tests/test_patches.py $PYTEST_ARGS 2>&1 | tee "$OUT/ops-tests.log" | tail -60
   echo "op tests in $((SECONDS - t0)) s"
   ;;
 models)
@@ -51,7 +53,7 @@ models)
   t0=$SECONDS
   # left out: test_embeddings (builds a side venv from PyPI), the sdist test (pip needs PyPI),
   # upstream's vocab GGUFs (not carried); the op tests ran in the ops call
-  LLAMABIND_REQUIRE_GPU=1 LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests -q -p no:cacheprovider -rs --timeout 900 \
+  LLAMABIND_REQUIRE_GPU=1 LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests $PYTEST_ARGS \
     --ignore=tests/test_embeddings.py --ignore=tests/test_ops.py --ignore=tests/test_ops_grad.py \
     --deselect tests/test_packaging.py::test_sdist_carries_the_patched_tree_and_needs_no_registry \
     -k "not upstream_tokenizer_vectors" --durations=10 2>&1 | tee "$OUT/tests.log" | tail -80
