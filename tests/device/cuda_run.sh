@@ -32,10 +32,10 @@ source tests/device/setup.sh
 python3 -m llamabind info
 case $phase in
 ops)
-  cp .device/smollm2.part-a /tmp/smollm2.part-a
+  cp .device/smollm2.part-a .device/tokenizer.gguf /tmp/
   [ -d $MODELS ] || (mkdir -p $MODELS && setsid bash -c "for s in 1b 8b; do python3 bench/make_model.py --size \$s --type f16 -o $MODELS/llama-\$s-f16.gguf \
-      --tokenizer-from .device/tokenizer.gguf && for q in q8_0 q4_0; do python3 bench/make_model.py --size \$s --type \$q \
-      -o $MODELS/llama-\$s-\$q.gguf --tokenizer-from .device/tokenizer.gguf; done; done > $MODELS/make.log 2>&1; \
+      --tokenizer-from /tmp/tokenizer.gguf && for q in q8_0 q4_0; do python3 bench/make_model.py --size \$s --type \$q \
+      -o $MODELS/llama-\$s-\$q.gguf --tokenizer-from /tmp/tokenizer.gguf; done; done > $MODELS/make.log 2>&1; \
       touch $MODELS/done" < /dev/null &)
   python3 bench/gpu_bandwidth.py --out "$OUT/bandwidth.json"
   cp "$OUT/bandwidth.json" /tmp/bandwidth.json
