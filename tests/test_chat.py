@@ -51,6 +51,7 @@ def test_chat_equals_generate_on_the_rendered_prompt(model):
     assert r.finish_reason == g.finish_reason
 
 
+@pytest.mark.exact
 def test_second_turn_reuses_the_kv_cache_of_the_first(model):
     ctx = model.context(n_ctx=1024)
     first = [{"role": "user", "content": "Name a fruit."}]
@@ -65,6 +66,7 @@ def test_second_turn_reuses_the_kv_cache_of_the_first(model):
     assert fresh.generation.tokens == r2.generation.tokens and fresh.generation.timings.prompt_reused == 0
 
 
+@pytest.mark.exact
 def test_stream_chat(model):
     msgs = [{"role": "user", "content": "Say hello."}]
     s = model.chat(msgs, temperature=0, max_tokens=16, stream=True)
@@ -150,6 +152,7 @@ CHAINS = [
 ]
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("params", CHAINS, ids=lambda p: "-".join(k for k in p if k != "temperature"))
 def test_every_sampler_is_seed_deterministic(model, params):
     a = model.generate("Once upon a time", max_tokens=24, seed=42, **params)

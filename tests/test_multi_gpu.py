@@ -41,8 +41,8 @@ def single(model_path):
     {"split_mode": "layer"},
     {"split_mode": "layer", "tensor_split": [3, 1]},
     {"split_mode": "layer", "tensor_split": [1, 3], "main_gpu": 1},
-    {"split_mode": "row", "tensor_split": [1, 1]},
-    {"split_mode": "row", "tensor_split": [1, 1], "main_gpu": 1},
+    {"split_mode": "tensor", "tensor_split": [1, 1]},
+    {"split_mode": "tensor", "tensor_split": [1, 1], "main_gpu": 1},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_split_matches_single_gpu(model_path, single, kw):
     tokens, taken = greedy(model_path, **kw)
@@ -52,6 +52,16 @@ def test_split_matches_single_gpu(model_path, single, kw):
     else:  # both GPUs hold a real share of the weights
         assert min(taken[:2]) > 0.1 * size, taken
     assert tokens == single
+
+
+def test_row_split_without_split_buffers_is_a_clear_error(model_path):
+    """At this pin CUDA offers no split buffer type (the old row split); loading must raise, not abort."""
+    try:
+        tokens, _ = greedy(model_path, split_mode="row", tensor_split=[1, 1])
+    except ValueError as e:
+        assert "split buffers" in str(e)
+    else:  # a backend with split buffers: then it must agree with one GPU
+        assert tokens == greedy(model_path, split_mode="none")[0]
 
 
 def test_bad_split_arguments_raise(model_path):

@@ -23,6 +23,7 @@ def ctx(model):
         yield c
 
 
+@pytest.mark.exact
 def test_eval_rows_match_one_token_at_a_time(model, ctx):
     toks = model.tokenize(PROMPT)
     full = ctx.eval(toks)
@@ -55,6 +56,7 @@ def test_eval_view_is_zero_copy_and_guarded(model, ctx):
     np.testing.assert_array_equal(ctx.eval(long), big)  # the same chunking: the same numbers
 
 
+@pytest.mark.exact
 def test_logprobs_are_log_softmax_of_the_logits(model, ctx):
     r = model.generate(PROMPT, max_tokens=6, temperature=0, logprobs=5)
     toks = model.tokenize(PROMPT) + r.tokens
@@ -69,6 +71,7 @@ def test_logprobs_are_log_softmax_of_the_logits(model, ctx):
         assert lp.text == model.token_to_piece(lp.token, special=True).decode("utf-8", "replace")
 
 
+@pytest.mark.exact
 def test_prefix_reuse_evaluates_only_new_tokens(model):
     with model.context(n_ctx=512) as c:
         a = c.generate(PROMPT, max_tokens=8, temperature=0)
@@ -128,6 +131,7 @@ def test_bad_state_raises_and_context_stays_usable(model, tmp_path):
         assert c.generate(PROMPT, max_tokens=5, temperature=0).tokens == good
 
 
+@pytest.mark.exact
 def test_seq_copy_and_remove(model):
     a, b = model.tokenize(" red"), model.tokenize(" blue")
     p = model.tokenize(PROMPT)
@@ -147,6 +151,7 @@ def test_seq_copy_and_remove(model):
         np.testing.assert_allclose(ref.eval(p + a)[-1], la, atol=2e-2 * np.abs(la).max())
 
 
+@pytest.mark.exact
 def test_generate_batch_equals_one_by_one(model):
     prompts = [PROMPT, "Paris is the capital of", "def fibonacci(n):", "Once upon a time"]
     batch = model.generate_batch(prompts, max_tokens=12, temperature=0)
@@ -208,6 +213,7 @@ def test_lora_scale_and_remove(model, tmp_path):
             m.load_lora(tmp_path / "nope.gguf")
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("kw", [dict(lookup_ngram=2, n_draft=6), dict(lookup_ngram=1, n_draft=3), "draft"])
 def test_speculative_equals_plain_decoding(model, kw):
     prompt = "Repeat: the cat sat on the mat. the cat sat on the mat. the cat sat on the mat."

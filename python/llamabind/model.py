@@ -14,7 +14,7 @@ from .generation import GenerationResult, SamplingParams, Stream, _int
 
 __all__ = ["Model", "Context", "LoraAdapter", "json_schema_to_grammar"]
 
-_SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
+_SPLIT_MODES = {"none": 0, "layer": 1, "row": 2, "tensor": 3}
 
 
 def _progress_callback(progress, path: Path):
@@ -54,7 +54,10 @@ class Model:
         n_ctx, n_batch, n_ubatch, n_threads: parameters of the context that :meth:`generate`
             uses (see :class:`Context`); n_threads None means all cores available to the process.
         split_mode: with several GPUs, ``"none"`` (all on main_gpu), ``"layer"`` (layers and KV
-            cache spread over the GPUs) or ``"row"`` (tensor rows split across GPUs).
+            cache spread over the GPUs), ``"tensor"`` (llama.cpp's tensor parallelism: weight
+            rows split across the GPUs, partial results all-reduced) or ``"row"`` (the older row
+            split, for backends that still offer split buffers; CUDA at this pin does not, and
+            loading raises ValueError "does not support split buffers").
         main_gpu: index of the GPU used for the whole model with split_mode "none" (and for
             intermediate results with "row").
         tensor_split: the fraction of the model per GPU, e.g. ``[3, 1]`` (normalized); None: by

@@ -152,8 +152,8 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
         raise_value("load_mode must be one of llama_load_mode (-1 auto, 0 none, 1 mmap, ...); got " + std::to_string(load_mode));
     }
     p.load_mode = (enum llama_load_mode) load_mode;
-    if (split_mode < LLAMA_SPLIT_MODE_NONE || split_mode > LLAMA_SPLIT_MODE_ROW) {
-        raise_value("split_mode must be 0 (none), 1 (layer) or 2 (row); got " + std::to_string(split_mode));
+    if (split_mode < LLAMA_SPLIT_MODE_NONE || split_mode > LLAMA_SPLIT_MODE_TENSOR) {
+        raise_value("split_mode must be 0 (none), 1 (layer), 2 (row) or 3 (tensor); got " + std::to_string(split_mode));
     }
     p.split_mode = (enum llama_split_mode) split_mode;
     size_t n_gpu = 0;
