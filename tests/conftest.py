@@ -24,7 +24,8 @@ def model_path() -> Path:
 # logits of the same token differ slightly between batch shapes there (measured on an H200: up to
 # 0.53 between eval() rows and one token at a time) and greedy text can part at near ties. Tests
 # marked "exact" compare results across batch shapes bit for bit: on a build with a GPU they get the
-# model on the CPU (n_gpu_layers=0), where llama.cpp is batch-invariant for these cases.
+# model on the CPU (n_gpu_layers=0, op_offload=False: else llama.cpp still sends batches of 32+
+# tokens to the GPU), where llama.cpp is batch-invariant for these cases.
 GPU_BUILD = any(d["type"] == "gpu" for d in ops.devices())
 
 
@@ -36,7 +37,7 @@ def _model_default(model_path):
 
 @pytest.fixture(scope="session")
 def _model_cpu(model_path):
-    with llamabind.Model(model_path, n_ctx=1024, n_threads=2, n_gpu_layers=0) as m:
+    with llamabind.Model(model_path, n_ctx=1024, n_threads=2, n_gpu_layers=0, op_offload=False) as m:
         yield m
 
 

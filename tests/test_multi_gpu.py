@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 import llamabind
@@ -21,19 +22,22 @@ def used_per_gpu() -> list[int]:
     return [free[g] for g in GPUS]
 
 
-def greedy(model_path, **kw) -> tuple[list[int], list[int]]:
-    """Greedy tokens, and the bytes of device memory the loaded model took on each GPU."""
+def greedy(model_path, **kw) -> tuple[list[int], list[int], np.ndarray]:
+    """Greedy tokens, the bytes of device memory the loaded model took on each GPU, and the
+    prompt's logits (float32, (n_tokens, n_vocab))."""
     before = used_per_gpu()
     with llamabind.Model(model_path, n_gpu_layers=-1, n_ctx=512, **kw) as m:
         taken = [b - a for b, a in zip(before, used_per_gpu())]
-        return m.generate(PROMPT, max_tokens=48, temperature=0).tokens, taken
+        with m.context(n_ctx=512) as c:
+            logits = c.eval(m.tokenize(PROMPT))
+        return m.generate(PROMPT, max_tokens=48, temperature=0).tokens, taken, logits
 
 
 @pytest.fixture(scope="module")
 def single(model_path):
-    tokens, taken = greedy(model_path, split_mode="none", main_gpu=0)
+    tokens, taken, logits = greedy(model_path, split_mode="none", main_gpu=0)
     assert taken[0] > 0.5 * os.path.getsize(model_path)  # the weights are on GPU 0
-    return tokens
+    return tokens, logits
 
 
 @pytest.mark.parametrize("kw", [
@@ -45,19 +49,26 @@ def single(model_path):
     {"split_mode": "tensor", "tensor_split": [1, 1], "main_gpu": 1},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_split_matches_single_gpu(model_path, single, kw):
-    tokens, taken = greedy(model_path, **kw)
+    tokens, taken, logits = greedy(model_path, **kw)
     size = os.path.getsize(model_path)
     if kw["split_mode"] == "none":
         assert taken[kw["main_gpu"]] > 0.5 * size
     else:  # both GPUs hold a real share of the weights
         assert min(taken[:2]) > 0.1 * size, taken
-    assert tokens == single
+    if kw["split_mode"] == "tensor":
+        # tensor parallelism all-reduces partial sums across the GPUs: another summation order,
+        # so the logits agree to rounding and greedy text may part at a near tie (seen on two
+        # H200s at the 9th token). A wrong split would be far off.
+        assert ops.nmse(logits, single[1]) < 1e-5
+        assert tokens[:4] == single[0][:4]
+    else:  # layer split: each layer computed whole on one GPU, bit-identical
+        assert tokens == single[0]
 
 
 def test_row_split_without_split_buffers_is_a_clear_error(model_path):
     """At this pin CUDA offers no split buffer type (the old row split); loading must raise, not abort."""
     try:
-        tokens, _ = greedy(model_path, split_mode="row", tensor_split=[1, 1])
+        tokens, _, _ = greedy(model_path, split_mode="row", tensor_split=[1, 1])
     except ValueError as e:
         assert "split buffers" in str(e)
     else:  # a backend with split buffers: then it must agree with one GPU

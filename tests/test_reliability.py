@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import llamabind
 from llamabind import ops
-from conftest import GPU_BUILD, ROOT, VENDOR, run_python
+from conftest import ROOT, VENDOR, run_python
 
 sys.path.insert(0, str(ROOT / "tests" / "fuzz"))
 import gguf_fuzz  # noqa: E402
@@ -161,10 +161,9 @@ def test_no_leak_over_load_generate_close_cycles(model_path):
     for _ in range(200):
         cycle()
     drift = (rss_kib() - start) / 1024
-    # Full offload on a GPU build: measured 10.5 MB over 200 cycles on an H200 (~54 KB per load
-    # inside CUDA / ggml-cuda host allocations; not investigated yet, see the issue 6 note)
-    limit = 16 if GPU_BUILD else 10
-    assert drift < limit, f"RSS grew by {drift:.1f} MB over 200 cycles"
+    # Open on CUDA: full offload on an H200 measured 10.5 MB and 52.4 MB over 200 cycles (two runs;
+    # host memory per CUDA model load, not yet located). The limit stays: a leak is a leak.
+    assert drift < 10, f"RSS grew by {drift:.1f} MB over 200 cycles"
 
 
 @rss_meaningful

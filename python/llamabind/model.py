@@ -51,8 +51,9 @@ class Model:
         n_gpu_layers: layers to offload to the GPU backend (-1: all; ignored on CPU-only builds).
         use_mmap: map the file instead of reading it into memory.
         vocab_only: load only the vocabulary (tokenize/detokenize work, generation does not).
-        n_ctx, n_batch, n_ubatch, n_threads: parameters of the context that :meth:`generate`
-            uses (see :class:`Context`); n_threads None means all cores available to the process.
+        n_ctx, n_batch, n_ubatch, n_threads, op_offload: parameters of the contexts that
+            :meth:`generate` and :meth:`context` create (see :class:`Context`); n_threads None
+            means all cores available to the process.
         split_mode: with several GPUs, ``"none"`` (all on main_gpu), ``"layer"`` (layers and KV
             cache spread over the GPUs), ``"tensor"`` (llama.cpp's tensor parallelism: weight
             rows split across the GPUs, partial results all-reduced) or ``"row"`` (the older row
@@ -76,7 +77,8 @@ class Model:
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = -1, use_mmap: bool = True,
                  vocab_only: bool = False, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
                  n_threads: int | None = None, split_mode: str = "layer", main_gpu: int = 0,
-                 tensor_split: Sequence[float] | None = None, progress: bool | Callable[[float], Any] = False):
+                 tensor_split: Sequence[float] | None = None, progress: bool | Callable[[float], Any] = False,
+                 op_offload: bool = True):
         _log.sync_level()
         n_gpu_layers = _int("n_gpu_layers", n_gpu_layers, -1, note=" (-1: all layers)")
         if split_mode not in _SPLIT_MODES:
@@ -91,7 +93,8 @@ class Model:
         finally:
             if bar is not None:
                 bar.close()
-        self._ctx_params = dict(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads)
+        self._ctx_params = dict(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
+                                op_offload=op_offload)
         self._default_ctx: Context | None = None
         self._embed_ctx: Context | None = None
         self._templates = None
@@ -288,6 +291,9 @@ class Context:
         n_ubatch: physical batch size (<= n_batch).
         n_threads: CPU threads for generation and batch processing (None: all available cores).
         n_seq_max: independent sequences the KV cache holds (batched generation), 1..256.
+        op_offload: with weights in host memory (n_gpu_layers below the layer count), let llama.cpp
+            run large batches' ops on the GPU anyway (llama_context_params.op_offload, default
+            True); False keeps every op of CPU-resident layers on the CPU.
         kv_unified: one KV buffer shared by all sequences (each may use all of n_ctx); False
             gives each sequence n_ctx / n_seq_max cells.
         embeddings: output embeddings instead of logits (see :func:`llamabind.batch.embed`).
@@ -303,7 +309,7 @@ class Context:
 
     def __init__(self, model: Model, *, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
                  n_threads: int | None = None, n_seq_max: int = 1, kv_unified: bool = True,
-                 embeddings: bool = False, pooling: str | None = None):
+                 embeddings: bool = False, pooling: str | None = None, op_offload: bool = True):
         _log.sync_level()
         if not isinstance(model, Model):
             raise TypeError(f"model must be a llamabind.Model; got {type(model).__name__}")
@@ -323,7 +329,7 @@ class Context:
         self._tokens: list[int] = []  # the tokens of sequence 0 in the KV cache (prompt-prefix reuse)
         self._loras: dict[LoraAdapter, float] = {}
         self._c = _core.Context(model._m, n_ctx, n_batch, n_ubatch, n_threads, n_threads, n_seq_max,
-                                bool(embeddings), self.POOLING[pooling], bool(kv_unified))
+                                bool(embeddings), self.POOLING[pooling], bool(kv_unified), bool(op_offload))
 
     def close(self) -> None:
         """Free the KV cache and compute buffers. Idempotent."""

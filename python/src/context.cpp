@@ -89,7 +89,8 @@ void Context::release() {
 }
 
 static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch, int n_threads,
-                         int n_threads_batch, uint32_t n_seq_max, bool embeddings, int pooling, bool kv_unified) {
+                         int n_threads_batch, uint32_t n_seq_max, bool embeddings, int pooling, bool kv_unified,
+                         bool op_offload) {
     new (self) Context();
     llama_model * m = model.get();
     if (model.vocab_only) raise_value("the model was loaded with vocab_only=True: it has no weights to run a context on");
@@ -114,6 +115,7 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
     p.n_threads_batch = n_threads_batch;
     p.n_seq_max = n_seq_max;
     p.kv_unified = kv_unified;
+    p.op_offload = op_offload;
     p.embeddings = embeddings;
     p.pooling_type = (enum llama_pooling_type) pooling;
     p.no_perf = false;
@@ -600,7 +602,8 @@ void register_context(nb::module_ & m) {
     nb::class_<Context>(m, "Context", "A llama_context on a Model (see llamabind.Context).")
         .def("__init__", &context_init, nb::arg("model"), nb::arg("n_ctx") = 4096, nb::arg("n_batch") = 2048,
              nb::arg("n_ubatch") = 512, nb::arg("n_threads") = 0, nb::arg("n_threads_batch") = 0, nb::arg("n_seq_max") = 1,
-             nb::arg("embeddings") = false, nb::arg("pooling") = -1, nb::arg("kv_unified") = true, nb::keep_alive<1, 2>(),
+             nb::arg("embeddings") = false, nb::arg("pooling") = -1, nb::arg("kv_unified") = true, nb::arg("op_offload") = true,
+             nb::keep_alive<1, 2>(),
              "Wraps llama_init_from_model. n_threads=0: all cores.")
         .def("close", &Context::close)
         .def_prop_ro("closed", [](const Context & s) { return s.ctx == nullptr; })
