@@ -14,10 +14,10 @@ from .build import build_info, devices, tool_path
 from .generation import GenerationResult, SamplingParams, Stream, Timings, TokenLogprob
 from .model import Context, LoraAdapter, Model, json_schema_to_grammar
 from .chat import ChatResult, ChatTemplates
-from . import models
+from . import models, rpc
 
 __version__ = _core.build_info()["version"]
 
 __all__ = ["Model", "Context", "GenerationResult", "Stream", "Timings", "SamplingParams", "LlamaError",
            "TokenLogprob", "LoraAdapter", "ChatResult", "ChatTemplates", "json_schema_to_grammar",
-           "build_info", "devices", "tool_path", "models", "__version__"]
+           "build_info", "devices", "tool_path", "models", "rpc", "__version__"]

@@ -12,7 +12,7 @@ def _generate(args) -> int:
     from . import Model, models
 
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads) as m:
+    with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, rpc=args.rpc, n_gpu_layers=args.n_gpu_layers) as m:
         stream = m.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=True)
         out = sys.stdout
@@ -41,7 +41,8 @@ def _chat(args) -> int:
     from . import Model
 
     interactive = sys.stdin.isatty()
-    with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, progress=args.progress and interactive) as m:
+    with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, progress=args.progress and interactive,
+               rpc=args.rpc, n_gpu_layers=args.n_gpu_layers) as m:
         history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         while True:
             try:
@@ -102,6 +103,11 @@ def _info(args) -> int:
 def main(argv=None) -> int:
     from . import models
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["rpc-server"]:  # its own parser (rpc.main): it never returns to Python while serving
+        from . import rpc
+        return rpc.main(argv[1:])
+
     ap = argparse.ArgumentParser(prog="python -m llamabind", description="llamabind: llama.cpp from Python")
     sub = ap.add_subparsers(dest="cmd", required=True)
     def model_and_sampling(p, max_tokens: int):
@@ -113,6 +119,9 @@ def main(argv=None) -> int:
         p.add_argument("--seed", "-s", type=int, default=None)
         p.add_argument("--n-ctx", type=int, default=4096)
         p.add_argument("--threads", type=int, default=None)
+        p.add_argument("--rpc", action="append", default=None, metavar="HOST:PORT",
+                       help="also use the devices of this RPC server (repeatable; see rpc-server)")
+        p.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
 
     g = sub.add_parser("generate", help="stream a continuation of PROMPT")
     g.add_argument("prompt", nargs="?", help="the prompt (default: a short example prompt)")
@@ -124,6 +133,7 @@ def main(argv=None) -> int:
     c.add_argument("--system", default=None, help="system message (default: the template's)")
     c.add_argument("--no-progress", dest="progress", action="store_false", help="no loading progress bar")
     c.set_defaults(fn=_chat)
+    sub.add_parser("rpc-server", help="serve this host's devices over ggml RPC (see rpc-server --help)")
     i = sub.add_parser("info", help="print build_info()")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=_info)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _core, _log, batch, chat, generation, models, speculative
+from . import rpc as _rpc
 from .generation import GenerationResult, SamplingParams, Stream, _int
 
 __all__ = ["Model", "Context", "LoraAdapter", "json_schema_to_grammar"]
@@ -63,6 +64,10 @@ class Model:
             intermediate results with "row").
         tensor_split: the fraction of the model per GPU, e.g. ``[3, 1]`` (normalized); None: by
             free memory.
+        rpc: ``"host:port"`` endpoints of ggml RPC servers (``python -m llamabind rpc-server``,
+            :func:`llamabind.rpc.serve`) whose devices take layers beside the local GPUs, after
+            them in tensor_split's order (split_mode "layer"). ConnectionError if one cannot be
+            reached; a server lost later makes decode raise LlamaError.
         progress: True shows a tqdm progress bar while loading; a callable(progress in [0, 1])
             is called instead (return False to cancel the load: ValueError).
 
@@ -78,18 +83,23 @@ class Model:
                  vocab_only: bool = False, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
                  n_threads: int | None = None, split_mode: str = "layer", main_gpu: int = 0,
                  tensor_split: Sequence[float] | None = None, progress: bool | Callable[[float], Any] = False,
-                 op_offload: bool = True):
+                 op_offload: bool = True, rpc: Sequence[str] | None = None):
         _log.sync_level()
         n_gpu_layers = _int("n_gpu_layers", n_gpu_layers, -1, note=" (-1: all layers)")
         if split_mode not in _SPLIT_MODES:
             raise ValueError(f"split_mode must be one of {sorted(_SPLIT_MODES)}; got {split_mode!r}")
         main_gpu = _int("main_gpu", main_gpu, 0)
         split = [float(x) for x in tensor_split] if tensor_split is not None else []
+        if isinstance(rpc, str):
+            rpc = [rpc]
+        rpc = list(rpc or [])
+        for ep in rpc:
+            _rpc._endpoint(ep)
         self.path = models.resolve(path)
         cb, bar = _progress_callback(progress, self.path)
         try:
             self._m = _core.Model(str(self.path), n_gpu_layers, 1 if use_mmap else 0, bool(vocab_only),
-                                  _SPLIT_MODES[split_mode], main_gpu, split, cb)
+                                  _SPLIT_MODES[split_mode], main_gpu, split, cb, rpc)
         finally:
             if bar is not None:
                 bar.close()

@@ -39,5 +39,6 @@ void register_chat(nb::module_ & m);
 void register_testing(nb::module_ & m);
 void register_graph(nb::module_ & m);
 void register_ops(nb::module_ & m);
+void register_rpc(nb::module_ & m);
 
 }  // namespace lb

@@ -185,18 +185,26 @@ static std::vector<int32_t> run_batch(Context & self, const std::vector<Entry> &
     }
     llama_batch b = {(int32_t) total, bb.token.data(), nullptr, bb.pos.data(), bb.n_seq_id.data(), bb.seq_id.data(), bb.logits.data()};
     int32_t rc;
+    std::string backend_error;
     self.has_logits = false;
     {
         nb::gil_scoped_release release;
         clear_recent_errors();
-        rc = self.encoder_only ? llama_encode(c, b) : llama_decode(c, b);
-        // llama_decode may return before an accelerator finishes (CUDA, Metal): decode() means
-        // "done", so a caller's timing and the Ctrl-C check below see the finished computation
-        if (rc == 0) llama_synchronize(c);
+        try {
+            rc = self.encoder_only ? llama_encode(c, b) : llama_decode(c, b);
+            // llama_decode may return before an accelerator finishes (CUDA, Metal): decode() means
+            // "done", so a caller's timing and the Ctrl-C check below see the finished computation
+            if (rc == 0) llama_synchronize(c);
+        } catch (const std::exception & e) {  // a backend that raises (RPC: lost connection, patch 0011)
+            rc = -100;
+            backend_error = e.what();
+        }
     }
     if (rc != 0 && rc != 2) {
         const std::string why = rc == 1 ? "no KV cache slot for the batch (n_ctx too small)"
-                                        : rc == -1 ? "invalid batch" : "fatal error " + std::to_string(rc);
+                                : rc == -1 ? "invalid batch"
+                                : rc == -100 ? "backend error: " + backend_error + " (close this context)"
+                                : "fatal error " + std::to_string(rc);
         throw LlamaError(std::string(self.encoder_only ? "llama_encode" : "llama_decode") + " failed: " + why + "\n" + take_recent_errors());
     }
     if (rc == 2) {

@@ -141,7 +141,8 @@ static bool on_progress(float progress, void * user) {
 }
 
 static void model_init(Model * self, const std::string & path, int n_gpu_layers, int load_mode, bool vocab_only, int split_mode,
-                       int main_gpu, const std::vector<float> & tensor_split, nb::object progress) {
+                       int main_gpu, const std::vector<float> & tensor_split, nb::object progress,
+                       const std::vector<std::string> & rpc) {
     new (self) Model();
     if (n_gpu_layers < -1) raise_value("n_gpu_layers must be >= 0, or -1 for all layers; got " + std::to_string(n_gpu_layers));
     check_gguf_file(path);
@@ -181,6 +182,22 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
         raise_value("main_gpu must be in [0, " + std::to_string(std::max<size_t>(n_gpu, 1)) + "); got " + std::to_string(main_gpu));
     }
     p.main_gpu = main_gpu;
+    // Devices: the local GPUs, then the devices of the RPC servers named here. Servers that other
+    // models connected to stay in ggml's registry, so once any is there the list is explicit.
+    std::vector<ggml_backend_dev_t> rpc_devs, devices;
+    for (const auto & ep : rpc) {
+        for (auto * d : rpc_connect(ep)) rpc_devs.push_back(d);
+    }
+    bool any_rpc = !rpc_devs.empty();
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t d = ggml_backend_dev_get(i);
+        const auto t = ggml_backend_dev_type(d);
+        if (is_rpc_device(d)) any_rpc = true;
+        else if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) devices.push_back(d);
+    }
+    devices.insert(devices.end(), rpc_devs.begin(), rpc_devs.end());
+    devices.push_back(nullptr);
+    if (any_rpc) p.devices = devices.data();
     Progress prog;
     if (!progress.is_none()) {
         if (!PyCallable_Check(progress.ptr())) raise_type("progress must be a callable(float) or None");
@@ -266,6 +283,7 @@ void register_model(nb::module_ & m) {
         .def("__init__", &model_init, nb::arg("path"), nb::arg("n_gpu_layers") = -1, nb::arg("load_mode") = -1,
              nb::arg("vocab_only") = false, nb::arg("split_mode") = 1, nb::arg("main_gpu") = 0,
              nb::arg("tensor_split") = std::vector<float>(), nb::arg("progress").none() = nb::none(),
+             nb::arg("rpc") = std::vector<std::string>(),
              "Load a GGUF file. Raises FileNotFoundError (no file), ValueError (not GGUF, corrupt, truncated).")
         .def("close", &Model::close, "Free the weights and every context opened on this model.")
         .def_prop_ro("closed", [](const Model & s) { return s.model == nullptr; })

@@ -21,4 +21,5 @@ NB_MODULE(_core, m) {
     lb::register_testing(m);
     lb::register_graph(m);
     lb::register_ops(m);
+    lb::register_rpc(m);
 }

@@ -12,6 +12,11 @@
 
 namespace lb {
 
+// ---- rpc.cpp
+bool is_rpc_device(ggml_backend_dev_t dev);
+// Connects (patch 0011: ConnectionError instead of an abort) and registers the server's devices once.
+std::vector<ggml_backend_dev_t> rpc_connect(const std::string & endpoint);
+
 struct Context;
 struct Lora;
 
