@@ -13,7 +13,8 @@ On the client::
 :func:`serve` starts a server from Python (a child process running ``python -m llamabind
 rpc-server``; :meth:`Server.stop` ends it). The protocol is ggml's (``ggml-rpc.h``, version
 ``RPC_PROTO``): servers and clients must come from the same llama.cpp pin, which every llamabind
-release of one version shares. Weights travel to the servers at load time (``cache_dir`` keeps
+release of one version shares. A server serves one client connection at a time (others wait for
+it to disconnect). Weights travel to the servers at load time (``cache_dir`` keeps
 them on the server's disk by hash, so a second load sends only hashes).
 """
 from __future__ import annotations
@@ -191,5 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # anything escaping ggml's serving loop ends this server, with a message
+        print(f"error: the RPC server stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     print(f"error: could not serve on {endpoint} (address in use or not available?)", file=sys.stderr)
     return 1

@@ -1,0 +1,149 @@
+"""ggml's RPC backend on loopback: servers started with llamabind.rpc.serve (child processes running
+`python -m llamabind rpc-server`), models spread over them, ops on a remote device, failures as
+exceptions (patch 0011), the loopback default and its warning, and a bounded fuzz of the server."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import llamabind
+from conftest import ROOT, run_python
+from llamabind import _core, ops, rpc
+
+pytestmark = pytest.mark.skipif(not getattr(_core, "HAS_RPC", False), reason="build without GGML_RPC")
+PROMPT = "The capital of France is"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    ss = [rpc.serve(port=free_port(), device="CPU", threads=1) for _ in range(2)]
+    yield ss
+    for s in ss:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def local_tokens(model_path):
+    with llamabind.Model(model_path, n_ctx=256, n_threads=2) as m:
+        return m.generate(PROMPT, max_tokens=32, temperature=0).tokens
+
+
+def test_two_servers_and_the_local_cpu_match_local_greedy(model_path, servers, local_tokens, caplog):
+    caplog.set_level("DEBUG", logger="llamabind.native")
+    with llamabind.Model(model_path, n_ctx=256, n_threads=2, rpc=[s.endpoint for s in servers]) as m:
+        load_log = caplog.text
+        assert m.generate(PROMPT, max_tokens=32, temperature=0).tokens == local_tokens
+    # llama.cpp's loader put weights on both servers' devices
+    for s in servers:
+        assert f"[{s.endpoint}]" in load_log or s.endpoint in load_log, load_log[-2000:]
+
+
+def test_rpc_devices_are_listed_and_run_ops(servers):
+    names = [rpc.connect(s.endpoint) for s in servers]
+    listed = {d["name"]: d for d in ops.devices()}
+    for s, ns in zip(servers, names):
+        assert ns and all(listed[n]["backend"] == "RPC" and listed[n]["description"] == s.endpoint for n in ns)
+    a = np.random.default_rng(0).uniform(-1, 1, (8, 33)).astype(np.float32)
+    b = np.random.default_rng(1).uniform(-1, 1, (33, 5)).astype(np.float32)
+    np.testing.assert_allclose(ops.mul_mat(a, b, backend=names[0][0]), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+    assert ops.check(ops.silu, a, backend=names[1][0]) < 1e-7
+
+
+def test_cli_generate_over_two_servers_matches_local(model_path):
+    """From the shell, with its own servers (a ggml RPC server serves one client at a time, and this
+    test process keeps its connections to the module's servers open)."""
+    def cli(*extra):
+        r = subprocess.run([sys.executable, "-m", "llamabind", "generate", PROMPT, "-m", str(model_path), "-t", "0",
+                            "-n", "24", *extra], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    with rpc.serve(port=free_port(), device="CPU", threads=1) as a, rpc.serve(port=free_port(), device="CPU", threads=1) as b:
+        assert cli("--rpc", a.endpoint, "--rpc", b.endpoint) == cli()
+
+
+def test_unreachable_server_raises(model_path):
+    port = free_port()  # nothing listens there
+    r = run_python(f"""
+import llamabind
+try:
+    llamabind.Model({str(model_path)!r}, rpc=["127.0.0.1:{port}"])
+except ConnectionError as e:
+    print("ConnectionError", e)
+try:
+    llamabind.rpc.connect("no-port")
+except ValueError as e:
+    print("ValueError", e)
+""")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"ConnectionError Failed to connect to RPC server 127.0.0.1:{port}" in r.stdout and "ValueError" in r.stdout
+
+
+def test_dead_server_mid_generation_raises(model_path):
+    """The server process is killed while tokens stream: LlamaError in the client, no hang, no abort."""
+    r = run_python(f"""
+import llamabind
+from llamabind import rpc
+s = rpc.serve(port={free_port()}, device="CPU", threads=1)
+m = llamabind.Model({str(model_path)!r}, n_ctx=256, n_threads=2, rpc=[s.endpoint])
+stream = m.generate("Once upon a time", max_tokens=200, temperature=0, stream=True)
+n = 0
+try:
+    for piece in stream:
+        n += 1
+        if n == 5:
+            s.process.kill(); s.process.wait()
+    print("no error after", n)
+except llamabind.LlamaError as e:
+    print("LlamaError after", n, "pieces:", str(e).splitlines()[0])
+m.close()
+print("closed")
+""", timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "LlamaError after" in r.stdout and "RPC server" in r.stdout and "closed" in r.stdout, r.stdout
+
+
+def test_server_binds_loopback_by_default_and_warns_otherwise():
+    with rpc.serve(port=free_port(), device="CPU", threads=1) as s:
+        port = int(s.endpoint.rsplit(":", 1)[1])
+        listening = [line.split()[1] for line in open("/proc/net/tcp").read().splitlines()[1:]
+                     if line.split()[3] == "0A"]  # state LISTEN
+        assert f"0100007F:{port:04X}" in listening  # 127.0.0.1, not 0.0.0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rpc.check_host("127.0.0.1")
+        rpc.check_host("::1")
+    with pytest.warns(UserWarning, match="no authentication"):
+        rpc.check_host("0.0.0.0")
+    r = subprocess.run([sys.executable, "-m", "llamabind", "rpc-server", "--host", "0.0.0.0", "--port", "70000"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "port" in r.stderr  # bad port: argparse error, before any socket
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="host:port"):
+        rpc.connect("127.0.0.1")
+    with pytest.raises(ValueError, match="host:port"):
+        llamabind.Model("smollm2-135m-instruct", rpc=["127.0.0.1:0"])
+    with pytest.raises(OSError, match="exited"):
+        rpc.serve(port=free_port(), device="NoSuchDevice")
+
+
+def test_bounded_fuzz_of_the_server_finds_no_crash(tmp_path):
+    """tests/fuzz/rpc_fuzz.py: malformed frames on loopback; the server must stay up and serve."""
+    n = int(os.environ.get("LLAMABIND_RPC_FUZZ_CASES", "400"))
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "fuzz" / "rpc_fuzz.py"), "--cases", str(n), "--seed", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert f"{n} cases" in r.stdout
