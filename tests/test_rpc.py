@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -147,3 +148,71 @@ def test_bounded_fuzz_of_the_server_finds_no_crash(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert f"{n} cases" in r.stdout
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(list(cmd), check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def netns_hosts():
+    """Two network namespaces, each a 'host' reached over a veth pair (a real network stack, not lo).
+    Needs root and iproute2; skips otherwise (set LLAMABIND_REQUIRE_NETNS=1 to make that a failure)."""
+    import shutil
+    tag = f"lb{os.getpid() % 100000}"
+    hosts, made = [], []
+    try:
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            raise PermissionError("needs root and iproute2")
+        for i in (1, 2):
+            ns, a, b = f"{tag}n{i}", f"{tag}a{i}", f"{tag}b{i}"
+            _sh("ip", "netns", "add", ns)
+            made.append(ns)
+            _sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+            made.append(a)
+            _sh("ip", "link", "set", b, "netns", ns)
+            _sh("ip", "addr", "add", f"10.213.{i}.1/24", "dev", a)
+            _sh("ip", "link", "set", a, "up")
+            _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"10.213.{i}.2/24", "dev", b)
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", b, "up")
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            hosts.append((ns, f"10.213.{i}.2"))
+    except (PermissionError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        for x in made:
+            subprocess.run(["ip", "netns", "del", x] if not x[len(tag):].startswith("a") else ["ip", "link", "del", x],
+                           capture_output=True)
+        msg = f"network namespaces unavailable: {getattr(e, 'stderr', '') or e}"
+        if os.environ.get("LLAMABIND_REQUIRE_NETNS") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    yield hosts
+    for x in made:
+        subprocess.run(["ip", "netns", "del", x] if not x[len(tag):].startswith("a") else ["ip", "link", "del", x],
+                       capture_output=True)
+
+
+def test_servers_in_network_namespaces_match_local(model_path, netns_hosts, local_tokens):
+    """Each server in its own network namespace, bound to its veth address (which warns), the client
+    in the root namespace: the same greedy tokens as local."""
+    procs, eps = [], []
+    try:
+        for ns, addr in netns_hosts:
+            port = free_port()
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "llamabind", "rpc-server",
+                                           "--host", addr, "--port", str(port), "--device", "CPU", "--threads", "1"],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            eps.append(f"{addr}:{port}")
+        for (ns, addr), ep in zip(netns_hosts, eps):
+            for _ in range(200):
+                try:
+                    socket.create_connection((addr, int(ep.rsplit(":", 1)[1])), timeout=0.5).close()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+        with llamabind.Model(model_path, n_ctx=256, n_threads=2, rpc=eps) as m:
+            assert m.generate(PROMPT, max_tokens=32, temperature=0).tokens == local_tokens
+    finally:
+        for p in procs:
+            p.terminate()
+            _, err = p.communicate(timeout=10)
+            assert "no authentication" in err  # bound beyond loopback: the server warned
