@@ -216,3 +216,14 @@ def test_servers_in_network_namespaces_match_local(model_path, netns_hosts, loca
             p.terminate()
             _, err = p.communicate(timeout=10)
             assert "no authentication" in err  # bound beyond loopback: the server warned
+
+
+def test_cache_dir_keeps_large_tensors_by_hash(model_path, tmp_path, local_tokens):
+    """cache_dir: tensors above ggml-rpc's hash threshold (10 MiB; SmolLM2's token embedding) are
+    stored on the server by hash, and a second load over a fresh connection still generates the same."""
+    with rpc.serve(port=free_port(), device="CPU", threads=1, cache_dir=tmp_path / "cache") as s:
+        for _ in range(2):
+            with llamabind.Model(model_path, n_ctx=256, n_threads=2, rpc=[s.endpoint]) as m:
+                assert m.generate(PROMPT, max_tokens=32, temperature=0).tokens == local_tokens
+        cached = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+        assert cached and max(p.stat().st_size for p in cached) > 10 * 2**20
