@@ -56,3 +56,43 @@ def test_ops_notebook_executes():
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "max |grad - finite differences|" in outputs and "NMSE" in outputs
     assert "HIGH" not in outputs
+
+
+def test_wheel_installs_into_a_fresh_venv_and_generates(tmp_path, model_path):
+    """The user's path: a wheel built from this tree (no tools, its own build dir), installed into a new
+    virtual environment that has no build tools, then `python -m llamabind generate` on the default
+    model. Also: what the wheel holds (the package only: no tests, upstream sources, docs or models)
+    and its size, printed for the record."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    env = {**os.environ, "LLAMABIND_BUILD_TOOLS": "OFF"}
+    b = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                        "--disable-pip-version-check", "-w", str(wheels), "-Cbuild-dir=build/wheel-{wheel_tag}"],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=3000)
+    assert b.returncode == 0, b.stderr[-3000:]
+    (whl,) = wheels.glob("llamabind-*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    assert any(n.startswith("llamabind/_core") for n in names) and "llamabind/__main__.py" in names
+    assert not [n for n in names if n.startswith(("tests/", "vendor/", "llamabind/bin/")) or n.endswith((".gguf", ".md"))
+                and "dist-info" not in n]
+    size_mb = whl.stat().st_size / 2**20
+    unpacked_mb = sum(i.file_size for i in zipfile.ZipFile(whl).infolist()) / 2**20
+    print(f"\n{whl.name}: {size_mb:.1f} MiB, installed {unpacked_mb:.1f} MiB")
+    assert unpacked_mb < 40
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    py = venv / "bin" / "python"
+    i = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(whl)],
+                       capture_output=True, text=True, timeout=900)
+    assert i.returncode == 0, i.stderr[-2000:]
+    tools = subprocess.run([str(py), "-c", "import importlib.util as u; print([m for m in ('cmake', 'ninja', 'nanobind', "
+                            "'scikit_build_core') if u.find_spec(m)])"], capture_output=True, text=True)
+    assert tools.stdout.strip() == "[]", tools.stdout  # nothing to build with: the wheel must just run
+    run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    run_env["LLAMABIND_CACHE"] = str(model_path.parent.parent.parent)  # the model already fetched
+    g = subprocess.run([str(py), "-m", "llamabind", "generate", "The capital of France is", "-t", "0", "-n", "8"],
+                       capture_output=True, text=True, timeout=300, env=run_env, cwd=tmp_path)
+    assert g.returncode == 0, g.stderr[-2000:]
+    assert "Paris" in g.stdout

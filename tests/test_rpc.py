@@ -110,9 +110,13 @@ except llamabind.LlamaError as e:
     print("LlamaError after", n, "pieces:", str(e).splitlines()[0])
 m.close()
 print("closed")
+# listing devices asks every RPC server for its memory: the dead one is marked, nothing hangs
+# (a dispatcher thread logging the failure once deadlocked with a caller holding the GIL)
+print("devices", [d.get("error") for d in llamabind.devices() if d["backend"] == "RPC"])
 """, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "LlamaError after" in r.stdout and "RPC server" in r.stdout and "closed" in r.stdout, r.stdout
+    assert "devices ['unreachable']" in r.stdout, r.stdout
 
 
 def test_server_binds_loopback_by_default_and_warns_otherwise():

@@ -21,7 +21,10 @@ def build_info() -> dict:
 
 
 def devices() -> list[dict]:
-    """ggml backend devices of this build: name, description, type, backend, memory (bytes)."""
+    """ggml backend devices of this build, plus those of connected RPC servers (:mod:`llamabind.rpc`):
+    dicts with name, description, type ("cpu", "gpu", ...), backend, memory_free and memory_total
+    (bytes), and ``error: "unreachable"`` for an RPC device whose server is gone. Wraps
+    ggml_backend_dev_get / ggml_backend_dev_memory."""
     return _core.devices()
 
 

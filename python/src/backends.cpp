@@ -39,7 +39,15 @@ static nb::list devices() {
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
         ggml_backend_dev_t dev = ggml_backend_dev_get(i);
         size_t free = 0, total = 0;
-        ggml_backend_dev_memory(dev, &free, &total);
+        bool reachable = true;
+        {
+            nb::gil_scoped_release release;  // an RPC device asks its server
+            try {
+                ggml_backend_dev_memory(dev, &free, &total);
+            } catch (const std::exception &) {  // an RPC server that went away (patch 0011)
+                reachable = false;
+            }
+        }
         nb::dict d;
         d["name"] = ggml_backend_dev_name(dev);
         d["description"] = ggml_backend_dev_description(dev);
@@ -47,6 +55,7 @@ static nb::list devices() {
         d["backend"] = ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev));
         d["memory_free"] = free;
         d["memory_total"] = total;
+        if (!reachable) d["error"] = "unreachable";
         out.append(d);
     }
     return out;

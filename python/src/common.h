@@ -24,6 +24,8 @@ void register_errors(nb::module_ & m);
 // ---- logging.cpp: llama.cpp/ggml logs -> Python logging
 void register_logging(nb::module_ & m);
 void install_log_callback();
+// Deliver lines logged on threads unknown to Python (queued there; see logging.cpp). Takes the GIL.
+void flush_logs();
 // The last error/warning lines that llama.cpp logged on this thread (drained by the call).
 std::string take_recent_errors();
 void clear_recent_errors();

@@ -200,6 +200,7 @@ static std::vector<int32_t> run_batch(Context & self, const std::vector<Entry> &
             backend_error = e.what();
         }
     }
+    flush_logs();  // lines ggml's own threads logged during the decode
     if (rc != 0 && rc != 2) {
         const std::string why = rc == 1 ? "no KV cache slot for the batch (n_ctx too small)"
                                 : rc == -1 ? "invalid batch"

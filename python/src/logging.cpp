@@ -31,6 +31,35 @@ static bool is_finalizing() {
 #endif
 }
 
+// Lines logged on threads that Python does not know (ggml's compute threads, the RPC client's
+// dispatcher) wait here and go out with the next line a Python thread logs, or at flush_logs():
+// taking the GIL there could deadlock with a Python thread that holds it while it waits for that
+// very thread (seen: devices() asking a dead RPC server while its dispatcher logged the failure).
+static std::mutex g_pending_mutex;
+static std::deque<std::pair<int, std::string>> g_pending;
+
+static void call_handler(int level, const std::string & line);
+
+static void flush_pending_locked_gil() {
+    std::deque<std::pair<int, std::string>> lines;
+    {
+        std::lock_guard<std::mutex> lock(g_pending_mutex);
+        lines.swap(g_pending);
+    }
+    for (auto & [level, line] : lines) call_handler(level, line);
+}
+
+void flush_logs() {
+    {
+        std::lock_guard<std::mutex> lock(g_pending_mutex);
+        if (g_pending.empty()) return;
+    }
+    if (!Py_IsInitialized() || is_finalizing()) return;
+    PyGILState_STATE st = PyGILState_Ensure();
+    flush_pending_locked_gil();
+    PyGILState_Release(st);
+}
+
 static void emit(int level, const std::string & line) {
     if (level >= GGML_LOG_LEVEL_WARN) {
         t_recent.push_back(line);
@@ -38,7 +67,18 @@ static void emit(int level, const std::string & line) {
     }
     if (level < g_min_level.load(std::memory_order_relaxed)) return;
     if (!Py_IsInitialized() || is_finalizing()) return;
+    if (PyGILState_GetThisThreadState() == nullptr) {  // a thread Python does not know: never block
+        std::lock_guard<std::mutex> lock(g_pending_mutex);
+        if (g_pending.size() < 1000) g_pending.emplace_back(level, line);
+        return;
+    }
     PyGILState_STATE st = PyGILState_Ensure();
+    flush_pending_locked_gil();
+    call_handler(level, line);
+    PyGILState_Release(st);
+}
+
+static void call_handler(int level, const std::string & line) {
     PyObject * handler = nullptr;
     {
         std::lock_guard<std::mutex> lock(g_handler_mutex);
@@ -59,7 +99,6 @@ static void emit(int level, const std::string & line) {
         Py_DECREF(handler);
         PyErr_Restore(et, ev, tb);
     }
-    PyGILState_Release(st);
 }
 
 static void log_callback(enum ggml_log_level level, const char * text, void *) {
@@ -100,6 +139,8 @@ void register_logging(nb::module_ & m) {
     m.def("set_log_level", [](int level) { g_min_level.store(level); }, nb::arg("level"),
           "Lowest ggml_log_level forwarded to the handler (1 debug, 2 info, 3 warn, 4 error, 5 none).");
     m.def("get_log_level", []() { return g_min_level.load(); });
+    m.def("flush_logs", []() { nb::gil_scoped_release release; flush_logs(); },
+          "Deliver the lines that threads unknown to Python logged since the last delivery.");
     m.def(
         "set_log_handler",
         [](nb::object handler) {
