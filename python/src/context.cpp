@@ -1,7 +1,6 @@
 // Context: a llama_context (KV cache, compute buffers, threads) on a Model, and llama_decode.
 #include "objects.h"
 
-#include <ggml-cpu.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>

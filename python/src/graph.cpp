@@ -8,7 +8,6 @@
 
 #include <ggml-alloc.h>
 #include <ggml-backend.h>
-#include <ggml-cpu.h>
 
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
@@ -28,6 +27,7 @@ namespace lb {
 struct SharedBackend {
     ggml_backend_t backend = nullptr;
     ggml_backend_dev_t dev = nullptr;
+    ggml_backend_set_n_threads_t set_n_threads = nullptr;  // the CPU backend's (by proc address: it may be a loaded module)
     std::mutex mutex;
 };
 
@@ -44,6 +44,8 @@ static SharedBackend & shared_backend(const std::string & name) {
     auto sb = std::make_unique<SharedBackend>();
     sb->backend = be;
     sb->dev = dev;
+    sb->set_n_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+        ggml_backend_dev_backend_reg(dev), "ggml_backend_set_n_threads");
     auto & ref = *sb;
     backends[name] = std::move(sb);
     return ref;
@@ -285,9 +287,7 @@ static void graph_compute(Graph & g, int n_threads) {
     {
         nb::gil_scoped_release release;
         std::lock_guard<std::mutex> lock(g.be->mutex);
-        if (ggml_backend_is_cpu(g.be->backend)) {
-            ggml_backend_cpu_set_n_threads(g.be->backend, n_threads > 0 ? n_threads : g.n_threads);
-        }
+        if (g.be->set_n_threads) g.be->set_n_threads(g.be->backend, n_threads > 0 ? n_threads : g.n_threads);
         if (g.gb) ggml_graph_reset(g.gb);  // loss grad = 1, other grads = 0
         st = ggml_backend_graph_compute(g.be->backend, run);
     }

@@ -7,7 +7,8 @@
 
 #include <ggml-backend.h>
 #ifdef LLAMABIND_HAS_RPC
-#include <ggml-rpc.h>
+#include <ggml-rpc.h>  // the function types; called through the RPC registry's proc addresses, which
+                       // works whether ggml-rpc is linked in or a loaded module (GGML_BACKEND_DL)
 #endif
 
 #include <cstring>
@@ -21,6 +22,13 @@ bool is_rpc_device(ggml_backend_dev_t dev) {
 }
 
 #ifdef LLAMABIND_HAS_RPC
+template <typename F> static F * rpc_fn(const char * name) {
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
+    void * p = reg ? ggml_backend_reg_get_proc_address(reg, name) : nullptr;
+    if (p == nullptr) throw LlamaError(std::string("the RPC backend is not loaded (") + name + ")");
+    return (F *) p;
+}
+
 static std::mutex rpc_mutex;
 static std::set<std::string> rpc_registered;  // endpoints whose devices are in ggml's registry
 
@@ -31,7 +39,7 @@ std::vector<ggml_backend_dev_t> rpc_connect(const std::string & endpoint) {
         nb::gil_scoped_release release;  // connects and asks the server for its devices
         std::lock_guard<std::mutex> lock(rpc_mutex);
         try {  // patch 0011: a failed connection throws instead of aborting
-            reg = ggml_backend_rpc_add_server(endpoint.c_str());
+            reg = rpc_fn<decltype(ggml_backend_rpc_add_server)>("ggml_backend_rpc_add_server")(endpoint.c_str());
             if (reg == nullptr) error = "RPC server " + endpoint + " reports no devices";
             else if (rpc_registered.insert(endpoint).second) ggml_backend_register(reg);
         } catch (const std::exception & e) {
@@ -56,8 +64,9 @@ static void rpc_serve(const std::string & endpoint, const std::string & cache_di
         devs.push_back(d);
     }
     if (devs.empty()) raise_value("rpc serve: no devices");
+    auto * start_server = rpc_fn<decltype(ggml_backend_rpc_start_server)>("ggml_backend_rpc_start_server");
     nb::gil_scoped_release release;  // serves until the process ends (or the socket cannot be opened)
-    ggml_backend_rpc_start_server(endpoint.c_str(), cache_dir.empty() ? nullptr : cache_dir.c_str(), n_threads,
+    start_server(endpoint.c_str(), cache_dir.empty() ? nullptr : cache_dir.c_str(), n_threads,
                                   devs.size(), devs.data());
 }
 #else

@@ -5,7 +5,7 @@
 
 #include <ggml-alloc.h>
 #include <ggml-backend.h>
-#include <ggml-cpu.h>
+#include <ggml-backend.h>
 #include <ggml.h>
 
 #include <nanobind/ndarray.h>
@@ -42,7 +42,8 @@ static Result run_graph(const F32In & in0, const F32In & in1, bool in0_is_output
     ggml_set_output(out);
     ggml_cgraph * gf = ggml_new_graph(ctx.get());
     ggml_build_forward_expand(gf, out);
-    std::unique_ptr<ggml_backend, decltype(&ggml_backend_free)> be(ggml_backend_cpu_init(), ggml_backend_free);
+    std::unique_ptr<ggml_backend, decltype(&ggml_backend_free)> be(
+        ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr), ggml_backend_free);
     std::unique_ptr<ggml_gallocr, decltype(&ggml_gallocr_free)> ga(
         ggml_gallocr_new(ggml_backend_get_default_buffer_type(be.get())), ggml_gallocr_free);
     if (!ggml_gallocr_alloc_graph(ga.get(), gf)) throw LlamaError("ggml_gallocr_alloc_graph failed");
