@@ -1,6 +1,7 @@
 // Context: a llama_context (KV cache, compute buffers, threads) on a Model, and llama_decode.
 #include "objects.h"
 
+#include <ggml-cpu.h>  // declarations only: the functions are reached by proc address
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -18,6 +19,13 @@
 #include <thread>
 
 namespace lb {
+
+// ggml-cpu's threadpool functions, by proc address of the CPU registry (a module under GGML_BACKEND_DL)
+template <typename F> static F * cpu_threadpool_fn(const char * name) {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    return cpu ? (F *) ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(cpu), name) : nullptr;
+}
+
 
 // --- Ctrl-C inside a decode. While any decode runs, a SIGINT handler sets g_interrupted and then
 // chains to the previous handler (Python's, which schedules KeyboardInterrupt). ggml's CPU backend
@@ -77,7 +85,7 @@ void Context::release() {
         ctx = nullptr;
     }
     if (threadpool) {
-        ggml_threadpool_free(threadpool);
+        if (auto * free_fn = cpu_threadpool_fn<decltype(ggml_threadpool_free)>("ggml_threadpool_free")) free_fn(threadpool);
         threadpool = nullptr;
     }
     if (owner) {
@@ -128,8 +136,10 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
     llama_set_abort_callback(c, abort_callback, nullptr);
     // A persistent CPU threadpool for this context (default params: poll 50), as llama-bench and
     // llama.cpp's common attach; without one ggml makes a disposable pool on every graph compute.
+    // (through the CPU registry's proc address: ggml-cpu may be a loaded module, as common does it)
     ggml_threadpool_params tpp = ggml_threadpool_params_default(std::max(n_threads, n_threads_batch));
-    self->threadpool = ggml_threadpool_new(&tpp);
+    auto * new_fn = cpu_threadpool_fn<decltype(ggml_threadpool_new)>("ggml_threadpool_new");
+    self->threadpool = new_fn ? new_fn(&tpp) : nullptr;
     if (self->threadpool) llama_attach_threadpool(c, self->threadpool, nullptr);
     self->ctx = c;
     self->owner = &model;
