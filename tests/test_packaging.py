@@ -96,3 +96,25 @@ def test_wheel_installs_into_a_fresh_venv_and_generates(tmp_path, model_path):
                        capture_output=True, text=True, timeout=300, env=run_env, cwd=tmp_path)
     assert g.returncode == 0, g.stderr[-2000:]
     assert "Paris" in g.stdout
+
+
+def test_sdist_builds_a_wheel_offline(tmp_path):
+    """`pip wheel <sdist>` with no package index and an empty llamabind cache: everything it compiles
+    (the patched llama.cpp included) is inside the sdist. Build requirements come from this environment
+    (--no-build-isolation), as on an offline machine that has them installed."""
+    code = ("import sys; sys.path.insert(0, 'tools'); import llamabind_build as b; "
+            f"print(b.build_sdist({str(tmp_path)!r}))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    sdist = tmp_path / p.stdout.strip().splitlines()[-1]
+    env = {**os.environ, "LLAMABIND_CACHE": str(tmp_path / "empty-cache"), "PIP_NO_INDEX": "1",
+           "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "LLAMABIND_BUILD_TOOLS": "OFF",
+           "TMPDIR": str(tmp_path / "tmp"), "CCACHE_BASEDIR": str(tmp_path)}  # pip unpacks below it: cache hits
+    (tmp_path / "tmp").mkdir()
+    w = subprocess.run([sys.executable, "-m", "pip", "wheel", str(sdist), "--no-deps", "--no-build-isolation",
+                        "--no-index", "--disable-pip-version-check", "-w", str(tmp_path / "wheels")],
+                       capture_output=True, text=True, env=env, timeout=3600, cwd=tmp_path)
+    assert w.returncode == 0, w.stderr[-3000:]
+    (whl,) = (tmp_path / "wheels").glob("llamabind-*.whl")
+    import zipfile
+    assert any(n.startswith("llamabind/_core") for n in zipfile.ZipFile(whl).namelist())

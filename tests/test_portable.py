@@ -124,3 +124,45 @@ def test_auditwheel_finds_a_manylinux_policy(portable_venv, tmp_path):
     (fixed,) = tmp_path.glob("*.whl")
     assert "manylinux_2_" in fixed.name
     print(f"\n{show.stdout.strip().splitlines()[0]}\nrepaired: {fixed.name}")
+
+
+def _python(version: str) -> str | None:
+    """An interpreter of that version: python3.X on PATH, or pyenv's."""
+    import glob
+
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    for exe in [shutil.which(f"python{version}"), *sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"))]:
+        if exe and subprocess.run([exe, "-c", "import venv, ensurepip"], capture_output=True).returncode == 0:
+            return exe
+    return None
+
+
+@pytest.mark.parametrize("version", ["3.10", "3.12", "3.13"])
+def test_wheel_for_each_python_version(version, tmp_path, model_path):
+    """requires-python >= 3.10: a wheel built by (and for) each CPython from 3.10 to 3.13 installs into a
+    fresh venv of that version and generates. (3.11 is the suite's own interpreter: test_packaging.)"""
+    exe = _python(version)
+    if exe is None:
+        pytest.skip(f"no python{version} here")
+    venv = tmp_path / "build-venv"
+    subprocess.run([exe, "-m", "venv", str(venv)], check=True, timeout=300)
+    py = venv / "bin" / "python"
+    i = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--upgrade", "pip",
+                        "scikit-build-core",
+                        "nanobind", "cmake", "ninja"], capture_output=True, text=True, timeout=900)
+    assert i.returncode == 0, i.stderr[-2000:]
+    env = {**os.environ, "LLAMABIND_BUILD_TOOLS": "OFF"}
+    env.pop("PYTHONPATH", None)
+    b = subprocess.run([str(py), "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                        "--disable-pip-version-check", "-w", str(tmp_path / "wheels"),
+                        "-Cbuild-dir=build/{wheel_tag}-matrix"], cwd=ROOT, capture_output=True, text=True,
+                       env=env, timeout=3600)
+    assert b.returncode == 0, b.stderr[-3000:]
+    (whl,) = (tmp_path / "wheels").glob("llamabind-*.whl")
+    assert f"cp{version.replace('.', '')}" in whl.name
+    i = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(whl)],
+                       capture_output=True, text=True, timeout=900)
+    assert i.returncode == 0, i.stderr[-2000:]
+    r = run_probe([str(py)], model_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Paris" in json.loads(r.stdout.strip().splitlines()[-1])["text"]
