@@ -73,6 +73,41 @@ def run_python(code: str, timeout: float = 120, **kw):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, **kw)
 
 
+# ---- wheels (test_packaging, test_portable): build one, install it into a new virtual environment
+
+def outside_env() -> dict:
+    """os.environ without what points at this checkout's environment (for installed-wheel runs)."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def build_wheel(out_dir: Path, *config: str, source: Path = ROOT, python: str = sys.executable,
+                env: dict | None = None, timeout: float = 3600) -> Path:
+    """`pip wheel source` (no deps, no build isolation, no tools) into out_dir; ``config`` are -C
+    settings (e.g. "-Cbuild-dir=build/x-{wheel_tag}"). Returns the wheel's path."""
+    import subprocess
+
+    env = {**outside_env(), "LLAMABIND_BUILD_TOOLS": "OFF", **(env or {})}
+    b = subprocess.run([python, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+                        "--disable-pip-version-check", "-w", str(out_dir), *config],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+    assert b.returncode == 0, b.stderr[-3000:]
+    (whl,) = Path(out_dir).glob("llamabind-*.whl")
+    return whl
+
+
+def new_venv(path: Path, *requirements: str, python: str = sys.executable) -> Path:
+    """A virtual environment at path with pip's requirements installed; returns its python."""
+    import subprocess
+
+    subprocess.run([python, "-m", "venv", str(path)], check=True, timeout=300)
+    py = path / "bin" / "python"
+    if requirements:
+        i = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *requirements],
+                           capture_output=True, text=True, timeout=900)
+        assert i.returncode == 0, i.stderr[-2000:]
+    return py
+
+
 # ---- GPU runs (tests/device/cuda_run.sh): LLAMABIND_TEST_BACKEND=cuda runs the op tests on that
 # device; each eager op call there is also run on the CPU and compared by NMSE (ops.check's metric),
 # and LLAMABIND_OPS_CHECK_OUT=FILE.json writes the op x dtype table. LLAMABIND_REQUIRE_GPU=1 turns

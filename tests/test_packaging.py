@@ -6,8 +6,11 @@ import re
 import subprocess
 import sys
 import tarfile
+import zipfile
 
-from conftest import ROOT, run_python
+import pytest
+
+from conftest import ROOT, build_wheel, new_venv, outside_env, run_python
 
 
 def test_readme_python_example_runs():
@@ -20,12 +23,18 @@ def test_readme_python_example_runs():
         assert r.stdout.strip()
 
 
-def test_sdist_carries_the_patched_tree_and_needs_no_registry(tmp_path):
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory):
+    """The sdist, made by the in-tree build backend (tools/llamabind_build: vendor sync, then scikit-build-core)."""
+    out = tmp_path_factory.mktemp("sdist")
     code = ("import sys; sys.path.insert(0, 'tools'); import llamabind_build as b; "
-            f"print(b.build_sdist({str(tmp_path)!r}))")
+            f"print(b.build_sdist({str(out)!r}))")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
-    sdist = tmp_path / p.stdout.strip().splitlines()[-1]
+    return out / p.stdout.strip().splitlines()[-1]
+
+
+def test_sdist_carries_the_patched_tree_and_needs_no_registry(sdist, tmp_path):
     top = sdist.name[: -len(".tar.gz")]
     with tarfile.open(sdist) as tar:
         names = set(tar.getnames())
@@ -63,15 +72,8 @@ def test_wheel_installs_into_a_fresh_venv_and_generates(tmp_path, model_path):
     virtual environment that has no build tools, then `python -m llamabind generate` on the default
     model. Also: what the wheel holds (the package only: no tests, upstream sources, docs or models)
     and its size, printed for the record."""
-    import zipfile
 
-    wheels = tmp_path / "wheels"
-    env = {**os.environ, "LLAMABIND_BUILD_TOOLS": "OFF"}
-    b = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
-                        "--disable-pip-version-check", "-w", str(wheels), "-Cbuild-dir=build/wheel-{wheel_tag}"],
-                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=3000)
-    assert b.returncode == 0, b.stderr[-3000:]
-    (whl,) = wheels.glob("llamabind-*.whl")
+    whl = build_wheel(tmp_path / "wheels", "-Cbuild-dir=build/wheel-{wheel_tag}")
     names = zipfile.ZipFile(whl).namelist()
     assert any(n.startswith("llamabind/_core") for n in names) and "llamabind/__main__.py" in names
     assert not [n for n in names if n.startswith(("tests/", "vendor/", "llamabind/bin/")) or n.endswith((".gguf", ".md"))
@@ -81,16 +83,11 @@ def test_wheel_installs_into_a_fresh_venv_and_generates(tmp_path, model_path):
     print(f"\n{whl.name}: {size_mb:.1f} MiB, installed {unpacked_mb:.1f} MiB")
     assert unpacked_mb < 40
 
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    py = venv / "bin" / "python"
-    i = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(whl)],
-                       capture_output=True, text=True, timeout=900)
-    assert i.returncode == 0, i.stderr[-2000:]
+    py = new_venv(tmp_path / "venv", str(whl))
     tools = subprocess.run([str(py), "-c", "import importlib.util as u; print([m for m in ('cmake', 'ninja', 'nanobind', "
                             "'scikit_build_core') if u.find_spec(m)])"], capture_output=True, text=True)
     assert tools.stdout.strip() == "[]", tools.stdout  # nothing to build with: the wheel must just run
-    run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    run_env = outside_env()
     run_env["LLAMABIND_CACHE"] = str(model_path.parent.parent.parent)  # the model already fetched
     g = subprocess.run([str(py), "-m", "llamabind", "generate", "The capital of France is", "-t", "0", "-n", "8"],
                        capture_output=True, text=True, timeout=300, env=run_env, cwd=tmp_path)
@@ -98,23 +95,12 @@ def test_wheel_installs_into_a_fresh_venv_and_generates(tmp_path, model_path):
     assert "Paris" in g.stdout
 
 
-def test_sdist_builds_a_wheel_offline(tmp_path):
+def test_sdist_builds_a_wheel_offline(sdist, tmp_path):
     """`pip wheel <sdist>` with no package index and an empty llamabind cache: everything it compiles
     (the patched llama.cpp included) is inside the sdist. Build requirements come from this environment
     (--no-build-isolation), as on an offline machine that has them installed."""
-    code = ("import sys; sys.path.insert(0, 'tools'); import llamabind_build as b; "
-            f"print(b.build_sdist({str(tmp_path)!r}))")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    sdist = tmp_path / p.stdout.strip().splitlines()[-1]
-    env = {**os.environ, "LLAMABIND_CACHE": str(tmp_path / "empty-cache"), "PIP_NO_INDEX": "1",
-           "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "LLAMABIND_BUILD_TOOLS": "OFF",
-           "TMPDIR": str(tmp_path / "tmp"), "CCACHE_BASEDIR": str(tmp_path)}  # pip unpacks below it: cache hits
     (tmp_path / "tmp").mkdir()
-    w = subprocess.run([sys.executable, "-m", "pip", "wheel", str(sdist), "--no-deps", "--no-build-isolation",
-                        "--no-index", "--disable-pip-version-check", "-w", str(tmp_path / "wheels")],
-                       capture_output=True, text=True, env=env, timeout=3600, cwd=tmp_path)
-    assert w.returncode == 0, w.stderr[-3000:]
-    (whl,) = (tmp_path / "wheels").glob("llamabind-*.whl")
-    import zipfile
+    whl = build_wheel(tmp_path / "wheels", "--no-index", source=sdist, env={
+        "LLAMABIND_CACHE": str(tmp_path / "empty-cache"), "PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+        "TMPDIR": str(tmp_path / "tmp"), "CCACHE_BASEDIR": str(tmp_path)})  # pip unpacks below it: cache hits
     assert any(n.startswith("llamabind/_core") for n in zipfile.ZipFile(whl).namelist())

@@ -17,7 +17,7 @@ import zipfile
 
 import pytest
 
-from conftest import ROOT
+from conftest import build_wheel, new_venv, outside_env
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux", reason="x86-64 Linux only")]
@@ -47,25 +47,14 @@ def qemu() -> str:
 @pytest.fixture(scope="module")
 def portable_venv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("portable")
-    env = {**os.environ, "LLAMABIND_BUILD_TOOLS": "OFF"}
-    b = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
-                        "--disable-pip-version-check", "-w", str(tmp / "wheels"),
-                        "-Cbuild-dir=build/portable-{wheel_tag}", "-Ccmake.define.LLAMABIND_PORTABLE=ON"],
-                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=5400)
-    assert b.returncode == 0, b.stderr[-3000:]
-    (whl,) = (tmp / "wheels").glob("llamabind-*.whl")
-    venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    py = venv / "bin" / "python"
-    i = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(whl)],
-                       capture_output=True, text=True, timeout=900)
-    assert i.returncode == 0, i.stderr[-2000:]
+    whl = build_wheel(tmp / "wheels", "-Cbuild-dir=build/portable-{wheel_tag}", "-Ccmake.define.LLAMABIND_PORTABLE=ON",
+                      timeout=5400)
+    py = new_venv(tmp / "venv", str(whl))
     return whl, py
 
 
 def run_probe(cmd: list[str], model_path, timeout=900) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return subprocess.run([*cmd, "-c", PROBE, str(model_path)], capture_output=True, text=True, env=env,
+    return subprocess.run([*cmd, "-c", PROBE, str(model_path)], capture_output=True, text=True, env=outside_env(),
                           timeout=timeout, cwd="/")
 
 
@@ -144,21 +133,9 @@ def test_wheel_for_each_python_version(version, tmp_path, model_path):
     exe = _python(version)
     if exe is None:
         pytest.skip(f"no python{version} here")
-    venv = tmp_path / "build-venv"
-    subprocess.run([exe, "-m", "venv", str(venv)], check=True, timeout=300)
-    py = venv / "bin" / "python"
-    i = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--upgrade", "pip",
-                        "scikit-build-core",
-                        "nanobind", "cmake", "ninja"], capture_output=True, text=True, timeout=900)
-    assert i.returncode == 0, i.stderr[-2000:]
-    env = {**os.environ, "LLAMABIND_BUILD_TOOLS": "OFF"}
-    env.pop("PYTHONPATH", None)
-    b = subprocess.run([str(py), "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
-                        "--disable-pip-version-check", "-w", str(tmp_path / "wheels"),
-                        "-Cbuild-dir=build/{wheel_tag}-matrix"], cwd=ROOT, capture_output=True, text=True,
-                       env=env, timeout=3600)
-    assert b.returncode == 0, b.stderr[-3000:]
-    (whl,) = (tmp_path / "wheels").glob("llamabind-*.whl")
+    py = new_venv(tmp_path / "build-venv", "--upgrade", "pip", "scikit-build-core", "nanobind", "cmake", "ninja",
+                  python=exe)
+    whl = build_wheel(tmp_path / "wheels", "-Cbuild-dir=build/{wheel_tag}-matrix", python=str(py))
     assert f"cp{version.replace('.', '')}" in whl.name
     i = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(whl)],
                        capture_output=True, text=True, timeout=900)
