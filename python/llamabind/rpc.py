@@ -48,6 +48,21 @@ def _endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _join(host: str, port: int) -> str:
+    """The endpoint "host:port" (an IPv6 host in brackets); ValueError if it is not a valid one."""
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    _endpoint(endpoint)
+    return endpoint
+
+
+NO_RPC = "this llamabind build has no RPC backend (build with CMAKE_ARGS=-DGGML_RPC=ON)"
+
+
+def _require_rpc() -> None:
+    if not getattr(_core, "HAS_RPC", False):
+        raise _core.LlamaError(NO_RPC)
+
+
 def connect(endpoint: str) -> list[str]:
     """Connect to the RPC server at ``endpoint`` ("host:port") and add its devices to this process's
     ggml device list (:func:`llamabind.devices`, :func:`llamabind.ops.devices`); returns their names
@@ -58,8 +73,7 @@ def connect(endpoint: str) -> list[str]:
     ggml_backend_rpc_add_server and ggml_backend_register.
     """
     _endpoint(endpoint)
-    if not getattr(_core, "HAS_RPC", False):
-        raise _core.LlamaError("this llamabind build has no RPC backend (build with CMAKE_ARGS=-DGGML_RPC=ON)")
+    _require_rpc()
     return list(_core.rpc_connect(endpoint))
 
 
@@ -121,11 +135,9 @@ def serve(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, device: str | li
     ``timeout`` seconds). Runs ``python -m llamabind rpc-server`` (ggml_backend_rpc_start_server)
     in a child process: the serving loop never returns, so it is not run in this interpreter.
     """
-    endpoint = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-    _endpoint(endpoint)
+    endpoint = _join(host, port)
     check_host(host)
-    if not getattr(_core, "HAS_RPC", False):
-        raise _core.LlamaError("this llamabind build has no RPC backend (build with CMAKE_ARGS=-DGGML_RPC=ON)")
+    _require_rpc()
     cmd = [sys.executable, "-m", "llamabind", "rpc-server", "--host", host, "--port", str(port), "--quiet-warning"]
     for d in [device] if isinstance(device, str) else (device or []):
         cmd += ["--device", d]
@@ -165,26 +177,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
     ap.add_argument("--quiet-warning", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    endpoint = f"{args.host}:{args.port}" if ":" not in args.host else f"[{args.host}]:{args.port}"
     try:
-        _endpoint(endpoint)
+        endpoint = _join(args.host, args.port)
     except ValueError as e:
         ap.error(str(e))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         check_host(args.host)
-    for w in caught:
+    for w in caught if not args.quiet_warning else ():  # serve() has warned its caller already
         print(f"warning: {w.message}", file=sys.stderr)
     if not getattr(_core, "HAS_RPC", False):
-        print("error: this llamabind build has no RPC backend (build with CMAKE_ARGS=-DGGML_RPC=ON)", file=sys.stderr)
+        print(f"error: {NO_RPC}", file=sys.stderr)
         return 2
     from .build import devices
+    from .model import _default_threads
 
-    local = [d for d in devices() if not d["name"].startswith("RPC")]
+    local = [d for d in devices() if d["backend"] != "RPC"]
     names = args.device or ([d["name"] for d in local if d["type"] != "cpu"] or [d["name"] for d in local if d["type"] == "cpu"])
     if args.cache_dir:
         os.makedirs(args.cache_dir, exist_ok=True)
-    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    threads = args.threads or _default_threads()
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # the C++ loop never returns to Python: let Ctrl-C end it
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:

@@ -464,6 +464,12 @@ static void seq_cp(Context & self, int64_t src, int64_t dst, int64_t p0, int64_t
     llama_memory_seq_cp(mem, (llama_seq_id) src, (llama_seq_id) dst, (llama_pos) p0, (llama_pos) p1);
 }
 
+static void seq_keep(Context & self, int64_t seq) {
+    llama_memory_t mem = memory(self, seq);
+    BusyGuard guard(self);
+    llama_memory_seq_keep(mem, (llama_seq_id) seq);
+}
+
 static nb::bytes state_get(Context & self) {
     llama_context * c = self.get();
     BusyGuard guard(self);
@@ -654,7 +660,7 @@ void register_context(nb::module_ & m) {
              "Remove positions [p0, p1) of a sequence (-1: all sequences / open end). Wraps llama_memory_seq_rm.")
         .def("seq_cp", &seq_cp, nb::arg("src"), nb::arg("dst"), nb::arg("p0") = -1, nb::arg("p1") = -1,
              "Share positions [p0, p1) of sequence src with dst (llama_memory_seq_cp).")
-        .def("seq_keep", [](Context & s, int64_t seq) { llama_memory_seq_keep(memory(s, seq), (llama_seq_id) seq); }, nb::arg("seq_id"))
+        .def("seq_keep", &seq_keep, nb::arg("seq_id"), "Drop every sequence but seq_id (llama_memory_seq_keep).")
         .def("state_get", &state_get, "The whole context state as bytes (llama_state_get_data).")
         .def("state_set", &state_set, nb::arg("data"), "Restore a state from state_get (llama_state_set_data).")
         .def("state_save_file", &state_save_file, nb::arg("path"), nb::arg("tokens"))

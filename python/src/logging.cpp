@@ -37,26 +37,25 @@ static bool is_finalizing() {
 // very thread (seen: devices() asking a dead RPC server while its dispatcher logged the failure).
 static std::mutex g_pending_mutex;
 static std::deque<std::pair<int, std::string>> g_pending;
+static std::atomic<bool> g_has_pending{false};  // flush_logs() runs after every decode: no lock when empty
 
 static void call_handler(int level, const std::string & line);
 
-static void flush_pending_locked_gil() {
+static void flush_pending_with_gil() {
     std::deque<std::pair<int, std::string>> lines;
     {
         std::lock_guard<std::mutex> lock(g_pending_mutex);
         lines.swap(g_pending);
+        g_has_pending = false;
     }
     for (auto & [level, line] : lines) call_handler(level, line);
 }
 
 void flush_logs() {
-    {
-        std::lock_guard<std::mutex> lock(g_pending_mutex);
-        if (g_pending.empty()) return;
-    }
+    if (!g_has_pending.load(std::memory_order_acquire)) return;
     if (!Py_IsInitialized() || is_finalizing()) return;
     PyGILState_STATE st = PyGILState_Ensure();
-    flush_pending_locked_gil();
+    flush_pending_with_gil();
     PyGILState_Release(st);
 }
 
@@ -70,10 +69,11 @@ static void emit(int level, const std::string & line) {
     if (PyGILState_GetThisThreadState() == nullptr) {  // a thread Python does not know: never block
         std::lock_guard<std::mutex> lock(g_pending_mutex);
         if (g_pending.size() < 1000) g_pending.emplace_back(level, line);
+        g_has_pending = true;
         return;
     }
     PyGILState_STATE st = PyGILState_Ensure();
-    flush_pending_locked_gil();
+    flush_pending_with_gil();
     call_handler(level, line);
     PyGILState_Release(st);
 }

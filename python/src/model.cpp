@@ -157,17 +157,30 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
         raise_value("split_mode must be 0 (none), 1 (layer), 2 (row) or 3 (tensor); got " + std::to_string(split_mode));
     }
     p.split_mode = (enum llama_split_mode) split_mode;
-    size_t n_gpu = 0;
-    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
-        const auto t = ggml_backend_dev_type(ggml_backend_dev_get(i));
-        if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) n_gpu++;
+    // The devices the model may use: the local GPUs, then those of the RPC servers named here.
+    // Servers that other models connected to stay in ggml's registry, so once any is there the
+    // list is passed explicitly (otherwise llama.cpp takes every GPU-type device, which is the same).
+    std::vector<ggml_backend_dev_t> devices, rpc_devs;
+    for (const auto & ep : rpc) {
+        for (auto * d : rpc_connect(ep)) rpc_devs.push_back(d);
     }
+    bool any_rpc = !rpc_devs.empty();
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t d = ggml_backend_dev_get(i);
+        const auto t = ggml_backend_dev_type(d);
+        if (is_rpc_device(d)) any_rpc = true;
+        else if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) devices.push_back(d);
+    }
+    devices.insert(devices.end(), rpc_devs.begin(), rpc_devs.end());
+    const size_t n_gpu = devices.size();  // what tensor_split and main_gpu index
+    devices.push_back(nullptr);
+    if (any_rpc) p.devices = devices.data();
     const int n_dev = (int) llama_max_devices();
     std::vector<float> split(std::max<size_t>(n_dev, tensor_split.size()), 0.0f);
     if (!tensor_split.empty()) {
         if ((int) tensor_split.size() > n_dev || (n_gpu > 0 && tensor_split.size() > n_gpu)) {
-            raise_value("tensor_split has " + std::to_string(tensor_split.size()) + " entries; there are " +
-                        std::to_string(n_gpu) + " GPU devices (at most " + std::to_string(n_dev) + " in this build)");
+            raise_value("tensor_split has " + std::to_string(tensor_split.size()) + " entries; the model has " +
+                        std::to_string(n_gpu) + " GPU/RPC devices (at most " + std::to_string(n_dev) + " in this build)");
         }
         float sum = 0.0f;
         for (size_t i = 0; i < tensor_split.size(); ++i) {
@@ -182,22 +195,6 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
         raise_value("main_gpu must be in [0, " + std::to_string(std::max<size_t>(n_gpu, 1)) + "); got " + std::to_string(main_gpu));
     }
     p.main_gpu = main_gpu;
-    // Devices: the local GPUs, then the devices of the RPC servers named here. Servers that other
-    // models connected to stay in ggml's registry, so once any is there the list is explicit.
-    std::vector<ggml_backend_dev_t> rpc_devs, devices;
-    for (const auto & ep : rpc) {
-        for (auto * d : rpc_connect(ep)) rpc_devs.push_back(d);
-    }
-    bool any_rpc = !rpc_devs.empty();
-    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
-        ggml_backend_dev_t d = ggml_backend_dev_get(i);
-        const auto t = ggml_backend_dev_type(d);
-        if (is_rpc_device(d)) any_rpc = true;
-        else if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) devices.push_back(d);
-    }
-    devices.insert(devices.end(), rpc_devs.begin(), rpc_devs.end());
-    devices.push_back(nullptr);
-    if (any_rpc) p.devices = devices.data();
     Progress prog;
     if (!progress.is_none()) {
         if (!PyCallable_Check(progress.ptr())) raise_type("progress must be a callable(float) or None");
