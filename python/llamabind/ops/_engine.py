@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import _core
+from ..build import devices  # one list for models and ops (RPC devices included)
 
 try:  # bfloat16 for numpy
     import ml_dtypes
@@ -55,12 +56,6 @@ def dtype_name(dtype) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # devices
-
-
-def devices() -> list[dict]:
-    """Backend devices of this build: dicts with name, description, type ('cpu', 'gpu', ...),
-    backend, memory_free and memory_total (bytes)."""
-    return _core.devices()
 
 
 _default_backend: contextvars.ContextVar[str] = contextvars.ContextVar("llamabind_ops_backend", default="cpu")
