@@ -47,8 +47,12 @@ def single(model_path):
     {"split_mode": "layer", "tensor_split": [1, 3], "main_gpu": 1},
     {"split_mode": "tensor", "tensor_split": [1, 1]},
     {"split_mode": "tensor", "tensor_split": [1, 1], "main_gpu": 1},
+    {"split_mode": "tensor", "tensor_split": [1, 1], "f32_allreduce": True},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
-def test_split_matches_single_gpu(model_path, single, kw):
+def test_split_matches_single_gpu(model_path, single, kw, monkeypatch):
+    kw = dict(kw)
+    if kw.pop("f32_allreduce", False):  # read by ggml-cuda when the model's all-reduce pipeline starts
+        monkeypatch.setenv("GGML_CUDA_AR_BF16_THRESHOLD", "0")
     tokens, taken, logits = greedy(model_path, **kw)
     size = os.path.getsize(model_path)
     if kw["split_mode"] == "none":
@@ -56,10 +60,13 @@ def test_split_matches_single_gpu(model_path, single, kw):
     else:  # both GPUs hold a real share of the weights
         assert min(taken[:2]) > 0.1 * size, taken
     if kw["split_mode"] == "tensor":
-        # tensor parallelism all-reduces partial sums across the GPUs: another summation order,
-        # so the logits agree to rounding and greedy text may part at a near tie (seen on two
-        # H200s at the 9th token). A wrong split would be far off.
-        assert ops.nmse(logits, single[1]) < 1e-5
+        # Tensor parallelism all-reduces partial sums across the GPUs. ggml-cuda's 2-GPU all-reduce
+        # sends F32 activations as BF16 by default (GGML_CUDA_AR_BF16_THRESHOLD=1, allreduce.cu), so
+        # the logits carry bf16 rounding from every layer: NMSE 6.7e-4 measured on two H200s
+        # (SmolLM2 Q4_1). With the F32 wire only the summation order differs. A split that lost a
+        # shard's partial sums would be off by O(1).
+        limit = 1e-5 if os.environ.get("GGML_CUDA_AR_BF16_THRESHOLD") == "0" else 1e-2
+        assert ops.nmse(logits, single[1]) < limit
         assert tokens[:4] == single[0][:4]
     else:  # layer split: each layer computed whole on one GPU, bit-identical
         assert tokens == single[0]

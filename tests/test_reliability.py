@@ -18,16 +18,12 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import llamabind
 from llamabind import ops
 from conftest import ROOT, VENDOR, run_python
+from memory import growth, rss_kib, snapshot
 
 sys.path.insert(0, str(ROOT / "tests" / "fuzz"))
 import gguf_fuzz  # noqa: E402
 
 CRASHES = ROOT / "tests" / "fuzz" / "crashes"
-
-
-def rss_kib() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
 @pytest.fixture(scope="module")
@@ -157,13 +153,12 @@ def test_no_leak_over_load_generate_close_cycles(model_path):
             m.generate("Hi", max_tokens=2, temperature=0)
     for _ in range(10):
         cycle()
-    start = rss_kib()
+    start = snapshot()
     for _ in range(200):
         cycle()
-    drift = (rss_kib() - start) / 1024
-    # Open on CUDA: full offload on an H200 measured 10.5 MB and 52.4 MB over 200 cycles (two runs;
-    # host memory per CUDA model load, not yet located). The limit stays: a leak is a leak.
-    assert drift < 10, f"RSS grew by {drift:.1f} MB over 200 cycles"
+    g = growth(start, snapshot())
+    # the message says where it grew: heap in use (malloc'ed, not freed) or another mapping
+    assert g["rss_mb"] < 10, f"RSS grew by {g['rss_mb']:.1f} MB over 200 cycles: {g}"
 
 
 @rss_meaningful

@@ -19,6 +19,15 @@ from llamabind import _core, ops, rpc
 
 pytestmark = pytest.mark.skipif(not getattr(_core, "HAS_RPC", False), reason="build without GGML_RPC")
 PROMPT = "The capital of France is"
+# The servers compute on their CPUs. On a GPU build the comparisons are CPU against CPU: the local
+# reference is a CPU model, and the RPC models put no layer on the local GPUs (tensor_split 0 there).
+LOCAL_GPUS = sum(d["type"] == "gpu" and d["backend"] != "RPC" for d in llamabind.devices())
+LOCAL_CPU = {"n_gpu_layers": 0, "op_offload": False} if LOCAL_GPUS else {}
+
+
+def only_rpc(n_servers: int) -> dict:
+    """Model kwargs that put every offloaded layer on the RPC servers (the local GPUs come first)."""
+    return {"tensor_split": [0] * LOCAL_GPUS + [1] * n_servers, "op_offload": False} if LOCAL_GPUS else {}
 
 
 def free_port() -> int:
@@ -37,13 +46,13 @@ def servers():
 
 @pytest.fixture(scope="module")
 def local_tokens(model_path):
-    with llamabind.Model(model_path, n_ctx=256, n_threads=2) as m:
+    with llamabind.Model(model_path, n_ctx=256, n_threads=2, **LOCAL_CPU) as m:
         return m.generate(PROMPT, max_tokens=32, temperature=0).tokens
 
 
 def test_two_servers_and_the_local_cpu_match_local_greedy(model_path, servers, local_tokens, caplog):
     caplog.set_level("DEBUG", logger="llamabind.native")
-    with llamabind.Model(model_path, n_ctx=256, n_threads=2, rpc=[s.endpoint for s in servers]) as m:
+    with llamabind.Model(model_path, n_ctx=256, n_threads=2, rpc=[s.endpoint for s in servers], **only_rpc(2)) as m:
         load_log = caplog.text
         assert m.generate(PROMPT, max_tokens=32, temperature=0).tokens == local_tokens
     # llama.cpp's loader put weights on both servers' devices
@@ -71,7 +80,11 @@ def test_cli_generate_over_two_servers_matches_local(model_path):
         assert r.returncode == 0, r.stderr
         return r.stdout
     with rpc.serve(port=free_port(), device="CPU", threads=1) as a, rpc.serve(port=free_port(), device="CPU", threads=1) as b:
-        assert cli("--rpc", a.endpoint, "--rpc", b.endpoint) == cli()
+        if LOCAL_GPUS:  # CPU against CPU (the prompt is under ggml-cuda's 32-token op-offload batch)
+            ts = ",".join(["0"] * LOCAL_GPUS + ["1", "1"])
+            assert cli("--rpc", a.endpoint, "--rpc", b.endpoint, "--tensor-split", ts) == cli("-ngl", "0")
+        else:
+            assert cli("--rpc", a.endpoint, "--rpc", b.endpoint) == cli()
 
 
 def test_unreachable_server_raises(model_path):
@@ -213,7 +226,7 @@ def test_servers_in_network_namespaces_match_local(model_path, netns_hosts, loca
                     break
                 except OSError:
                     time.sleep(0.05)
-        with llamabind.Model(model_path, n_ctx=256, n_threads=2, rpc=eps) as m:
+        with llamabind.Model(model_path, n_ctx=256, n_threads=2, rpc=eps, **only_rpc(len(eps))) as m:
             assert m.generate(PROMPT, max_tokens=32, temperature=0).tokens == local_tokens
     finally:
         for p in procs:
@@ -227,7 +240,7 @@ def test_cache_dir_keeps_large_tensors_by_hash(model_path, tmp_path, local_token
     stored on the server by hash, and a second load over a fresh connection still generates the same."""
     with rpc.serve(port=free_port(), device="CPU", threads=1, cache_dir=tmp_path / "cache") as s:
         for _ in range(2):
-            with llamabind.Model(model_path, n_ctx=256, n_threads=2, rpc=[s.endpoint]) as m:
+            with llamabind.Model(model_path, n_ctx=256, n_threads=2, rpc=[s.endpoint], **only_rpc(1)) as m:
                 assert m.generate(PROMPT, max_tokens=32, temperature=0).tokens == local_tokens
         cached = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
         assert cached and max(p.stat().st_size for p in cached) > 10 * 2**20

@@ -8,11 +8,28 @@ import sys
 DEFAULT_PROMPT = "The three most useful things to know about the Python programming language are"
 
 
+def _model_kwargs(args) -> dict:
+    """The Model(...) arguments the generate and chat commands share."""
+    kw = dict(n_ctx=args.n_ctx, n_threads=args.threads, rpc=args.rpc, n_gpu_layers=args.n_gpu_layers)
+    if args.split_mode is not None:
+        kw["split_mode"] = args.split_mode
+    if args.tensor_split is not None:
+        kw["tensor_split"] = args.tensor_split
+    return kw
+
+
+def _proportions(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 3,1; got {text!r}") from None
+
+
 def _generate(args) -> int:
     from . import Model, models
 
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, rpc=args.rpc, n_gpu_layers=args.n_gpu_layers) as m:
+    with Model(args.model, **_model_kwargs(args)) as m:
         stream = m.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=True)
         out = sys.stdout
@@ -41,8 +58,7 @@ def _chat(args) -> int:
     from . import Model
 
     interactive = sys.stdin.isatty()
-    with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, progress=args.progress and interactive,
-               rpc=args.rpc, n_gpu_layers=args.n_gpu_layers) as m:
+    with Model(args.model, progress=args.progress and interactive, **_model_kwargs(args)) as m:
         history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         while True:
             try:
@@ -122,6 +138,10 @@ def main(argv=None) -> int:
         p.add_argument("--rpc", action="append", default=None, metavar="HOST:PORT",
                        help="also use the devices of this RPC server (repeatable; see rpc-server)")
         p.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
+        p.add_argument("--split-mode", "-sm", choices=["none", "layer", "row", "tensor"], default=None,
+                       help="how several devices share the model (default: layer)")
+        p.add_argument("--tensor-split", "-ts", type=_proportions, default=None, metavar="P0,P1,...",
+                       help="share of the model per device, in the order `info` lists GPUs then RPC devices")
 
     g = sub.add_parser("generate", help="stream a continuation of PROMPT")
     g.add_argument("prompt", nargs="?", help="the prompt (default: a short example prompt)")

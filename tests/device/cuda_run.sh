@@ -10,7 +10,7 @@
 # ops:    builds (setup.sh), then the op tests with every op on CUDA0 (LLAMABIND_TEST_BACKEND=cuda:
 #         each call checked against the CPU by NMSE, table in ops-check.json), gradients on CUDA0,
 #         the GPU-vs-CPU tests; measures the memory bandwidth; starts writing the random-weight
-#         models in the background for the bench call: micro (F16) and LB_BENCH_SIZES (default 1b;
+#         models in the background for the bench call: micro (F16) and LB_BENCH_SIZES (default 1b, empty for none;
 #         "1b 8b" for the 8b-shape rows too) x LB_BENCH_TYPES (default q4_0 q8_0 f16).
 # models: joins SmolLM2 (sha256-checked) into the llamabind cache and runs the whole test suite with
 #         the model fully offloaded (n_gpu_layers=-1 is the default), multi-GPU split tests included;
@@ -40,7 +40,7 @@ ops)
   cp .device/smollm2.part-a .device/tokenizer.gguf /tmp/
   # random-weight models for the bench call, written in the background: micro (per-call cost) and 1B
   [ -d $MODELS ] || (mkdir -p $MODELS && setsid bash -c "python3 bench/make_model.py --size micro --type f16 -o $MODELS/llama-micro-f16.gguf \
-      --tokenizer-from /tmp/tokenizer.gguf && for q in ${LB_BENCH_TYPES:-q4_0 q8_0 f16}; do for s in ${LB_BENCH_SIZES:-1b}; do \
+      --tokenizer-from /tmp/tokenizer.gguf && for q in ${LB_BENCH_TYPES-q4_0 q8_0 f16}; do for s in ${LB_BENCH_SIZES-1b}; do \
       python3 bench/make_model.py --size \$s --type \$q -o $MODELS/llama-\$s-\$q.gguf --tokenizer-from /tmp/tokenizer.gguf; \
       done; done > $MODELS/make.log 2>&1; touch $MODELS/done" < /dev/null &)
   python3 bench/gpu_bandwidth.py --out "$OUT/bandwidth.json"
@@ -68,10 +68,30 @@ models)
     --deselect tests/test_packaging.py::test_wheel_installs_into_a_fresh_venv_and_generates \
     -k "not upstream_tokenizer_vectors and not four_named_vocabularies and not duplicate_token_texts" --durations=10 2>&1 | tee "$OUT/tests.log" | tail -80
   echo "test suite in $((SECONDS - t0)) s"
+  ;&
+rss)
+  f=$LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
   # where host memory grows over CUDA load/generate/close cycles: binding vs llama.h alone, heap vs mappings
   t0=$SECONDS
   python3 tests/device/rss_probe.py $f --cycles 200 --build-dir $(ls -d build/cp3*-linux_x86_64 | head -1) --out "$OUT/rss-probe.json"
   echo "RSS probe in $((SECONDS - t0)) s"
+  ;;
+cost)
+  # per-call cost of a single-token decode: llama-bench, llama.h alone (settings one at a time), llamabind
+  until [ -f $MODELS/llama-micro-f16.gguf ]; do sleep 2; done; sleep 2
+  python3 tests/device/decode_cost.py $MODELS/llama-micro-f16.gguf --build-dir $(ls -d build/cp3*-linux_x86_64 | head -1) \
+    --out "$OUT/decode-cost.json"
+  ;;
+leak)
+  # the RSS test alone, without pytest's log capture, and after the multi-GPU tests; then the two
+  # test files changed for GPU builds (multi-GPU tensor split, RPC against CPU references)
+  f=$LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+  [ -f $f ] || { mkdir -p "$(dirname $f)"; cat /tmp/smollm2.part-a .device-b/smollm2.part-b > $f; }
+  T=tests/test_reliability.py::test_no_leak_over_load_generate_close_cycles
+  for extra in "" "-p no:logging" "tests/test_multi_gpu.py"; do
+    echo "== $T $extra"; python3 -m pytest $PYTEST_ARGS $extra $T 2>&1 | grep -E "RSS grew|passed|failed" | cut -c1-600
+  done
+  LLAMABIND_REQUIRE_GPU=1 python3 -m pytest $PYTEST_ARGS tests/test_multi_gpu.py tests/test_rpc.py 2>&1 | tee "$OUT/tests-multi-gpu-rpc.log" | grep -E "^E  |passed|failed" | head -40
   ;;
 bench)
   bw=$(python3 -c "import json; print(json.load(open('/tmp/bandwidth.json'))['bandwidth_gbs'])")

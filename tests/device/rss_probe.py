@@ -18,51 +18,15 @@ after malloc_trim(0), and (Python runs) which mappings of /proc/self/smaps grew:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def rss_kib() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * (os.sysconf("SC_PAGESIZE") // 1024)
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-
-_libc = ctypes.CDLL("libc.so.6")
-_libc.mallinfo2.restype = _Mallinfo2
-
-
-def heap_bytes() -> int:
-    mi = _libc.mallinfo2()
-    return mi.uordblks + mi.hblkhd
-
-
-_HEADER = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
-
-
-def smaps_rss_kib() -> dict[str, int]:
-    """RSS by mapping: the file's name, [heap], [stack], or [anon]."""
-    out: dict[str, int] = {}
-    name = "[anon]"
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            if _HEADER.match(line):
-                parts = line.split(maxsplit=5)
-                name = os.path.basename(parts[5].strip()) if len(parts) > 5 and parts[5].strip() else "[anon]"
-            elif line.startswith("Rss:"):
-                out[name] = out.get(name, 0) + int(line.split()[1])
-    return out
+sys.path.insert(0, str(ROOT / "tests"))
+from memory import growth, malloc_trim, rss_kib, snapshot  # noqa: E402
 
 
 def worker(model: str, mode: str, ngl: int, cycles: int) -> dict:
@@ -75,31 +39,29 @@ def worker(model: str, mode: str, ngl: int, cycles: int) -> dict:
 
     for _ in range(10):
         cycle()
-    rss0, heap0, maps0 = rss_kib(), heap_bytes(), smaps_rss_kib()
+    start = snapshot()
     trace = []
     for i in range(1, cycles + 1):
         cycle()
         if i % 25 == 0:
-            trace.append([i, rss_kib(), heap_bytes()])
-    rss1, heap1, maps1 = rss_kib(), heap_bytes(), smaps_rss_kib()
-    _libc.malloc_trim(0)
-    grew = {k: round((maps1.get(k, 0) - maps0.get(k, 0)) / 1024, 2) for k in set(maps0) | set(maps1)}
-    return {"drift_rss_mb": round((rss1 - rss0) / 1024, 2), "drift_heap_mb": round((heap1 - heap0) / 2**20, 2),
-            "drift_rss_after_trim_mb": round((rss_kib() - rss0) / 1024, 2), "trace": trace,
-            "smaps_growth_mb": {k: v for k, v in sorted(grew.items(), key=lambda kv: -abs(kv[1])) if abs(v) >= 0.5}}
+            trace.append([i, rss_kib()])
+    g = growth(start, snapshot())
+    malloc_trim()
+    return {"drift_rss_mb": g["rss_mb"], "drift_heap_mb": g["heap_mb"], "smaps_growth_mb": g["maps_mb"],
+            "drift_rss_after_trim_mb": round((rss_kib() - start["rss_kib"]) / 1024, 2), "trace": trace}
 
 
-def build_native(build_dir: Path) -> Path:
-    """Links tests/device/load_cycles.cpp against the static libraries of the llamabind build."""
-    exe = Path("/tmp/load_cycles")
-    libs = sorted(str(p) for p in (build_dir / "llama.cpp").rglob("lib*.a")
-                  if p.name.startswith(("libllama.a", "libggml")))
-    cuda = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "lib64"
-    cuda_libs = [f"-L{cuda}", f"-L{cuda}/stubs", "-lcudart", "-lcublas", "-lcublasLt", "-lcuda"] \
-        if any("ggml-cuda" in lib for lib in libs) else []
-    cmd = ["g++", "-O2", "-o", str(exe), str(ROOT / "tests/device/load_cycles.cpp"),
+def build_native(build_dir: Path, source: str = "load_cycles.cpp") -> Path:
+    """Links tests/device/SOURCE with the libraries CMake linked _core with (build.ninja)."""
+    exe = Path("/tmp") / Path(source).stem
+    lines = (build_dir / "build.ninja").read_text().split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("build _core"))
+    libs = next(ln for ln in lines[start:] if ln.strip().startswith("LINK_LIBRARIES")).split("=", 1)[1].split()
+    libs = [str(build_dir / x) if x.endswith(".a") and not x.startswith("/") else x
+            for x in libs if "nanobind" not in x]
+    cmd = ["g++", "-O2", "-o", str(exe), str(ROOT / "tests/device" / source),
            f"-I{ROOT}/vendor/llama.cpp/include", f"-I{ROOT}/vendor/llama.cpp/ggml/include",
-           "-Wl,--start-group", *libs, "-Wl,--end-group", *cuda_libs, "-fopenmp", "-lpthread", "-ldl", "-lrt"]
+           "-Wl,--start-group", *libs, "-Wl,--end-group", "-lpthread", "-ldl"]
     subprocess.run(cmd, check=True)
     return exe
 
