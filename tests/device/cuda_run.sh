@@ -31,6 +31,10 @@ MODELS=/tmp/lb-models
 # the image's pytest plugins are not autoloaded (one of them crashed the interpreter at start-up)
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 PYTEST_ARGS="-q -p no:cacheprovider -p _hypothesis_pytestplugin -rs"
+# left out of the suite here: test_embeddings (builds a side venv from PyPI), the sdist, vendor and
+# wheel-building tests (PyPI, other Pythons, the untrimmed upstream tree), upstream's vocab GGUFs and
+# chat templates (not carried), the notebook (nbformat is not in the image); the op tests run in "ops"
+SUITE_EXCLUDES=(--ignore=tests/test_embeddings.py --ignore=tests/test_ops.py --ignore=tests/test_ops_grad.py --ignore=tests/test_vendor.py --deselect tests/test_packaging.py::test_sdist_carries_the_patched_tree_and_needs_no_registry --deselect tests/test_packaging.py::test_ops_notebook_executes --deselect tests/test_chat.py::test_tool_call_parsing_with_a_tool_template --ignore=tests/test_portable.py --deselect tests/test_packaging.py::test_sdist_builds_a_wheel_offline --deselect tests/test_packaging.py::test_wheel_installs_into_a_fresh_venv_and_generates -k "not upstream_tokenizer_vectors and not four_named_vocabularies and not duplicate_token_texts")
 {
 nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
 source tests/device/setup.sh
@@ -57,16 +61,7 @@ models)
   cat /tmp/smollm2.part-a .device-b/smollm2.part-b > $f
   sha256sum $f | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 && echo "SmolLM2 sha256 ok"
   t0=$SECONDS
-  # left out: test_embeddings (builds a side venv from PyPI), the sdist and vendor tests (PyPI, and
-  # the untrimmed upstream tree), upstream's vocab GGUFs and chat templates (not carried), the
-  # notebook (nbformat is not in the image); the op tests ran in the ops call
-  LLAMABIND_REQUIRE_GPU=1 LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests $PYTEST_ARGS \
-    --ignore=tests/test_embeddings.py --ignore=tests/test_ops.py --ignore=tests/test_ops_grad.py \
-    --ignore=tests/test_vendor.py --deselect tests/test_packaging.py::test_sdist_carries_the_patched_tree_and_needs_no_registry \
-    --deselect tests/test_packaging.py::test_ops_notebook_executes --deselect tests/test_chat.py::test_tool_call_parsing_with_a_tool_template \
-    --ignore=tests/test_portable.py --deselect tests/test_packaging.py::test_sdist_builds_a_wheel_offline \
-    --deselect tests/test_packaging.py::test_wheel_installs_into_a_fresh_venv_and_generates \
-    -k "not upstream_tokenizer_vectors and not four_named_vocabularies and not duplicate_token_texts" --durations=10 2>&1 | tee "$OUT/tests.log" | tail -80
+  LLAMABIND_REQUIRE_GPU=1 LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests $PYTEST_ARGS "${SUITE_EXCLUDES[@]}" --durations=10 2>&1 | tee "$OUT/tests.log" | tail -80
   echo "test suite in $((SECONDS - t0)) s"
   ;&
 rss)
@@ -87,6 +82,9 @@ leak)
   # test files changed for GPU builds (multi-GPU tensor split, RPC against CPU references)
   f=$LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
   [ -f $f ] || { mkdir -p "$(dirname $f)"; cat /tmp/smollm2.part-a .device-b/smollm2.part-b > $f; }
+  python3 tests/device/split_nmse.py $f --out "$OUT/split-nmse.json" 2>&1 | grep NMSE
+  [ -n "${LB_LEAK_FULL:-}" ] && { LLAMABIND_REQUIRE_GPU=1 LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests $PYTEST_ARGS \
+    "${SUITE_EXCLUDES[@]}" 2>&1 | tee "$OUT/tests.log" | grep -E "^E  |passed|failed" | cut -c1-400 | tail -40; exit; }
   T=tests/test_reliability.py::test_no_leak_over_load_generate_close_cycles
   for extra in "" "-p no:logging" "tests/test_multi_gpu.py"; do
     echo "== $T $extra"; python3 -m pytest $PYTEST_ARGS $extra $T 2>&1 | grep -E "RSS grew|passed|failed" | cut -c1-600
