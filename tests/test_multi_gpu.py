@@ -40,6 +40,13 @@ def single(model_path):
     return tokens, logits
 
 
+@pytest.fixture(scope="module")
+def cpu_logits(model_path):
+    """The prompt's logits computed by the CPU alone (no layer, no op offloaded)."""
+    with llamabind.Model(model_path, n_gpu_layers=0, op_offload=False, n_ctx=512) as m, m.context(n_ctx=512) as c:
+        return c.eval(m.tokenize(PROMPT))
+
+
 @pytest.mark.parametrize("kw", [
     {"split_mode": "none", "main_gpu": 1},
     {"split_mode": "layer"},
@@ -47,12 +54,8 @@ def single(model_path):
     {"split_mode": "layer", "tensor_split": [1, 3], "main_gpu": 1},
     {"split_mode": "tensor", "tensor_split": [1, 1]},
     {"split_mode": "tensor", "tensor_split": [1, 1], "main_gpu": 1},
-    {"split_mode": "tensor", "tensor_split": [1, 1], "f32_allreduce": True},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
-def test_split_matches_single_gpu(model_path, single, kw, monkeypatch):
-    kw = dict(kw)
-    if kw.pop("f32_allreduce", False):  # read by ggml-cuda when the model's all-reduce pipeline starts
-        monkeypatch.setenv("GGML_CUDA_AR_BF16_THRESHOLD", "0")
+def test_split_matches_single_gpu(model_path, single, cpu_logits, kw):
     tokens, taken, logits = greedy(model_path, **kw)
     size = os.path.getsize(model_path)
     if kw["split_mode"] == "none":
@@ -60,13 +63,14 @@ def test_split_matches_single_gpu(model_path, single, kw, monkeypatch):
     else:  # both GPUs hold a real share of the weights
         assert min(taken[:2]) > 0.1 * size, taken
     if kw["split_mode"] == "tensor":
-        # Tensor parallelism all-reduces partial sums across the GPUs. ggml-cuda's 2-GPU all-reduce
-        # sends F32 activations as BF16 by default (GGML_CUDA_AR_BF16_THRESHOLD=1, allreduce.cu), so
-        # the logits carry bf16 rounding from every layer: NMSE 6.7e-4 measured on two H200s
-        # (SmolLM2 Q4_1). With the F32 wire only the summation order differs. A split that lost a
-        # shard's partial sums would be off by O(1).
-        limit = 1e-5 if os.environ.get("GGML_CUDA_AR_BF16_THRESHOLD") == "0" else 1e-2
-        assert ops.nmse(logits, single[1]) < limit
+        # Tensor parallelism computes each layer in shards and all-reduces partial sums: its logits
+        # are not bit-identical to one GPU (NMSE 6.7e-4 on two H200s, SmolLM2 Q4_1, the same with
+        # ggml-cuda's F32 or BF16 all-reduce wire and with its butterfly fallback:
+        # tests/device/split_nmse.py). The yardstick is the CPU, another correct implementation
+        # (one GPU vs CPU: NMSE 1.0e-3 there): the split must be no farther from one GPU than the
+        # CPU is. A split that lost a shard's partial sums would be off by O(1).
+        err, yardstick = ops.nmse(logits, single[1]), ops.nmse(cpu_logits, single[1])
+        assert err < max(2 * yardstick, 1e-5), f"tensor split NMSE {err:.2e} vs one GPU; CPU vs one GPU {yardstick:.2e}"
         assert tokens[:4] == single[0][:4]
     else:  # layer split: each layer computed whole on one GPU, bit-identical
         assert tokens == single[0]

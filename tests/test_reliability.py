@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import llamabind
 from llamabind import ops
 from conftest import ROOT, VENDOR, run_python
-from memory import growth, rss_kib, snapshot
+from memory import growth, malloc_trim, rss_kib, snapshot
 
 sys.path.insert(0, str(ROOT / "tests" / "fuzz"))
 import gguf_fuzz  # noqa: E402
@@ -147,18 +147,26 @@ rss_meaningful = pytest.mark.skipif(os.environ.get("LLAMABIND_SANITIZED") == "1"
 
 @rss_meaningful
 def test_no_leak_over_load_generate_close_cycles(model_path):
-    """200 load / generate / close cycles: RSS drift under 10 MB (after warm-up cycles)."""
+    """200 load / generate / close cycles: heap in use and RSS (after malloc_trim) grow under 10 MB."""
     def cycle():
         with llamabind.Model(model_path, n_ctx=64, n_threads=1) as m:
             m.generate("Hi", max_tokens=2, temperature=0)
     for _ in range(10):
         cycle()
+    malloc_trim()
     start = snapshot()
     for _ in range(200):
         cycle()
+    before_trim = growth(start, snapshot())
+    # After a full CUDA suite the [heap] mapping kept ~55 MB more resident pages over these cycles
+    # with 0.0 MB more in use (H200): freed memory glibc had not returned, not a leak. So the test
+    # measures what is in use (mallinfo2) and what stays resident once malloc_trim gives free pages
+    # back; a real leak (malloc'ed or mapped, and kept) grows both.
+    malloc_trim()
     g = growth(start, snapshot())
-    # the message says where it grew: heap in use (malloc'ed, not freed) or another mapping
-    assert g["rss_mb"] < 10, f"RSS grew by {g['rss_mb']:.1f} MB over 200 cycles: {g}"
+    msg = f"over 200 cycles: {g}; before malloc_trim: {before_trim}"
+    assert g["heap_mb"] < 10, "heap in use grew " + msg
+    assert g["rss_mb"] < 10, "RSS grew " + msg
 
 
 @rss_meaningful
