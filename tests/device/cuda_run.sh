@@ -18,13 +18,19 @@
 #         CPU wheels, sdists or notebooks, which need PyPI or other Pythons: they run in CI here).
 #         Then tests/device/rss_probe.py: host memory over 200 CUDA load/generate/close cycles,
 #         through llamabind and through llama.h alone (tests/device/load_cycles.cpp).
+# rss:    the RSS probe alone (models runs it after the suite).
+# cost:   tests/device/decode_cost.py on the micro model: per-call cost of a one-token decode in
+#         llama-bench, in llama.h alone with each of llamabind's context settings, and in llamabind.
+# leak:   (carry .device-b on a machine that ran ops) tensor split vs one GPU under each all-reduce
+#         setting (split_nmse.py), then the leak test alone / without log capture / after the
+#         multi-GPU tests, and the multi-GPU + RPC tests; LB_LEAK_FULL=1: the whole suite instead.
 # bench:  bench/generation.py on each model, full offload, llama-bench beside it in the same run
 #         (LB_ROUNDS x LB_REPS, default 5 x 20).
 # Logs, JSON and summaries go to $OUT (then bench/results/).
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: ops, models or bench}
+phase=${1:?phase: ops, models, rss, cost, leak or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
