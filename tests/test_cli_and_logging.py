@@ -36,6 +36,21 @@ def test_cli_bad_model_is_an_error_not_a_crash(tmp_path):
     assert p.returncode == 2 and "error:" in p.stderr
 
 
+def test_cli_split_options_reach_the_model(model_path):
+    """-sm/-ts are parsed and passed on: a malformed split and one with more entries than this build
+    has devices are clear errors (exit 2); a valid one generates."""
+    def gen(*extra):
+        return subprocess.run([sys.executable, "-m", "llamabind", "generate", "Hi", "-n", "2", "-t", "0", "-m",
+                               str(model_path), *extra], capture_output=True, text=True, timeout=120)
+    bad = gen("-ts", "3,x")
+    assert bad.returncode == 2 and "comma-separated numbers" in bad.stderr
+    too_many = gen("-ts", ",".join(["1"] * 257))  # llama_max_devices() is 16 at this pin
+    assert too_many.returncode == 2 and "tensor_split has" in too_many.stderr
+    assert gen("-sm", "bogus").returncode == 2
+    ok = gen("-sm", "layer", "-ts", "1")
+    assert ok.returncode == 0, ok.stderr
+
+
 def test_quiet_by_default(model_path):
     r = run_python(f"""
 import llamabind
