@@ -1,6 +1,6 @@
 """Logits of a prompt under tensor split (2 GPUs) vs the whole model on one GPU, each configuration
 in a fresh process with its own environment: ggml-cuda's default all-reduce (NCCL when the build found
-it, else its own), GGML_CUDA_AR_BF16_THRESHOLD=0 (its own all-reduce with an F32 wire), and
+it, else its own), GGML_CUDA_AR_BF16_THRESHOLD=0 (F32 wire; read only by ggml-cuda's own all-reduce), and
 GGML_CUDA_ALLREDUCE=none (the meta backend's butterfly);
 and, for scale, one GPU vs the CPU. Prints NMSE per configuration (tests/test_multi_gpu.py's bounds).
 
