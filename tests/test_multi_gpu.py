@@ -65,10 +65,11 @@ def test_split_matches_single_gpu(model_path, single, cpu_logits, kw):
     if kw["split_mode"] == "tensor":
         # Tensor parallelism computes each layer in shards and all-reduces partial sums: its logits
         # are not bit-identical to one GPU (NMSE 6.7e-4 on two H200s, SmolLM2 Q4_1, the same with
-        # NCCL, ggml-cuda's own all-reduce and its butterfly fallback: two F32 partials sum alike
-        # either way, so it is the sharded compute; tests/device/split_nmse.py). The yardstick is
-        # the CPU, another correct implementation (one GPU vs CPU: NMSE 1.0e-3 there): the split must be no farther from one GPU than the
-        # CPU is. A split that lost a shard's partial sums would be off by O(1).
+        # NCCL and with the meta backend's butterfly all-reduce: two F32 partials add alike either
+        # way, so it is the sharded compute; tests/device/split_nmse.py). The yardstick is the CPU,
+        # another correct implementation (one GPU vs CPU: NMSE 1.0e-3 there): the split must be no
+        # farther from one GPU than the CPU is. A split that lost a shard's partial sums would be
+        # off by O(1).
         err, yardstick = ops.nmse(logits, single[1]), ops.nmse(cpu_logits, single[1])
         assert err < max(2 * yardstick, 1e-5), f"tensor split NMSE {err:.2e} vs one GPU; CPU vs one GPU {yardstick:.2e}"
         assert tokens[:4] == single[0][:4]
