@@ -33,7 +33,7 @@ def main() -> None:
         "one GPU": ({"n_gpu_layers": -1, "split_mode": "none"}, {}),
         "CPU": ({"n_gpu_layers": 0, "op_offload": False}, {}),
         "tensor, default all-reduce": ({"n_gpu_layers": -1, "split_mode": "tensor", "tensor_split": [1, 1]}, {}),
-        "tensor, F32 wire": ({"n_gpu_layers": -1, "split_mode": "tensor", "tensor_split": [1, 1]},
+        "tensor, AR_BF16_THRESHOLD=0": ({"n_gpu_layers": -1, "split_mode": "tensor", "tensor_split": [1, 1]},
                              {"GGML_CUDA_AR_BF16_THRESHOLD": "0"}),
         "tensor, butterfly": ({"n_gpu_layers": -1, "split_mode": "tensor", "tensor_split": [1, 1]},
                               {"GGML_CUDA_ALLREDUCE": "none"}),
