@@ -34,10 +34,13 @@ class ChatResult:
 
     @property
     def content(self) -> str:
+        """The assistant message's text ("" when it only calls tools)."""
         return self.message.get("content") or ""
 
     @property
     def tool_calls(self) -> list[dict]:
+        """The parsed tool calls, OpenAI-style ``[{"type": "function", "id", "function": {"name",
+        "arguments" (JSON text)}}]``; [] for none."""
         return self.message.get("tool_calls") or []
 
 

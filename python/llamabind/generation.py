@@ -169,6 +169,7 @@ class Timings:
         return self.generated_tokens / (self.generate_ms / 1e3) if self.generate_ms > 0 else 0.0
 
     def summary(self) -> str:
+        """One line: prompt and generated token counts and their tokens/s (what the CLI prints)."""
         return (f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tokens/s | "
                 f"generated: {self.generated_tokens} tokens, {self.generated_tps:.1f} tokens/s")
 
@@ -414,6 +415,7 @@ class Stream:
             raise StopIteration from None
 
     def close(self) -> None:
+        """Stop the generation early; :attr:`result` stays None. The context keeps what was decoded."""
         self._gen.close()
 
     def __enter__(self) -> "Stream":

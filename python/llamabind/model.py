@@ -118,6 +118,7 @@ class Model:
 
     @property
     def closed(self) -> bool:
+        """True after close() (then every other call raises ValueError)."""
         return self._m.closed
 
     def __enter__(self) -> "Model":
@@ -151,14 +152,17 @@ class Model:
 
     @property
     def n_vocab(self) -> int:
+        """Tokens in the vocabulary (llama_vocab_n_tokens): the length of a logits row."""
         return self._m.n_vocab
 
     @property
     def n_embd(self) -> int:
+        """Embedding width (llama_model_n_embd)."""
         return self._m.n_embd
 
     @property
     def n_layer(self) -> int:
+        """Transformer layers (llama_model_n_layer): the most n_gpu_layers can offload, with the output layer."""
         return self._m.n_layer
 
     @property
@@ -178,10 +182,12 @@ class Model:
 
     @property
     def token_bos(self) -> int | None:
+        """The beginning-of-sequence token id (llama_vocab_bos), or None if the vocabulary has none."""
         return self._m.token_bos
 
     @property
     def token_eos(self) -> int | None:
+        """The end-of-sequence token id (llama_vocab_eos), or None if the vocabulary has none."""
         return self._m.token_eos
 
     def is_eog(self, token: int) -> bool:
@@ -280,10 +286,12 @@ class LoraAdapter:
         return self._l.metadata()
 
     def close(self) -> None:
+        """Free the adapter (llama_adapter_lora_free). Raises LlamaError while a context applies it."""
         self._l.close()
 
     @property
     def closed(self) -> bool:
+        """True after close() or after the model was closed."""
         return self._l.closed
 
     def __repr__(self) -> str:
@@ -323,11 +331,7 @@ class Context:
         _log.sync_level()
         if not isinstance(model, Model):
             raise TypeError(f"model must be a llamabind.Model; got {type(model).__name__}")
-        n_ctx = _int("n_ctx", n_ctx, 0, 1 << 24, " (0: the model's n_ctx_train)")
-        if n_ctx == 0:
-            n_ctx = model.n_ctx_train
-        if 0 < n_ctx < 8:
-            raise ValueError(f"n_ctx must be >= 8 tokens (or 0 for the model's n_ctx_train); got {n_ctx}")
+        n_ctx = _int("n_ctx", n_ctx, 0, 1 << 24, " (0: the model's n_ctx_train)")  # 0 and >= 8: checked natively
         n_batch = _int("n_batch", n_batch, 1, 1 << 24)
         n_ubatch = _int("n_ubatch", n_ubatch, 1, 1 << 24)
         n_threads = _default_threads() if n_threads is None else _int("n_threads", n_threads, 1, 512)

@@ -86,6 +86,7 @@ class Server:
 
     @property
     def running(self) -> bool:
+        """True while the server process is alive."""
         return self.process.poll() is None
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -364,13 +364,16 @@ static const float * logits_at(Context & self, int32_t idx) {
     return l;
 }
 
-static nb::ndarray<nb::numpy, float, nb::ndim<1>> logits(Context & self, int32_t idx) {
-    const float * l = logits_at(self, idx);
-    const size_t n = (size_t) self.owner->n_vocab();
+// A float32 numpy array (n,) that owns a copy of src[0:n].
+static nb::ndarray<nb::numpy, float, nb::ndim<1>> copy_to_numpy(const float * src, size_t n) {
     float * copy = new float[n];
-    std::copy(l, l + n, copy);
+    std::copy(src, src + n, copy);
     nb::capsule owner(copy, [](void * p) noexcept { delete[] (float *) p; });
     return nb::ndarray<nb::numpy, float, nb::ndim<1>>(copy, {n}, owner);
+}
+
+static nb::ndarray<nb::numpy, float, nb::ndim<1>> logits(Context & self, int32_t idx) {
+    return copy_to_numpy(logits_at(self, idx), (size_t) self.owner->n_vocab());
 }
 
 // log-softmax of the raw logits at batch position idx: (logprob of token, top-n ids, their logprobs)
@@ -384,13 +387,15 @@ static nb::tuple logprobs(Context & self, int32_t idx, int64_t token, int32_t n_
     double sum = 0.0;
     for (int32_t i = 0; i < n; ++i) sum += std::exp((double) l[i] - mx);
     const double lse = mx + std::log(sum);
-    std::vector<int32_t> ids(n);
-    for (int32_t i = 0; i < n; ++i) ids[i] = i;
-    std::partial_sort(ids.begin(), ids.begin() + n_top, ids.end(), [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
     nb::list top_ids, top_lp;
-    for (int32_t i = 0; i < n_top; ++i) {
-        top_ids.append(ids[i]);
-        top_lp.append((double) l[ids[i]] - lse);
+    if (n_top > 0) {  // the n_top largest, ties by id: partial_sort over all n_vocab ids
+        std::vector<int32_t> ids(n);
+        for (int32_t i = 0; i < n; ++i) ids[i] = i;
+        std::partial_sort(ids.begin(), ids.begin() + n_top, ids.end(), [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+        for (int32_t i = 0; i < n_top; ++i) {
+            top_ids.append(ids[i]);
+            top_lp.append((double) l[ids[i]] - lse);
+        }
     }
     nb::object tok_lp = token >= 0 ? nb::object(nb::float_((double) l[token] - lse)) : nb::object(nb::none());
     return nb::make_tuple(tok_lp, top_ids, top_lp);
@@ -412,10 +417,7 @@ static nb::ndarray<nb::numpy, float, nb::ndim<1>> embedding(Context & self, int6
         if (llama_pooling_type(c) == LLAMA_POOLING_TYPE_RANK) n = (size_t) std::max<uint32_t>(1, llama_model_n_cls_out(self.owner->get()));
     }
     if (!e) raise_value("no embeddings: create the context with embeddings=True\n" + take_recent_errors());
-    float * copy = new float[n];
-    std::copy(e, e + n, copy);
-    nb::capsule owner(copy, [](void * p) noexcept { delete[] (float *) p; });
-    return nb::ndarray<nb::numpy, float, nb::ndim<1>>(copy, {n}, owner);
+    return copy_to_numpy(e, n);
 }
 
 static void clear(Context & self) {

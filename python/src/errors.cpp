@@ -21,7 +21,10 @@ void raise_keyboard_interrupt() {
 }
 
 void register_errors(nb::module_ & m) {
-    nb::exception<LlamaError>(m, "LlamaError", PyExc_RuntimeError);
+    nb::exception<LlamaError> e(m, "LlamaError", PyExc_RuntimeError);
+    nb::setattr(e, "__doc__", nb::str("llama.cpp reported a failure it can recover from (a failed decode, no KV cache "
+                                      "slot, an RPC server gone, a context busy in another thread, ...); the message "
+                                      "carries llama.cpp's own error lines. A subclass of RuntimeError."));
 }
 
 }  // namespace lb

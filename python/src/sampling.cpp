@@ -63,29 +63,21 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
     if (seed < 0 || seed > 0xFFFFFFFFll) raise_value("seed must be in [0, 2**32 - 1]; got " + std::to_string(seed));
     p.seed = (uint32_t) seed;
     // defaults: common_params_sampling's own (what llama-cli uses), except where noted
-    p.temp = num(d, "temperature", p.temp);
-    p.dynatemp_range = num(d, "dynatemp_range", p.dynatemp_range);
-    p.dynatemp_exponent = num(d, "dynatemp_exponent", p.dynatemp_exponent);
-    p.top_k = take<int>(d, "top_k", p.top_k);
-    p.top_p = num(d, "top_p", p.top_p);
-    p.min_p = num(d, "min_p", p.min_p);
-    p.typ_p = num(d, "typical_p", p.typ_p);
-    p.top_n_sigma = num(d, "top_n_sigma", p.top_n_sigma);
-    p.xtc_probability = num(d, "xtc_probability", p.xtc_probability);
-    p.xtc_threshold = num(d, "xtc_threshold", p.xtc_threshold);
-    p.min_keep = take<int>(d, "min_keep", p.min_keep);
-    p.penalty_repeat = num(d, "repeat_penalty", p.penalty_repeat);
-    p.penalty_freq = num(d, "frequency_penalty", p.penalty_freq);
-    p.penalty_present = num(d, "presence_penalty", p.penalty_present);
-    p.penalty_last_n = take<int>(d, "repeat_last_n", p.penalty_last_n);
-    p.dry_multiplier = num(d, "dry_multiplier", p.dry_multiplier);
-    p.dry_base = num(d, "dry_base", p.dry_base);
-    p.dry_allowed_length = take<int>(d, "dry_allowed_length", p.dry_allowed_length);
+    using P = common_params_sampling;
+    static const std::pair<const char *, float P::*> floats[] = {
+        {"temperature", &P::temp}, {"dynatemp_range", &P::dynatemp_range}, {"dynatemp_exponent", &P::dynatemp_exponent},
+        {"top_p", &P::top_p}, {"min_p", &P::min_p}, {"typical_p", &P::typ_p}, {"top_n_sigma", &P::top_n_sigma},
+        {"xtc_probability", &P::xtc_probability}, {"xtc_threshold", &P::xtc_threshold},
+        {"repeat_penalty", &P::penalty_repeat}, {"frequency_penalty", &P::penalty_freq},
+        {"presence_penalty", &P::penalty_present}, {"dry_multiplier", &P::dry_multiplier}, {"dry_base", &P::dry_base},
+        {"mirostat_tau", &P::mirostat_tau}, {"mirostat_eta", &P::mirostat_eta}};
+    static const std::pair<const char *, int32_t P::*> ints[] = {
+        {"top_k", &P::top_k}, {"min_keep", &P::min_keep}, {"repeat_last_n", &P::penalty_last_n},
+        {"dry_allowed_length", &P::dry_allowed_length}, {"mirostat", &P::mirostat}};
+    for (const auto & [key, field] : floats) p.*field = num(d, key, p.*field);
+    for (const auto & [key, field] : ints) p.*field = take<int>(d, key, p.*field);
     p.dry_penalty_last_n = take<int>(d, "dry_penalty_last_n", -1);  // -1: the context size (common: 64)
     p.dry_sequence_breakers = take<std::vector<std::string>>(d, "dry_sequence_breakers", p.dry_sequence_breakers);
-    p.mirostat = take<int>(d, "mirostat", p.mirostat);
-    p.mirostat_tau = num(d, "mirostat_tau", p.mirostat_tau);
-    p.mirostat_eta = num(d, "mirostat_eta", p.mirostat_eta);
     p.ignore_eos = take<bool>(d, "ignore_eos", p.ignore_eos);
     p.no_perf = true;
     if (p.mirostat < 0 || p.mirostat > 2) raise_value("mirostat must be 0 (off), 1 or 2; got " + std::to_string(p.mirostat));
