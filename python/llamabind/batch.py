@@ -60,7 +60,6 @@ def embed(model: "Model", texts: str | Sequence[str], *, pooling: str | None = N
         raise ValueError(f"pooling must be None, 'none', 'mean', 'cls' or 'last'; got {pooling!r}")
     _int("n_seq_max", n_seq_max, 1, 256)
     n_ctx = min(model.n_ctx_train or 512, 8192)
-    key = (pooling, n_ctx, n_seq_max)
     if pooling is None:  # the model's own (GGUF {arch}.pooling_type); mean for a model without one
         own = model.metadata.get(f"{model.metadata.get('general.architecture')}.pooling_type", 0)
         pooling = {1: "mean", 2: "cls", 3: "last"}.get(own, "mean")
@@ -153,7 +152,7 @@ def generate_batch(model: "Model", prompts: Sequence[str | Sequence[int]], *, ma
 
 def _run_batch(ctx: "Context", model, toks: list[list[int]], max_tokens: int, samplers, stops) -> list[GenerationResult]:
     native = ctx._c
-    n_batch = native.n_batch
+    n_batch, n_ctx = native.n_batch, native.n_ctx
     n = len(toks)
     timings = [Timings(prompt_tokens=len(t)) for t in toks]
     states = [_TextState(model, stops) for _ in toks]
@@ -189,7 +188,7 @@ def _run_batch(ctx: "Context", model, toks: list[list[int]], max_tokens: int, sa
             if states[i].matched is not None:
                 finish[i] = "stop"
                 active.discard(i)
-            elif len(generated[i]) >= max_tokens or native.pos(i) + 1 >= ctx.n_ctx:
+            elif len(generated[i]) >= max_tokens or native.pos(i) + 1 >= n_ctx:
                 active.discard(i)
             else:
                 step.append(i)

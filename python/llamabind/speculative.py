@@ -34,10 +34,9 @@ class _Speculator:
         self.last = None
         if ctx.model.is_eog(tok):
             return [tok]  # the loop stops there: nothing to evaluate
-        room = ctx.n_ctx - native.pos(0) - 1
-        k = max(0, min(self.n_draft, remaining - 1, room, native.n_batch - 1))
-        draft = self.propose(ctx._tokens + [tok], k) if k > 0 else []
         n0 = native.pos(0)
+        k = max(0, min(self.n_draft, remaining - 1, native.n_ctx - n0 - 1, native.n_batch - 1))
+        draft = self.propose(ctx._tokens + [tok], k) if k > 0 else []
         native.decode([tok] + draft, 0, True)  # logits for every position
         ctx._track(n0, [tok] + draft)
         out = [tok]
