@@ -37,3 +37,34 @@ def test_soft_max_back_helper_validates_shapes():
         _core._testing.soft_max_back_graph(np.zeros((2, 5), np.float32), a, 1.0)
     with pytest.raises(TypeError):
         _core._testing.soft_max_back_graph(np.zeros(8, np.float32), a, 1.0)  # 1-D: wrong ndim
+
+
+def test_prompt_batch_on_the_cpu_amx_path(model_path):
+    """patches/0013: on a CPU with AMX (Sapphire Rapids and later), a prompt batch of a Q4_1 model
+    runs ggml-cpu's AMX mul_mat, whose tile config the compiler left half-written at the pin: the
+    process died with SIGSEGV in ldtilecfg (seen on this project's CI machines). In a subprocess: it
+    must survive, and the batch's last logits must equal those of the same prompt fed one token at a
+    time (vector kernels, no AMX)."""
+    import json
+
+    from conftest import run_python
+
+    code = f"""
+import json, numpy as np, llamabind
+info = llamabind.build_info()["system_info"]
+with llamabind.Model({str(model_path)!r}, n_ctx=512, n_threads=2, n_gpu_layers=0, op_offload=False) as m:
+    ids = m.tokenize("<|im_start|>user\\nWhat is the capital of France? Answer in one word, thank you.<|im_end|>\\n"
+                     "<|im_start|>assistant\\n", parse_special=True)
+    batch = m.context(n_ctx=512).eval(ids)[-1].astype(np.float64)
+    c = m.context(n_ctx=512)
+    for t in ids:
+        c.decode([t])
+    one = c.logits().astype(np.float64)
+print(json.dumps({{"n": len(ids), "amx": "AMX_INT8 = 1" in info,
+                  "nmse": float(((batch - one) ** 2).mean() / (one ** 2).mean())}}))
+"""
+    r = run_python(code, timeout=300)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-3000:]}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"\nAMX on this CPU: {out['amx']}; {out['n']} prompt tokens; NMSE batch vs one at a time {out['nmse']:.2e}")
+    assert out["n"] >= 24 and out["nmse"] < 1e-6
