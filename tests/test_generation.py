@@ -87,7 +87,12 @@ def test_stream_never_splits_utf8(model):
     multi = [t for t in s.result.tokens if len(model.token_to_piece(t)) and
              not _decodes(model.token_to_piece(t))]
     assert multi, "no token in this generation split a character: the test needs another prompt"
-    assert all("\ufffd" not in p for p in pieces)
+    # every piece but the last is whole characters; the last may end in U+FFFD only where max_tokens
+    # cut the generation inside a character (what the CPU's kernels generate differs between machines)
+    raw = b"".join(model.token_to_piece(t) for t in s.result.tokens)
+    cut = not _decodes(raw) and s.result.finish_reason == "length"
+    assert all("\ufffd" not in p for p in pieces[:-1])
+    assert pieces[-1].endswith("\ufffd") == cut and "\ufffd" not in pieces[-1][:-1]
 
 
 def _decodes(b: bytes) -> bool:
