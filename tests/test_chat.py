@@ -121,9 +121,11 @@ def test_json_schema_output_always_parses(model):
 
 
 def test_json_object_and_generate_json_schema(model):
-    r = model.chat([{"role": "user", "content": "Give me JSON."}], response_format={"type": "json_object"},
-                   temperature=0.9, seed=7, max_tokens=150)
-    assert isinstance(json.loads(r.content), dict)
+    # a prompt that asks for a small object: "Give me JSON." rambled past max_tokens on an AVX-512 machine
+    for seed in range(3):
+        r = model.chat([{"role": "user", "content": "Give me a JSON object with a name and an age."}],
+                       response_format={"type": "json_object"}, temperature=0.9, seed=seed, max_tokens=200)
+        assert r.finish_reason == "stop" and isinstance(json.loads(r.content), dict)
     g = model.generate("Colors:", json_schema={"type": "array", "items": {"enum": ["red", "green", "blue"]}},
                        temperature=1.0, seed=2, max_tokens=40)
     assert g.finish_reason == "stop" and all(c in ("red", "green", "blue") for c in json.loads(g.text))
