@@ -2,6 +2,7 @@
 64x64 float32 add, (1) the way ggml-python's API is used per call (context, tensors from numpy,
 graph, compute, numpy copy out), (2) with one graph built once and only data copied per call.
 Prints JSON: {"per_call_us": ..., "reused_graph_us": ...}."""
+
 import json
 import time
 

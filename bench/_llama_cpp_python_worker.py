@@ -3,6 +3,7 @@
 Same method as llamabind's round: pp = random tokens (BOS first) through Llama.eval in n_batch
 chunks; tg = one random token at a time from an empty cache through Llama.eval; e2e = a streamed
 greedy create_completion of the same prompt. Prints one JSON line of tokens/s."""
+
 import json
 import random
 import sys
@@ -16,8 +17,16 @@ rng = random.Random(a["seed"])
 
 
 def make(n_ctx):  # as llama-bench: each test in its own context
-    return Llama(model_path=a["model"], n_ctx=n_ctx, n_batch=a["n_batch"], n_ubatch=a["n_ubatch"],
-                 n_threads=a["threads"], n_threads_batch=a["threads"], verbose=False, seed=a["seed"])
+    return Llama(
+        model_path=a["model"],
+        n_ctx=n_ctx,
+        n_batch=a["n_batch"],
+        n_ubatch=a["n_ubatch"],
+        n_threads=a["threads"],
+        n_threads_batch=a["threads"],
+        verbose=False,
+        seed=a["seed"],
+    )
 
 
 llm = make(n_prompt)

@@ -18,6 +18,7 @@ Prints a table in llama-bench's format with ratios to llama-bench and writes
 bench/results/<host>-<date>.json. Needs a build with tools (./dev setup does that) and, for the
 third column, bench/.venv-llama-cpp-python (see bench/README.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,19 @@ HERE = Path(__file__).resolve().parent
 E2E_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. Once upon a time,"
 
 
-def llamabind_round(model: llamabind.Model, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, threads: int,
-                    seed: int, reps: int = 1) -> dict:
+def llamabind_round(
+    model: llamabind.Model,
+    n_prompt: int,
+    n_gen: int,
+    n_batch: int,
+    n_ubatch: int,
+    threads: int,
+    seed: int,
+    reps: int = 1,
+) -> dict:
     rng = random.Random(seed)
     n_vocab = model.n_vocab
-    bos = model.token_bos if model._m.add_bos else None
+    bos = model.token_bos if model._llama_model.add_bos else None
 
     def prompt_tokens():
         toks = [rng.randrange(n_vocab) for _ in range(n_prompt)]
@@ -82,10 +91,38 @@ def llamabind_round(model: llamabind.Model, n_prompt: int, n_gen: int, n_batch: 
     return {"pp": pp, "tg": tg, "e2e": e2e, "e2e_tokens": len(stream.result.tokens), "e2e_chars": len(text)}
 
 
-def llama_bench_round(exe: Path, model_path: Path, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int,
-                      threads: int, n_gpu_layers: int = 99, reps: int = 1) -> dict:
-    cmd = [str(exe), "-m", str(model_path), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen), "-b",
-           str(n_batch), "-ub", str(n_ubatch), "-ngl", str(n_gpu_layers), "-r", str(reps), "-o", "json"]
+def llama_bench_round(
+    exe: Path,
+    model_path: Path,
+    n_prompt: int,
+    n_gen: int,
+    n_batch: int,
+    n_ubatch: int,
+    threads: int,
+    n_gpu_layers: int = 99,
+    reps: int = 1,
+) -> dict:
+    cmd = [
+        str(exe),
+        "-m",
+        str(model_path),
+        "-t",
+        str(threads),
+        "-p",
+        str(n_prompt),
+        "-n",
+        str(n_gen),
+        "-b",
+        str(n_batch),
+        "-ub",
+        str(n_ubatch),
+        "-ngl",
+        str(n_gpu_layers),
+        "-r",
+        str(reps),
+        "-o",
+        "json",
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         raise RuntimeError(f"llama-bench failed: {p.stderr[-500:]}")
@@ -93,19 +130,45 @@ def llama_bench_round(exe: Path, model_path: Path, n_prompt: int, n_gen: int, n_
     for r in json.loads(p.stdout):
         key = "pp" if r["n_prompt"] > 0 and r["n_gen"] == 0 else "tg"
         out[key] = r["avg_ts"]
-        out["info"] = {k: r.get(k) for k in ("model_type", "model_size", "model_n_params", "backends", "n_threads",
-                                             "n_batch", "n_ubatch", "flash_attn", "type_k", "cpu_info", "build_commit")}
+        out["info"] = {
+            k: r.get(k)
+            for k in (
+                "model_type",
+                "model_size",
+                "model_n_params",
+                "backends",
+                "n_threads",
+                "n_batch",
+                "n_ubatch",
+                "flash_attn",
+                "type_k",
+                "cpu_info",
+                "build_commit",
+            )
+        }
     return out
 
 
-def llama_cpp_python_round(python: Path, model_path: Path, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int,
-                           threads: int, seed: int) -> dict | None:
+def llama_cpp_python_round(
+    python: Path, model_path: Path, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, threads: int, seed: int
+) -> dict | None:
     if not python.exists():
         return None
-    args = json.dumps({"model": str(model_path), "n_prompt": n_prompt, "n_gen": n_gen, "n_batch": n_batch,
-                       "n_ubatch": n_ubatch, "threads": threads, "seed": seed, "prompt": E2E_PROMPT})
-    p = subprocess.run([str(python), str(HERE / "_llama_cpp_python_worker.py"), args], capture_output=True, text=True,
-                       timeout=1800)
+    args = json.dumps(
+        {
+            "model": str(model_path),
+            "n_prompt": n_prompt,
+            "n_gen": n_gen,
+            "n_batch": n_batch,
+            "n_ubatch": n_ubatch,
+            "threads": threads,
+            "seed": seed,
+            "prompt": E2E_PROMPT,
+        }
+    )
+    p = subprocess.run(
+        [str(python), str(HERE / "_llama_cpp_python_worker.py"), args], capture_output=True, text=True, timeout=1800
+    )
     if p.returncode != 0:
         print(f"llama-cpp-python worker failed: {p.stderr[-800:]}", file=sys.stderr)
         return None
@@ -146,9 +209,11 @@ def main() -> int:
     p, n, b, ub, t = args.n_prompt, args.n_gen, args.batch_size, args.ubatch_size, args.threads
     ngl = -1 if args.n_gpu_layers >= 99 else args.n_gpu_layers
     model = llamabind.Model(model_path, n_threads=t, n_gpu_layers=ngl)
-    res: dict[str, dict[str, list]] = {k: {"pp": [], "tg": [], "e2e": []} for k in ("llama-bench", "llamabind",
-                                                                                   "llama-cpp-python")}
+    res: dict[str, dict[str, list]] = {
+        k: {"pp": [], "tg": [], "e2e": []} for k in ("llama-bench", "llamabind", "llama-cpp-python")
+    }
     info = {}
+
     def run_llama_bench(r):
         nonlocal info
         lb = llama_bench_round(bench, model_path, p, n, b, ub, t, args.n_gpu_layers, args.reps)
@@ -167,12 +232,14 @@ def main() -> int:
 
     order = [run_llama_bench, run_llamabind, run_llama_cpp_python]
     for r in range(args.rounds):  # interleaved, alternating order: A B C, C B A, A B C, ...
-        for fn in (order if r % 2 == 0 else order[::-1]):
+        for fn in order if r % 2 == 0 else order[::-1]:
             fn(r)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
-    med = {impl: {k: statistics.median(v) for k, v in d.items() if v and isinstance(v[0], (int, float))}
-           for impl, d in res.items()}
+    med = {
+        impl: {k: statistics.median(v) for k, v in d.items() if v and isinstance(v[0], (int, float))}
+        for impl, d in res.items()
+    }
     size_gib = info.get("model_size", 0) / 2**30
     params_b = info.get("model_n_params", 0) / 1e9
     read = bytes_read_per_token(model_path)
@@ -193,8 +260,11 @@ def main() -> int:
             if key == "e2e" and impl == "llamabind" and med["llama-cpp-python"].get("e2e"):
                 ratio = f"{v / med['llama-cpp-python']['e2e']:.2f}x llama-cpp-python"
             row = {"test": test, "impl": impl, "tps": v, "ratio": ratio}
-            line = (f"| {info.get('model_type', '?')} | {size_gib:.2f} GiB | {params_b:.2f} B | {info.get('backends', '?')} "
-                    f"| {t} | {test} | {impl} | {v:.2f} | {ratio} |")
+            line = (
+                f"| {info.get('model_type', '?')} | {size_gib:.2f} GiB | {params_b:.2f} B "
+                f"| {info.get('backends', '?')} "
+                f"| {t} | {test} | {impl} | {v:.2f} | {ratio} |"
+            )
             if bw_col:
                 gbs = v * read / 1e9 if key == "tg" else None
                 row.update(gbs=gbs, bandwidth_fraction=gbs / args.bandwidth if gbs else None)
@@ -202,12 +272,18 @@ def main() -> int:
             rows.append(row)
             print(line)
     out = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
-        "machine": platform.machine(), "command": " ".join(sys.argv), "model": str(model_path),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "machine": platform.machine(),
+        "command": " ".join(sys.argv),
+        "model": str(model_path),
         "params": {"n_prompt": p, "n_gen": n, "n_batch": b, "n_ubatch": ub, "threads": t, "rounds": args.rounds},
         "llama_bench_info": info,
         "build_info": {k: v for k, v in llamabind.build_info().items() if k != "devices"},
-        "median": med, "raw": res, "table": rows, "bytes_read_per_token": read,
+        "median": med,
+        "raw": res,
+        "table": rows,
+        "bytes_read_per_token": read,
         "measured_bandwidth_gbs": args.bandwidth,
     }
     path = Path(args.out) if args.out else HERE / "results" / f"{socket.gethostname()}-{datetime.date.today()}.json"

@@ -9,6 +9,7 @@
     .venv/bin/python bench/generation_api.py [--model PATH] [--threads 2] [--rounds 3]
 Writes bench/results/generation-api-<host>-<date>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,16 @@ import llamabind
 
 BASE = "You are a helpful assistant. " * 20 + "Question: what are the three primary colors?"
 FOLLOW = BASE + " Answer: red, yellow and blue. Question: and the secondary colors?"
-PROMPTS = ["The three primary colors are", "Paris is the capital of", "def fibonacci(n):", "Once upon a time",
-           "The quick brown fox", "In 1492, Columbus", "Water boils at", "The largest planet is"]
+PROMPTS = [
+    "The three primary colors are",
+    "Paris is the capital of",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "Water boils at",
+    "The largest planet is",
+]
 
 
 def prefix_reuse(m, rounds):
@@ -36,13 +45,20 @@ def prefix_reuse(m, rounds):
                 c.generate(BASE, max_tokens=1, temperature=0)
                 if mode == "fresh":
                     c.clear()
-                c._c.perf_reset()
+                c._llama_context.perf_reset()
                 t = time.perf_counter()
                 r = c.generate(FOLLOW, max_tokens=1, temperature=0)
                 times.append((time.perf_counter() - t) * 1e3)
-                evals.append(c._c.perf()["n_p_eval"])
-        rows.append({"mode": mode, "prompt_tokens": r.prompt_tokens, "evaluated": evals[-1],
-                     "reused": r.timings.prompt_reused, "ms_median": statistics.median(times)})
+                evals.append(c._llama_context.perf()["n_p_eval"])
+        rows.append(
+            {
+                "mode": mode,
+                "prompt_tokens": r.prompt_tokens,
+                "evaluated": evals[-1],
+                "reused": r.timings.prompt_reused,
+                "ms_median": statistics.median(times),
+            }
+        )
     return rows
 
 
@@ -84,9 +100,17 @@ def main():
             b = batched(m, n, a.max_tokens, a.rounds)
             bat[n] = b
             print(f"{n:>7} {b['batch']:>8.1f} {b['sequential']:>10.1f} {b['batch'] / b['sequential']:>6.2f}")
-        res = {"model": str(m.path.name), "description": m.description, "threads": a.threads, "rounds": a.rounds,
-               "prefix_reuse": reuse, "batched_tokens_per_s": bat, "host": platform.node(),
-               "date": datetime.date.today().isoformat(), "llamabind": llamabind.build_info()["upstream_release"]}
+        res = {
+            "model": str(m.path.name),
+            "description": m.description,
+            "threads": a.threads,
+            "rounds": a.rounds,
+            "prefix_reuse": reuse,
+            "batched_tokens_per_s": bat,
+            "host": platform.node(),
+            "date": datetime.date.today().isoformat(),
+            "llamabind": llamabind.build_info()["upstream_release"],
+        }
     out = Path(__file__).parent / "results" / f"generation-api-vm-{datetime.date.today().isoformat()}.json"
     out.write_text(json.dumps(res, indent=1))
     print(f"\nwrote {out}")

@@ -9,6 +9,7 @@ second, the access pattern of token generation, which streams every weight once 
 the median of 20 timed runs (CUDA events) after 3 warm-ups. Prints both and the larger, in GB/s
 (10^9 bytes), and writes them as JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,12 @@ def measure_torch(n_bytes: int, device: int, runs: int) -> dict:
 
     copy_s = timed(lambda: y.copy_(x))
     read_s = timed(lambda: x.sum())
-    return {"impl": f"torch {torch.__version__}", "gpu": torch.cuda.get_device_name(dev),
-            "copy_gbs": 2 * x.nbytes / copy_s / 1e9, "read_gbs": x.nbytes / read_s / 1e9}
+    return {
+        "impl": f"torch {torch.__version__}",
+        "gpu": torch.cuda.get_device_name(dev),
+        "copy_gbs": 2 * x.nbytes / copy_s / 1e9,
+        "read_gbs": x.nbytes / read_s / 1e9,
+    }
 
 
 def measure_cupy(n_bytes: int, device: int, runs: int) -> dict:
@@ -53,8 +58,12 @@ def measure_cupy(n_bytes: int, device: int, runs: int) -> dict:
         copy_s = statistics.median(benchmark(lambda: y.__setitem__(..., x), n_repeat=runs, n_warmup=3).gpu_times[0])
         read_s = statistics.median(benchmark(lambda: x.sum(), n_repeat=runs, n_warmup=3).gpu_times[0])
         name = cp.cuda.runtime.getDeviceProperties(device)["name"].decode()
-    return {"impl": f"cupy {cp.__version__}", "gpu": name,
-            "copy_gbs": 2 * x.nbytes / copy_s / 1e9, "read_gbs": x.nbytes / read_s / 1e9}
+    return {
+        "impl": f"cupy {cp.__version__}",
+        "gpu": name,
+        "copy_gbs": 2 * x.nbytes / copy_s / 1e9,
+        "read_gbs": x.nbytes / read_s / 1e9,
+    }
 
 
 def main() -> int:
@@ -71,8 +80,10 @@ def main() -> int:
         res = measure_cupy(n, args.device, args.runs)
     res["bandwidth_gbs"] = max(res["copy_gbs"], res["read_gbs"])
     res["buffer_gib"] = args.gib
-    print(f"{res['gpu']} ({res['impl']}): copy {res['copy_gbs']:.0f} GB/s (read + write), "
-          f"read {res['read_gbs']:.0f} GB/s; measured bandwidth {res['bandwidth_gbs']:.0f} GB/s")
+    print(
+        f"{res['gpu']} ({res['impl']}): copy {res['copy_gbs']:.0f} GB/s (read + write), "
+        f"read {res['read_gbs']:.0f} GB/s; measured bandwidth {res['bandwidth_gbs']:.0f} GB/s"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -10,6 +10,7 @@ the gguf package in F16, Q8_0 or Q4_0 (gguf's own quantizers); one random matrix
 shape and written for every layer (an 8B F16 file takes seconds plus the disk write, not minutes
 of random numbers). The text is meaningless; the speed is a real model's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,9 @@ def main() -> int:
     ap.add_argument("--type", choices=["f16", "q8_0", "q4_0"], default="q4_0")
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokenizer-from", default=None, help="a GGUF to copy tokenizer.* from (default: the default model)")
+    ap.add_argument(
+        "--tokenizer-from", default=None, help="a GGUF to copy tokenizer.* from (default: the default model)"
+    )
     args = ap.parse_args()
 
     src = gguf.GGUFReader(args.tokenizer_from or models.resolve(models.DEFAULT))
@@ -66,8 +69,11 @@ def main() -> int:
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
-    ftype = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-             "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[args.type]
+    ftype = {
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    }[args.type]
     w.add_file_type(ftype)
     for name, field in tok_fields.items():  # copy the tokenizer as stored
         vtype = field.types[0]

@@ -8,6 +8,7 @@ Peak RSS comes from each child process's ru_maxrss (Linux, KiB). The llamabind c
 includes the Python interpreter and numpy; their baseline (the same child without loading a
 model) is reported beside it. Writes bench/results/memory-<host>-<date>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,9 +61,12 @@ def main() -> int:
     # children in increasing order of expected peak, since RUSAGE_CHILDREN keeps the maximum
     py_base = int(subprocess.run([sys.executable, "-c", CHILD, "-"], capture_output=True, text=True, check=True).stdout)
     bench = llamabind.tool_path("llama-bench")
-    lb_peak = child_peak_kib([str(bench), "-m", str(path), "-t", "2", "-p", "512", "-n", "128", "-r", "1"]) if bench else None
-    p = subprocess.run([sys.executable, "-c", CHILD, str(path), str(n_ctx), str(n_gen)], capture_output=True, text=True,
-                       check=True)
+    lb_peak = (
+        child_peak_kib([str(bench), "-m", str(path), "-t", "2", "-p", "512", "-n", "128", "-r", "1"]) if bench else None
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), str(n_ctx), str(n_gen)], capture_output=True, text=True, check=True
+    )
     ours_peak = int(p.stdout)
 
     m = llamabind.Model(path, n_ctx=1024, n_threads=2)
@@ -83,10 +87,18 @@ def main() -> int:
     print(f"{'  of which Python + numpy + llamabind import':52} {py_base / 1024:8.1f}")
     print(f"{'  llamabind less that baseline':52} {(ours_peak - py_base) / 1024:8.1f}")
     print(f"{f'RSS drift over {args.calls} generate calls':52} {drift / 1024:8.2f}")
-    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
-           "model": str(path), "llama_bench_peak_kib": lb_peak, "llamabind_peak_kib": ours_peak,
-           "python_baseline_kib": py_base, "drift_kib": drift, "calls": args.calls, "rss_samples_kib": samples,
-           "command": " ".join(sys.argv)}
+    out = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "model": str(path),
+        "llama_bench_peak_kib": lb_peak,
+        "llamabind_peak_kib": ours_peak,
+        "python_baseline_kib": py_base,
+        "drift_kib": drift,
+        "calls": args.calls,
+        "rss_samples_kib": samples,
+        "command": " ".join(sys.argv),
+    }
     dest = HERE / "results" / f"memory-{socket.gethostname()}-{datetime.date.today()}.json"
     dest.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {dest}")

@@ -9,6 +9,7 @@ virtual environment (it brings its own libggml) through bench/_ggml_python_worke
 with `python -m venv bench/.venv-ggml-python && bench/.venv-ggml-python/bin/pip install
 ggml-python==0.0.45 numpy` (a source build, a few minutes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,17 +54,41 @@ def cases(rng, dev: str, torch=None):
     tch = (lambda f: f) if torch else (lambda f: None)
     return [
         # name, llamabind call, numpy call, torch call (or None), bytes moved (for GB/s)
-        ("add 64x64 (per-call overhead)", lambda: ops.add(small, small, backend=dev), lambda: np.add(small, small),
-         tch(lambda: ts + ts), 3 * small.nbytes),
-        ("add 2048x2048", lambda: ops.add(large, large, backend=dev), lambda: np.add(large, large), tch(lambda: tl + tl),
-         3 * large.nbytes),
-        ("silu 2048x2048", lambda: ops.silu(large, backend=dev), lambda: large / (1 + np.exp(-large)),
-         tch(lambda: torch.nn.functional.silu(tl)), 2 * large.nbytes),
-        ("soft_max 512x4096", lambda: ops.soft_max(x, backend=dev), lambda: _softmax(x), tch(lambda: tx.softmax(-1)),
-         2 * x.nbytes),
-        ("rms_norm 512x4096", lambda: ops.rms_norm(x, backend=dev),
-         lambda: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5),
-         tch(lambda: tx * torch.rsqrt((tx * tx).mean(-1, keepdim=True) + 1e-5)), 2 * x.nbytes),
+        (
+            "add 64x64 (per-call overhead)",
+            lambda: ops.add(small, small, backend=dev),
+            lambda: np.add(small, small),
+            tch(lambda: ts + ts),
+            3 * small.nbytes,
+        ),
+        (
+            "add 2048x2048",
+            lambda: ops.add(large, large, backend=dev),
+            lambda: np.add(large, large),
+            tch(lambda: tl + tl),
+            3 * large.nbytes,
+        ),
+        (
+            "silu 2048x2048",
+            lambda: ops.silu(large, backend=dev),
+            lambda: large / (1 + np.exp(-large)),
+            tch(lambda: torch.nn.functional.silu(tl)),
+            2 * large.nbytes,
+        ),
+        (
+            "soft_max 512x4096",
+            lambda: ops.soft_max(x, backend=dev),
+            lambda: _softmax(x),
+            tch(lambda: tx.softmax(-1)),
+            2 * x.nbytes,
+        ),
+        (
+            "rms_norm 512x4096",
+            lambda: ops.rms_norm(x, backend=dev),
+            lambda: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5),
+            tch(lambda: tx * torch.rsqrt((tx * tx).mean(-1, keepdim=True) + 1e-5)),
+            2 * x.nbytes,
+        ),
         ("mul_mat 1024^3", lambda: ops.mul_mat(a, b, backend=dev), lambda: a @ b, tch(lambda: ta @ tb), 3 * a.nbytes),
     ]
 
@@ -92,13 +117,17 @@ def main() -> int:
     rng = np.random.default_rng(0)
     try:
         import torch
+
         torch.set_num_threads(max(1, len(__import__("os").sched_getaffinity(0))))
     except ImportError:
         torch = None
     devices = [d["name"] for d in ops.devices()]
     per_dev = {dev: cases(rng, dev, torch) for dev in devices}
-    res = {(dev, name): {"llamabind_us": [], "numpy_us": [], "torch_us": [], "bytes": nbytes}
-           for dev, cs in per_dev.items() for name, _, _, _, nbytes in cs}
+    res = {
+        (dev, name): {"llamabind_us": [], "numpy_us": [], "torch_us": [], "bytes": nbytes}
+        for dev, cs in per_dev.items()
+        for name, _, _, _, nbytes in cs
+    }
     ggp = {"per_call_us": [], "reused_graph_us": []}
     for r in range(args.rounds):  # interleaved: llamabind (each device), numpy, torch, ggml-python each round
         for dev, cs in per_dev.items():
@@ -117,23 +146,38 @@ def main() -> int:
         lb, npm = statistics.median(d["llamabind_us"]), statistics.median(d["numpy_us"])
         tq = statistics.median(d["torch_us"]) if d["torch_us"] else None
         gbs = d["bytes"] / (lb * 1e-6) / 1e9
-        rows.append({"device": dev, "op": name, "llamabind_us": lb, "numpy_us": npm, "torch_us": tq,
-                     "ratio_numpy": lb / npm, "llamabind_GBps": gbs})
+        rows.append(
+            {
+                "device": dev,
+                "op": name,
+                "llamabind_us": lb,
+                "numpy_us": npm,
+                "torch_us": tq,
+                "ratio_numpy": lb / npm,
+                "llamabind_GBps": gbs,
+            }
+        )
         tstr = f"{tq:9.1f}" if tq is not None else f"{'-':>9}"
         print(f"{dev:8} {name:32} {lb:13.1f} {npm:10.1f} {tstr} {lb / npm:6.2f} {gbs:7.2f}")
     overhead = rows[0]["llamabind_us"]
     print(f"\nper-call overhead, 64x64 float32 add on CPU: llamabind {overhead:.1f} us (target < 20 us)")
     if ggp["per_call_us"]:
         pc, rg = statistics.median(ggp["per_call_us"]), statistics.median(ggp["reused_graph_us"])
-        print(f"ggml-python 0.0.45: {pc:.1f} us building the graph per call, {rg:.1f} us reusing one graph "
-              f"(llamabind / ggml-python reused: {overhead / rg:.2f})")
+        print(
+            f"ggml-python 0.0.45: {pc:.1f} us building the graph per call, {rg:.1f} us reusing one graph "
+            f"(llamabind / ggml-python reused: {overhead / rg:.2f})"
+        )
     else:
         print("ggml-python 0.0.45: not measured (no venv at --ggml-python)")
     out = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
-        "machine": platform.machine(), "python": platform.python_version(), "rounds": args.rounds,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "rounds": args.rounds,
         "build_info": {k: v for k, v in llamabind.build_info().items() if k != "devices"},
-        "ops": rows, "raw": {f"{d}|{n}": v for (d, n), v in res.items()},
+        "ops": rows,
+        "raw": {f"{d}|{n}": v for (d, n), v in res.items()},
         "ggml_python_0_0_45": {k: statistics.median(v) for k, v in ggp.items()} if ggp["per_call_us"] else None,
     }
     path = Path(args.out) if args.out else HERE / "results" / f"ops-{socket.gethostname()}-{datetime.date.today()}.json"

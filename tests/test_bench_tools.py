@@ -1,18 +1,24 @@
 """bench/make_model.py writes the model it claims (a small size, loaded by llama.cpp)."""
+
 from __future__ import annotations
 
 import importlib.util
 import subprocess
 import sys
 
-import llamabind
 from conftest import ROOT
+
+import llamabind
 
 
 def test_make_model_writes_a_loadable_llama(tmp_path):
     out = tmp_path / "tiny.gguf"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "make_model.py"), "--size", "tiny", "--type", "q8_0",
-                        "-o", str(out)], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "make_model.py"), "--size", "tiny", "--type", "q8_0", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     spec = importlib.util.spec_from_file_location("make_model", ROOT / "bench" / "make_model.py")
     mm = importlib.util.module_from_spec(spec)

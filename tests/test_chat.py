@@ -1,4 +1,5 @@
 """Chat through common's jinja templates and parser; grammars and JSON schema; the sampler chain."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,14 @@ import llamabind
 from llamabind import SamplingParams, _core
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def chatml(messages, system=DEFAULT_SYSTEM):
@@ -24,18 +30,27 @@ def chatml(messages, system=DEFAULT_SYSTEM):
     return out + "<|im_start|>assistant\n"
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": "Hi there"}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "Ünïcödé 日本語?"}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "Hi there"}],
+        [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "Ünïcödé 日本語?"},
+        ],
+    ],
+)
 def test_template_renders_chatml(model, messages):
     assert model.chat_templates().render(messages) == chatml(messages)
 
 
 def test_override_template(model):
-    tpl = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}"
-           "{% if add_generation_prompt %}[assistant]{% endif %}")
+    tpl = (
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
     assert model.chat_templates(tpl).render(msgs) == "[user]a\n[assistant]b\n[user]c\n[assistant]"
     with pytest.raises(ValueError):
@@ -79,39 +94,63 @@ def test_tool_call_parsing_with_a_tool_template(model, vendor_dir):
     """Qwen2.5's template (Hermes-style <tool_call>): common gives a grammar and a parser; text in
     that format parses into an OpenAI tool call."""
     tpl = (vendor_dir / "models/templates/Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
-    cp = model.chat_templates(tpl).apply([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
-                                         tool_choice="required")
+    cp = model.chat_templates(tpl).apply(
+        [{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], tool_choice="required"
+    )
     assert "get_weather" in cp.prompt and cp.grammar and "tool" in cp.grammar
     msg = json.loads(cp.parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'))
     (call,) = msg["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     # the grammar reaches the sampler: a forced generation stays inside it
-    r = model.chat([{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], tool_choice="required",
-                   template=tpl, temperature=0.8, seed=3, max_tokens=120,
-                   logit_bias={t: 8.0 for t in model.tokenize("<tool_call>", add_special=False)})
+    r = model.chat(
+        [{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        template=tpl,
+        temperature=0.8,
+        seed=3,
+        max_tokens=120,
+        logit_bias={t: 8.0 for t in model.tokenize("<tool_call>", add_special=False)},
+    )
     if r.finish_reason == "tool_calls":
         assert r.tool_calls[0]["function"]["name"] == "get_weather"
         json.loads(r.tool_calls[0]["function"]["arguments"])
 
 
-@pytest.mark.parametrize("bad", [
-    "hello", [{"content": "no role"}], [1, 2], [],
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "hello",
+        [{"content": "no role"}],
+        [1, 2],
+        [],
+    ],
+)
 def test_bad_messages(model, bad):
     with pytest.raises((TypeError, ValueError)):
         model.chat(bad, max_tokens=1)
 
 
 def test_json_schema_output_always_parses(model):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 10},
-                                                        "maxItems": 3}},
-              "required": ["name", "age", "tags"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": False,
+    }
     for seed in range(4):
-        r = model.chat([{"role": "user", "content": "Describe a person as JSON."}], seed=seed, temperature=1.0,
-                       max_tokens=120, response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+        r = model.chat(
+            [{"role": "user", "content": "Describe a person as JSON."}],
+            seed=seed,
+            temperature=1.0,
+            max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"schema": schema}},
+        )
         assert r.finish_reason == "stop", r.text
         obj = json.loads(r.content)
         assert set(obj) == {"name", "age", "tags"}
@@ -123,18 +162,29 @@ def test_json_schema_output_always_parses(model):
 def test_json_object_and_generate_json_schema(model):
     # a prompt that asks for a small object: "Give me JSON." rambled past max_tokens on an AVX-512 machine
     for seed in range(3):
-        r = model.chat([{"role": "user", "content": "Give me a JSON object with a name and an age."}],
-                       response_format={"type": "json_object"}, temperature=0.9, seed=seed, max_tokens=200)
+        r = model.chat(
+            [{"role": "user", "content": "Give me a JSON object with a name and an age."}],
+            response_format={"type": "json_object"},
+            temperature=0.9,
+            seed=seed,
+            max_tokens=200,
+        )
         assert r.finish_reason == "stop" and isinstance(json.loads(r.content), dict)
-    g = model.generate("Colors:", json_schema={"type": "array", "items": {"enum": ["red", "green", "blue"]}},
-                       temperature=1.0, seed=2, max_tokens=40)
+    g = model.generate(
+        "Colors:",
+        json_schema={"type": "array", "items": {"enum": ["red", "green", "blue"]}},
+        temperature=1.0,
+        seed=2,
+        max_tokens=40,
+    )
     assert g.finish_reason == "stop" and all(c in ("red", "green", "blue") for c in json.loads(g.text))
 
 
 def test_gbnf_grammar(model):
     for seed in range(3):
-        r = model.generate("Is the sky blue? Answer:", grammar='root ::= " yes" | " no"', temperature=1.5, seed=seed,
-                           max_tokens=10)
+        r = model.generate(
+            "Is the sky blue? Answer:", grammar='root ::= " yes" | " no"', temperature=1.5, seed=seed, max_tokens=10
+        )
         assert r.text in (" yes", " no") and r.finish_reason == "stop"
     with pytest.raises(ValueError, match="grammar"):
         model.generate("x", grammar="root ::= (", max_tokens=1)
@@ -166,10 +216,10 @@ def test_every_sampler_is_seed_deterministic(model, params):
 
 
 def test_chain_contents(model):
-    d = SamplingParams(temperature=0.7, typical_p=0.5, xtc_probability=0.3, dry_multiplier=0.5).build(model._m).description
+    d = SamplingParams(temperature=0.7, typical_p=0.5, xtc_probability=0.3, dry_multiplier=0.5).build(model).description
     for name in ("typical", "xtc", "dry", "temp-ext", "dist"):
         assert name in d and f"?{name}" not in d, d
-    m = SamplingParams(mirostat=2).build(model._m).description
+    m = SamplingParams(mirostat=2).build(model).description
     assert "mirostat-v2" in m
 
 
@@ -183,13 +233,34 @@ def test_logit_bias(model):
     assert forced.tokens == [x] * 4
 
 
-@pytest.mark.parametrize("kw", [
-    dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=-0.1), dict(typical_p=0), dict(top_k=-1),
-    dict(xtc_probability=2), dict(mirostat=3), dict(mirostat_eta=0), dict(repeat_penalty=0), dict(repeat_last_n=-2),
-    dict(dry_base=0.5), dict(frequency_penalty=3), dict(seed=-1), dict(seed=2**32), dict(top_n_sigma=0),
-    dict(temperature=float("nan")), dict(logit_bias={-1: 1.0}), dict(logit_bias={0: float("nan")}),
-    dict(logprobs=-1), dict(logprobs=101), dict(max_tokens=-1), dict(n_draft=0, lookup_ngram=2),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(min_p=-0.1),
+        dict(typical_p=0),
+        dict(top_k=-1),
+        dict(xtc_probability=2),
+        dict(mirostat=3),
+        dict(mirostat_eta=0),
+        dict(repeat_penalty=0),
+        dict(repeat_last_n=-2),
+        dict(dry_base=0.5),
+        dict(frequency_penalty=3),
+        dict(seed=-1),
+        dict(seed=2**32),
+        dict(top_n_sigma=0),
+        dict(temperature=float("nan")),
+        dict(logit_bias={-1: 1.0}),
+        dict(logit_bias={0: float("nan")}),
+        dict(logprobs=-1),
+        dict(logprobs=101),
+        dict(max_tokens=-1),
+        dict(n_draft=0, lookup_ngram=2),
+    ],
+)
 def test_out_of_range_raises_value_error(model, kw):
     with pytest.raises(ValueError):
         model.generate("x", **{"max_tokens": 1, **kw})
@@ -199,27 +270,34 @@ def test_unknown_sampling_argument(model):
     with pytest.raises(TypeError, match="tempurature"):
         model.generate("x", tempurature=0.5)
     with pytest.raises(ValueError):  # a token id outside the vocabulary, checked natively
-        _core.Sampler(model._m, {"logit_bias": {10**7: 1.0}}, None)
+        _core.Sampler(model._llama_model, {"logit_bias": {10**7: 1.0}}, None)
 
 
 def test_chat_cli_repl(model_path):
     """python -m llamabind chat: an interactive loop with history, /exit ends it."""
-    p = subprocess.run([sys.executable, "-m", "llamabind", "chat", "-m", str(model_path), "-t", "0", "-n", "8",
-                        "--no-progress"], input="Hi\nWhat did I just say?\n/exit\n", capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "llamabind", "chat", "-m", str(model_path), "-t", "0", "-n", "8", "--no-progress"],
+        input="Hi\nWhat did I just say?\n/exit\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     msgs = [{"role": "user", "content": "Hi"}]
     with llamabind.Model(model_path, n_ctx=4096) as m:
         r1 = m.chat(msgs, temperature=0, max_tokens=8)
-        r2 = m.chat(msgs + [r1.message, {"role": "user", "content": "What did I just say?"}], temperature=0, max_tokens=8)
+        r2 = m.chat(
+            msgs + [r1.message, {"role": "user", "content": "What did I just say?"}], temperature=0, max_tokens=8
+        )
     assert r1.content.strip() in p.stdout and r2.content.strip() in p.stdout
 
 
 def test_common_logs_do_not_reach_stderr(model_path):
     """llama.cpp common's own logger (chat templates, sampler) is silenced: stderr stays clean."""
-    code = ("import llamabind; m = llamabind.Model(%r, n_ctx=256); "
-            "print(m.chat_templates().render([{'role': 'user', 'content': [{'type': 'text', 'text': 'hi'}]}]))"
-            % str(model_path))
+    code = (
+        f"import llamabind; m = llamabind.Model({str(model_path)!r}, n_ctx=256); "
+        "print(m.chat_templates().render([{'role': 'user', 'content': [{'type': 'text', 'text': 'hi'}]}]))"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "<|im_start|>user\nhi<|im_end|>" in p.stdout
     assert p.stderr == "", p.stderr

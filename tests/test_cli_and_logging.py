@@ -1,4 +1,5 @@
 """The command line, logging, and model resolution."""
+
 from __future__ import annotations
 
 import logging
@@ -6,16 +7,31 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_python
 
 import llamabind
 from llamabind import models
-from conftest import run_python
 
 
 def test_cli_generate_streams_and_reports_speed(model_path):
-    p = subprocess.run([sys.executable, "-m", "llamabind", "generate", "The capital of France is",
-                        "--max-tokens", "12", "--temperature", "0", "--model", str(model_path)],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llamabind",
+            "generate",
+            "The capital of France is",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--model",
+            str(model_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     with llamabind.Model(model_path) as m:
         want = m.generate("The capital of France is", max_tokens=12, temperature=0).text
@@ -31,17 +47,27 @@ def test_cli_info():
 
 
 def test_cli_bad_model_is_an_error_not_a_crash(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "llamabind", "generate", "x", "--model", str(tmp_path / "none.gguf")],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "llamabind", "generate", "x", "--model", str(tmp_path / "none.gguf")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and "error:" in p.stderr
 
 
 def test_cli_split_options_reach_the_model(model_path):
     """-sm/-ts are parsed and passed on: a malformed split and one with more entries than this build
     has devices are clear errors (exit 2); a valid one generates."""
+
     def gen(*extra):
-        return subprocess.run([sys.executable, "-m", "llamabind", "generate", "Hi", "-n", "2", "-t", "0", "-m",
-                               str(model_path), *extra], capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "llamabind", "generate", "Hi", "-n", "2", "-t", "0", "-m", str(model_path), *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
     bad = gen("-ts", "3,x")
     assert bad.returncode == 2 and "comma-separated numbers" in bad.stderr
     too_many = gen("-ts", ",".join(["1"] * 257))  # llama_max_devices() is 16 at this pin

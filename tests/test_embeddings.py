@@ -5,11 +5,11 @@ converted to GGUF with upstream's convert_hf_to_gguf.py from the vendored tree, 
 virtual environment (torch, transformers, sentence-transformers: ~6 GB, created once under
 $LLAMABIND_CACHE/embed-venv from tests/embed/requirements.txt, made anew when that file changes), which also
 computes the sentence-transformers reference."""
+
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import zipfile
@@ -61,8 +61,20 @@ def minilm(vendor_dir, tmp_path_factory):
     digest = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
     if not stamp.exists() or stamp.read_text() != digest:
         _run([sys.executable, "-m", "venv", "--clear", str(venv)])
-        _run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", str(REQUIREMENTS),
-              str(vendor_dir / "gguf-py")], timeout=1800)
+        _run(
+            [
+                str(py),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                "-r",
+                str(REQUIREMENTS),
+                str(vendor_dir / "gguf-py"),
+            ],
+            timeout=1800,
+        )
         stamp.write_text(digest)
     (work / "sentences.json").write_text(json.dumps(SENTENCES))
     _run([str(py), str(HERE / "embed" / "reference.py"), str(model_dir), str(vendor_dir), str(work)], timeout=900)

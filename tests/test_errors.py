@@ -1,12 +1,13 @@
 """Bad input gives a Python exception and the interpreter survives."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
+from conftest import run_python
 
 import llamabind
-from conftest import run_python
 
 
 def test_missing_file():
@@ -59,19 +60,22 @@ print("alive")
     assert "ValueError" in r.stdout and "alive" in r.stdout
 
 
-@pytest.mark.parametrize("kw,exc", [
-    (dict(temperature=math.nan), ValueError),
-    (dict(top_p=0.0), ValueError),
-    (dict(top_p=1.5), ValueError),
-    (dict(min_p=-0.1), ValueError),
-    (dict(top_k=-1), ValueError),
-    (dict(repeat_penalty=0.0), ValueError),
-    (dict(max_tokens=-1), ValueError),
-    (dict(seed=-1), ValueError),
-    (dict(seed=2**32), ValueError),
-    (dict(stop=[""]), ValueError),
-    (dict(stop=[1]), TypeError),
-])
+@pytest.mark.parametrize(
+    "kw,exc",
+    [
+        (dict(temperature=math.nan), ValueError),
+        (dict(top_p=0.0), ValueError),
+        (dict(top_p=1.5), ValueError),
+        (dict(min_p=-0.1), ValueError),
+        (dict(top_k=-1), ValueError),
+        (dict(repeat_penalty=0.0), ValueError),
+        (dict(max_tokens=-1), ValueError),
+        (dict(seed=-1), ValueError),
+        (dict(seed=2**32), ValueError),
+        (dict(stop=[""]), ValueError),
+        (dict(stop=[1]), TypeError),
+    ],
+)
 def test_bad_generation_parameters(model, kw, exc):
     with pytest.raises(exc):
         model.generate("Hi", **kw)
@@ -96,8 +100,9 @@ def test_bad_prompts_and_tokens(model):
         assert ctx.n_past == 0
 
 
-@pytest.mark.parametrize("kw", [dict(n_ctx=-1), dict(n_ctx=4), dict(n_batch=0), dict(n_ubatch=0), dict(n_threads=0),
-                                dict(n_threads=10**6)])
+@pytest.mark.parametrize(
+    "kw", [dict(n_ctx=-1), dict(n_ctx=4), dict(n_batch=0), dict(n_ubatch=0), dict(n_threads=0), dict(n_threads=10**6)]
+)
 def test_bad_context_parameters(model, kw):
     with pytest.raises(ValueError):
         model.context(**kw)

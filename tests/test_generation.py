@@ -1,4 +1,5 @@
 """Generation: greedy against upstream's llama-simple, determinism, seeds, stop strings, streaming."""
+
 from __future__ import annotations
 
 import signal
@@ -7,9 +8,9 @@ import threading
 import time
 
 import pytest
+from conftest import require_tool
 
 import llamabind
-from conftest import require_tool
 
 PROMPT = "The three primary colors are"
 
@@ -22,16 +23,20 @@ def test_greedy_is_deterministic(model):
     assert a.text.strip()
 
 
-@pytest.mark.parametrize("prompt,n_predict", [
-    (PROMPT, 32),
-    ("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n", 24),
-    ("Ünïcödé and 日本語: 🎉", 16),
-])
+@pytest.mark.parametrize(
+    "prompt,n_predict",
+    [
+        (PROMPT, 32),
+        ("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n", 24),
+        ("Ünïcödé and 日本語: 🎉", 16),
+    ],
+)
 def test_greedy_matches_llama_simple(model_path, prompt, n_predict):
     """Same tokens as upstream's examples/simple (greedy sampler) built from the same tree."""
     exe = require_tool("llama-simple")
-    p = subprocess.run([str(exe), "-m", str(model_path), "-n", str(n_predict), prompt],
-                       capture_output=True, timeout=300)
+    p = subprocess.run(
+        [str(exe), "-m", str(model_path), "-n", str(n_predict), prompt], capture_output=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr.decode(errors="replace")[-2000:]
     with llamabind.Model(model_path, n_threads=2) as m:
         prompt_ids = m.tokenize(prompt, add_special=True, parse_special=True)
@@ -84,8 +89,7 @@ def test_stream_never_splits_utf8(model):
     s = model.generate(prompt, max_tokens=48, temperature=0, stream=True)
     pieces = list(s)
     assert "".join(pieces) == s.result.text
-    multi = [t for t in s.result.tokens if len(model.token_to_piece(t)) and
-             not _decodes(model.token_to_piece(t))]
+    multi = [t for t in s.result.tokens if len(model.token_to_piece(t)) and not _decodes(model.token_to_piece(t))]
     assert multi, "no token in this generation split a character: the test needs another prompt"
     # every piece but the last is whole characters; the last may end in U+FFFD only where max_tokens
     # cut the generation inside a character (what the CPU's kernels generate differs between machines)

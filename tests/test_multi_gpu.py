@@ -1,15 +1,16 @@
 """Several GPUs: llama.cpp's layer and row split (tensor_split, main_gpu) give the same greedy tokens
 as the whole model on one GPU, and the weights really are spread. Skips below two GPU devices
 (tests/device/cuda_run.sh runs it on nvidia-h200-x2)."""
+
 from __future__ import annotations
 
 import os
 
 import numpy as np
 import pytest
+from conftest import gpu_skip_reason
 
 import llamabind
-from conftest import gpu_skip_reason
 from llamabind import ops
 
 GPUS = [d["name"] for d in ops.devices() if d["type"] == "gpu"]
@@ -47,14 +48,18 @@ def cpu_logits(model_path):
         return c.eval(m.tokenize(PROMPT))
 
 
-@pytest.mark.parametrize("kw", [
-    {"split_mode": "none", "main_gpu": 1},
-    {"split_mode": "layer"},
-    {"split_mode": "layer", "tensor_split": [3, 1]},
-    {"split_mode": "layer", "tensor_split": [1, 3], "main_gpu": 1},
-    {"split_mode": "tensor", "tensor_split": [1, 1]},
-    {"split_mode": "tensor", "tensor_split": [1, 1], "main_gpu": 1},
-], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"split_mode": "none", "main_gpu": 1},
+        {"split_mode": "layer"},
+        {"split_mode": "layer", "tensor_split": [3, 1]},
+        {"split_mode": "layer", "tensor_split": [1, 3], "main_gpu": 1},
+        {"split_mode": "tensor", "tensor_split": [1, 1]},
+        {"split_mode": "tensor", "tensor_split": [1, 1], "main_gpu": 1},
+    ],
+    ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()),
+)
 def test_split_matches_single_gpu(model_path, single, cpu_logits, kw):
     tokens, taken, logits = greedy(model_path, **kw)
     size = os.path.getsize(model_path)

@@ -1,4 +1,5 @@
 """llamabind.ops forward: every op against a numpy float64 reference, on the CPU backend."""
+
 from __future__ import annotations
 
 import math
@@ -6,8 +7,8 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-
 from conftest import TEST_BACKEND
+
 from llamabind import ops
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -51,8 +52,9 @@ BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divid
 
 @pytest.mark.parametrize("name", list(BINARY))
 @pytest.mark.parametrize("dt", [(F32, F32), (F16, F16), (BF16, BF16), (F16, F32), (BF16, F32)], ids=str)
-@pytest.mark.parametrize("shapes", [((3, 5), (3, 5)), ((2, 3, 4), (4,)), ((2, 3, 4), (3, 1)), ((1, 4), (3, 4)),
-                                    ((2, 1, 3, 4), (2, 5, 1, 4))])
+@pytest.mark.parametrize(
+    "shapes", [((3, 5), (3, 5)), ((2, 3, 4), (4,)), ((2, 3, 4), (3, 1)), ((1, 4), (3, 4)), ((2, 1, 3, 4), (2, 5, 1, 4))]
+)
 def test_binary(name, dt, shapes):
     a = rnd(*shapes[0], dtype=dt[0])
     b = rnd(*shapes[1], dtype=dt[1], lo=0.5, hi=2.0)  # positive: no division by ~0
@@ -67,10 +69,17 @@ def _gelu(x):
 
 
 UNARY = {
-    "sqr": (np.square, -2, 2), "sqrt": (np.sqrt, 0.1, 4), "exp": (np.exp, -2, 2), "log": (np.log, 0.1, 4),
-    "abs": (np.abs, -2, 2), "neg": (np.negative, -2, 2), "silu": (lambda x: x / (1 + np.exp(-x)), -4, 4),
-    "gelu": (_gelu, -4, 4), "relu": (lambda x: np.maximum(x, 0), -2, 2),
-    "sigmoid": (lambda x: 1 / (1 + np.exp(-x)), -4, 4), "tanh": (np.tanh, -3, 3),
+    "sqr": (np.square, -2, 2),
+    "sqrt": (np.sqrt, 0.1, 4),
+    "exp": (np.exp, -2, 2),
+    "log": (np.log, 0.1, 4),
+    "abs": (np.abs, -2, 2),
+    "neg": (np.negative, -2, 2),
+    "silu": (lambda x: x / (1 + np.exp(-x)), -4, 4),
+    "gelu": (_gelu, -4, 4),
+    "relu": (lambda x: np.maximum(x, 0), -2, 2),
+    "sigmoid": (lambda x: 1 / (1 + np.exp(-x)), -4, 4),
+    "tanh": (np.tanh, -3, 3),
 }
 
 
@@ -110,8 +119,19 @@ def test_reductions():
     assert ops.argmax(m[0]).shape == () and int(ops.argmax(m[0])) == m[0].argmax()
 
 
-@pytest.mark.parametrize("sa,sb", [((3, 4), (4, 5)), ((2, 3, 4), (2, 4, 6)), ((2, 3, 4), (4, 6)), ((3, 4), (2, 4, 6)),
-                                   ((2, 2, 3, 4), (2, 1, 4, 5)), ((4,), (4, 3)), ((3, 4), (4,)), ((7,), (7,))])
+@pytest.mark.parametrize(
+    "sa,sb",
+    [
+        ((3, 4), (4, 5)),
+        ((2, 3, 4), (2, 4, 6)),
+        ((2, 3, 4), (4, 6)),
+        ((3, 4), (2, 4, 6)),
+        ((2, 2, 3, 4), (2, 1, 4, 5)),
+        ((4,), (4, 3)),
+        ((3, 4), (4,)),
+        ((7,), (7,)),
+    ],
+)
 def test_mul_mat_is_numpy_matmul(sa, sb):
     a, b = rnd(*sa), rnd(*sb, seed=9)
     out = ops.mul_mat(a, b)
@@ -197,8 +217,11 @@ def test_rope(mode, n_dims):
     x = rnd(5, 3, 16)
     pos = np.array([0, 3, 7, 100, 1000], np.int32)
     close(ops.rope(x, pos, n_dims, mode), rope_ref(x, pos, n_dims, mode), tol=1e-4)
-    close(ops.rope(x, pos, n_dims, mode, freq_base=500.0, freq_scale=0.25),
-          rope_ref(x, pos, n_dims, mode, 500.0, 0.25), tol=1e-4)
+    close(
+        ops.rope(x, pos, n_dims, mode, freq_base=500.0, freq_scale=0.25),
+        rope_ref(x, pos, n_dims, mode, 500.0, 0.25),
+        tol=1e-4,
+    )
     xb = rnd(2, 5, 3, 16, seed=8)
     close(ops.rope(xb, pos, n_dims, mode), rope_ref(xb, pos, n_dims, mode), tol=1e-4)
     close(ops.rope(x.astype(np.float16), pos, n_dims, mode), rope_ref(x.astype(np.float16), pos, n_dims, mode), F16)
@@ -279,7 +302,7 @@ def conv1d_ref(k, x, s=1, p=0, d=1):
     ol = (x.shape[-1] + 2 * p - d * (kk - 1) - 1) // s + 1
     out = np.zeros((x.shape[0], oc, ol))
     for o in range(ol):
-        win = xp[:, :, o * s: o * s + d * (kk - 1) + 1: d]  # (N, IC, K)
+        win = xp[:, :, o * s : o * s + d * (kk - 1) + 1 : d]  # (N, IC, K)
         out[:, :, o] = np.einsum("nik,oik->no", win, f64(k))
     return out
 
@@ -288,7 +311,7 @@ def im2col1d_ref(kshape, x, s=1, p=0, d=1):
     oc, ic, kk = kshape
     xp = np.pad(f64(x), ((0, 0), (0, 0), (p, p)))
     ol = (x.shape[-1] + 2 * p - d * (kk - 1) - 1) // s + 1
-    return np.stack([xp[:, :, o * s: o * s + d * (kk - 1) + 1: d].reshape(x.shape[0], -1) for o in range(ol)], 1)
+    return np.stack([xp[:, :, o * s : o * s + d * (kk - 1) + 1 : d].reshape(x.shape[0], -1) for o in range(ol)], 1)
 
 
 def test_conv_1d_and_im2col():
@@ -315,7 +338,7 @@ def test_conv_2d_and_im2col_2d():
     cols = np.zeros((2, oh, ow, 3 * 3 * 2))
     for i in range(oh):
         for j in range(ow):
-            win = xp[:, :, i * 2: i * 2 + 3, j: j + 2]
+            win = xp[:, :, i * 2 : i * 2 + 3, j : j + 2]
             ref[:, :, i, j] = np.einsum("nchw,ochw->no", win, f64(k))
             cols[:, i, j] = win.reshape(2, -1)
     close(out, ref, tol=2e-2)
@@ -328,7 +351,7 @@ def test_conv_transpose_1d():
         out = ops.conv_transpose_1d(k, x, s)
         ref = np.zeros((2, (6 - 1) * s + 4))
         for i in range(6):
-            ref[:, i * s: i * s + 4] += np.einsum("c,cok->ok", f64(x[:, i]), f64(k))
+            ref[:, i * s : i * s + 4] += np.einsum("c,cok->ok", f64(x[:, i]), f64(k))
         close(out, ref, tol=1e-4)
 
 
@@ -398,6 +421,7 @@ def test_quantize_round_trip(qtype, tol):
     if qtype in ("q8_0", "q4_0", "q4_1"):  # the gguf package has reference quantizers for these
         import gguf
         from gguf.quants import quantize as gq
+
         ref = gq(x, getattr(gguf.GGMLQuantizationType, qtype.upper()))
         assert np.mean(q == ref.reshape(q.shape)) > 0.98  # same blocks, up to rounding ties
 

@@ -1,13 +1,14 @@
 """Every non-CPU device of the build (CUDA, Metal, ...) against the CPU, by NMSE (test-backend-ops'
 metric and limit). Skips cleanly on a CPU-only build; runs wherever a GPU backend is compiled in.
 Covers the upstream fixes listed in patches/README.md on the GPU backends they concern."""
+
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
 import pytest
-
 from conftest import gpu_skip_reason
+
 from llamabind import ops
 
 GPUS = [d["name"] for d in ops.devices() if d["type"] != "cpu"]
@@ -50,8 +51,7 @@ def test_gpu_matches_cpu(device, name, op, args, kw):
 
 
 @pytest.mark.parametrize("device", GPUS)
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.int16, np.int32],
-                         ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.int16, np.int32], ids=str)
 def test_gpu_concat_every_dtype(device, dtype):  # PR #24724, #24747
     a = rng.integers(-50, 50, (3, 4, 5)).astype(dtype)
     b = rng.integers(-50, 50, (3, 2, 5)).astype(dtype)

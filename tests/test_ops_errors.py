@@ -3,17 +3,24 @@
 Hypothesis drives every op with random shapes, dtypes and parameters: each call must either raise
 ValueError/TypeError or return what numpy (or a shape rule) says. A ggml assert would abort the
 whole test run, so any abort path shows up as a crashed suite."""
+
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llamabind import ops
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.int16, np.int32, np.int64]
-CFG = settings(max_examples=int(__import__("os").environ.get("LLAMABIND_HYPOTHESIS_EXAMPLES", "60")), deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+CFG = settings(
+    max_examples=int(__import__("os").environ.get("LLAMABIND_HYPOTHESIS_EXAMPLES", "60")),
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+)
 
 shapes = st.lists(st.integers(1, 4), min_size=0, max_size=5).map(tuple)
 dtypes = st.sampled_from(DTYPES)
@@ -42,7 +49,8 @@ def test_binary_random(sa, sb, da, db, name):
     try:
         with np.errstate(all="ignore"):
             ref = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}[name](
-                a.astype(np.float64), b.astype(np.float64))
+                a.astype(np.float64), b.astype(np.float64)
+            )
     except ValueError:
         pass
 
@@ -53,8 +61,30 @@ def test_binary_random(sa, sb, da, db, name):
     must_raise_or(lambda: getattr(ops, name)(a, b), check)
 
 
-UNARY = ["sqr", "sqrt", "exp", "log", "abs", "neg", "silu", "gelu", "relu", "sigmoid", "tanh", "sum", "sum_rows",
-         "mean", "argmax", "cont", "transpose", "norm", "rms_norm", "l2_norm", "soft_max", "argsort"]
+UNARY = [
+    "sqr",
+    "sqrt",
+    "exp",
+    "log",
+    "abs",
+    "neg",
+    "silu",
+    "gelu",
+    "relu",
+    "sigmoid",
+    "tanh",
+    "sum",
+    "sum_rows",
+    "mean",
+    "argmax",
+    "cont",
+    "transpose",
+    "norm",
+    "rms_norm",
+    "l2_norm",
+    "soft_max",
+    "argsort",
+]
 
 
 @CFG
@@ -89,8 +119,13 @@ def test_concat_random(sa, sb, da, db, axis):
 
 
 @CFG
-@given(s=shapes, d=dtypes, axes=st.lists(st.integers(-5, 5), max_size=5), new=st.lists(st.integers(-2, 8), max_size=5),
-       reps=st.lists(st.integers(1, 3), max_size=5))
+@given(
+    s=shapes,
+    d=dtypes,
+    axes=st.lists(st.integers(-5, 5), max_size=5),
+    new=st.lists(st.integers(-2, 8), max_size=5),
+    reps=st.lists(st.integers(1, 3), max_size=5),
+)
 def test_views_random(s, d, axes, new, reps):
     a = arr(s, d)
     must_raise_or(lambda: ops.permute(a, axes), lambda out: np.testing.assert_array_equal(out, np.transpose(a, axes)))
@@ -102,8 +137,13 @@ def test_views_random(s, d, axes, new, reps):
 
 
 @CFG
-@given(rows=st.integers(1, 6), cols=st.integers(1, 5), idx=st.lists(st.integers(-3, 9), min_size=0, max_size=5),
-       d=dtypes, it=st.sampled_from([np.int32, np.int64, np.float32]))
+@given(
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 5),
+    idx=st.lists(st.integers(-3, 9), min_size=0, max_size=5),
+    d=dtypes,
+    it=st.sampled_from([np.int32, np.int64, np.float32]),
+)
 def test_rows_random(rows, cols, idx, d, it):
     a = arr((rows, cols), d)
     i = np.array(idx, dtype=it)
@@ -113,11 +153,18 @@ def test_rows_random(rows, cols, idx, d, it):
 
 
 @CFG
-@given(n_tok=st.integers(1, 4), n_head=st.integers(1, 3), head_dim=st.integers(1, 20), n_dims=st.integers(-2, 24),
-       mode=st.sampled_from(["normal", "neox", "mrope", "vision", "imrope", "bogus"]),
-       sections=st.one_of(st.none(), st.lists(st.integers(-1, 8), min_size=0, max_size=5)),
-       npos=st.integers(0, 20), ff=st.one_of(st.none(), st.integers(1, 12)), d=dtypes,
-       base=st.sampled_from([10000.0, 0.0, -1.0, float("nan")]))
+@given(
+    n_tok=st.integers(1, 4),
+    n_head=st.integers(1, 3),
+    head_dim=st.integers(1, 20),
+    n_dims=st.integers(-2, 24),
+    mode=st.sampled_from(["normal", "neox", "mrope", "vision", "imrope", "bogus"]),
+    sections=st.one_of(st.none(), st.lists(st.integers(-1, 8), min_size=0, max_size=5)),
+    npos=st.integers(0, 20),
+    ff=st.one_of(st.none(), st.integers(1, 12)),
+    d=dtypes,
+    base=st.sampled_from([10000.0, 0.0, -1.0, float("nan")]),
+)
 def test_rope_random(n_tok, n_head, head_dim, n_dims, mode, sections, npos, ff, d, base):
     x = arr((n_tok, n_head, head_dim), d)
     pos = np.arange(npos, dtype=np.int32)
@@ -135,9 +182,19 @@ def test_soft_max_random(s, ms, md, scale, max_bias):
 
 
 @CFG
-@given(oc=st.integers(1, 3), ic=st.integers(1, 3), k=st.integers(1, 6), n=st.integers(1, 2), length=st.integers(1, 9),
-       s=st.integers(0, 3), p=st.integers(-1, 3), dil=st.integers(0, 3), kd=dtypes, two_d=st.booleans(),
-       op=st.sampled_from(["max", "avg", "min"]))
+@given(
+    oc=st.integers(1, 3),
+    ic=st.integers(1, 3),
+    k=st.integers(1, 6),
+    n=st.integers(1, 2),
+    length=st.integers(1, 9),
+    s=st.integers(0, 3),
+    p=st.integers(-1, 3),
+    dil=st.integers(0, 3),
+    kd=dtypes,
+    two_d=st.booleans(),
+    op=st.sampled_from(["max", "avg", "min"]),
+)
 def test_conv_pool_random(oc, ic, k, n, length, s, p, dil, kd, two_d, op):
     if two_d:
         kern, data = arr((oc, ic, k, k), kd), arr((n, ic, length, length + 1), np.float32, 1)
@@ -155,9 +212,18 @@ def test_conv_pool_random(oc, ic, k, n, length, s, p, dil, kd, two_d, op):
 
 
 @CFG
-@given(b=st.integers(1, 2), h=st.integers(1, 4), hk=st.integers(1, 4), nq=st.integers(1, 4), nkv=st.integers(1, 5),
-       d=st.sampled_from([4, 8, 16]), dk=st.sampled_from([4, 8, 16]), kd=dtypes, mask=st.booleans(),
-       mshape=st.tuples(st.integers(1, 5), st.integers(1, 5)))
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 4),
+    hk=st.integers(1, 4),
+    nq=st.integers(1, 4),
+    nkv=st.integers(1, 5),
+    d=st.sampled_from([4, 8, 16]),
+    dk=st.sampled_from([4, 8, 16]),
+    kd=dtypes,
+    mask=st.booleans(),
+    mshape=st.tuples(st.integers(1, 5), st.integers(1, 5)),
+)
 def test_flash_attn_random(b, h, hk, nq, nkv, d, dk, kd, mask, mshape):
     q = arr((b, h, nq, d), np.float32)
     k, v = arr((b, hk, nkv, dk), kd, 1), arr((b, hk, nkv, dk), kd, 2)
@@ -166,8 +232,16 @@ def test_flash_attn_random(b, h, hk, nq, nkv, d, dk, kd, mask, mshape):
 
 
 @CFG
-@given(n=st.integers(1, 600), rows=st.integers(1, 3), t=st.sampled_from(list(ops.QUANT_TYPES) + ["q5_0", "f32", "x"]),
-       k=st.integers(-1, 8), dim=st.integers(-1, 9), start=st.floats(-5, 5), stop=st.floats(-5, 5), step=st.floats(-1, 2))
+@given(
+    n=st.integers(1, 600),
+    rows=st.integers(1, 3),
+    t=st.sampled_from(list(ops.QUANT_TYPES) + ["q5_0", "f32", "x"]),
+    k=st.integers(-1, 8),
+    dim=st.integers(-1, 9),
+    start=st.floats(-5, 5),
+    stop=st.floats(-5, 5),
+    step=st.floats(-1, 2),
+)
 def test_misc_random(n, rows, t, k, dim, start, stop, step):
     x = arr((rows, n), np.float32)
     q = must_raise_or(lambda: ops.quantize(x, t))
@@ -204,8 +278,9 @@ def test_specific_misuse():
         idx = ops.cast(ops.cast(np.array([0, 1], np.int32), np.float32), np.int32)
         with pytest.raises(ValueError, match="range-checked"):
             ops.get_rows(x, idx)
-        y = ops.get_rows(x, ops.argsort(np.array([[0.5, 0.1]], np.float32)).reshape(2) if False else
-                         np.array([1, 0], np.int32))
+        y = ops.get_rows(
+            x, ops.argsort(np.array([[0.5, 0.1]], np.float32)).reshape(2) if False else np.array([1, 0], np.int32)
+        )
     np.testing.assert_array_equal(g.compute(y), x[[1, 0]])
 
 
@@ -213,6 +288,7 @@ def test_the_interpreter_survives_a_storm_of_bad_calls():
     """The same misuse in a fresh process: it must end normally (an abort would show as -6)."""
     import subprocess
     import sys
+
     code = """
 import numpy as np
 from llamabind import ops
@@ -221,7 +297,8 @@ bad = [lambda: ops.mul_mat(np.ones((2,3),np.float32), np.ones((2,3),np.float32))
        lambda: ops.repeat(np.ones(2, np.int64), (4,)),
        lambda: ops.concat(np.ones(2,np.int8), np.ones(2,np.int16)),
        lambda: ops.get_rows(np.ones((3,2),np.float32), np.array([-1],np.int32)),
-       lambda: ops.flash_attn_ext(np.ones((1,3,2,8),np.float32), np.ones((1,2,2,8),np.float16), np.ones((1,2,2,8),np.float16)),
+       lambda: ops.flash_attn_ext(np.ones((1,3,2,8),np.float32), np.ones((1,2,2,8),np.float16),
+                                  np.ones((1,2,2,8),np.float16)),
        lambda: ops.grad(lambda v: ops.sum(ops.tanh(v)))(np.ones(3,np.float32))]
 n = 0
 for f in bad:

@@ -1,13 +1,14 @@
 """llamabind.ops backward: grad/vjp and the *_back ops against central finite differences, and
 regression tests for the upstream fixes of the patch series' README."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import TEST_BACKEND
-from llamabind import _core, ops
 from test_ops import rnd, rope_ref
+
+from llamabind import _core, ops
 
 
 def fd_grad(f, xs, i, eps=1e-2):
@@ -36,26 +37,29 @@ def check_grad(f, *xs, tol=2e-2, argnums=None):
 W = rnd(3, 4, seed=11)
 
 
-@pytest.mark.parametrize("name,f,lo,hi", [
-    ("sqr", lambda x: ops.sum(ops.sqr(x)), -2, 2),
-    ("sqrt", lambda x: ops.sum(ops.sqrt(x)), 0.5, 3),
-    ("log", lambda x: ops.sum(ops.mul(ops.log(x), W)), 0.5, 3),
-    ("exp", lambda x: ops.sum(ops.mul(ops.exp(x), W)), -1, 1),
-    ("abs", lambda x: ops.sum(ops.mul(ops.abs(x), W)), 0.2, 1),
-    ("relu", lambda x: ops.sum(ops.mul(ops.relu(x), W)), 0.2, 1),
-    ("silu", lambda x: ops.sum(ops.mul(ops.silu(x), W)), -2, 2),
-    ("scale", lambda x: ops.sum(ops.scale(ops.mul(x, W), 3.0)), -2, 2),
-    ("div", lambda x: ops.sum(ops.div(W, ops.add(ops.sqr(x), 1.0))), -2, 2),
-    ("soft_max", lambda x: ops.sum(ops.mul(ops.soft_max(x), W)), -2, 2),
-    ("rms_norm", lambda x: ops.sum(ops.mul(ops.rms_norm(x, 1e-5), W)), -2, 2),
-    ("mean", lambda x: ops.sum(ops.sqr(ops.mean(x))), -2, 2),
-    ("sum_rows", lambda x: ops.sum(ops.sqr(ops.sum_rows(x))), -2, 2),
-    ("transpose", lambda x: ops.sum(ops.mul(ops.cont(ops.transpose(x)), W.T.copy())), -2, 2),
-    ("permute", lambda x: ops.sum(ops.sqr(ops.permute(x, (1, 0)))), -2, 2),
-    ("reshape", lambda x: ops.sum(ops.mul(ops.reshape(x, (2, 6)), W.reshape(2, 6))), -2, 2),
-    ("repeat", lambda x: ops.sum(ops.mul(ops.repeat(x, (6, 4)), np.tile(W, (2, 1)))), -2, 2),
-    ("get_rows", lambda x: ops.sum(ops.sqr(ops.get_rows(x, np.array([2, 0, 2], np.int32)))), -2, 2),
-])
+@pytest.mark.parametrize(
+    "name,f,lo,hi",
+    [
+        ("sqr", lambda x: ops.sum(ops.sqr(x)), -2, 2),
+        ("sqrt", lambda x: ops.sum(ops.sqrt(x)), 0.5, 3),
+        ("log", lambda x: ops.sum(ops.mul(ops.log(x), W)), 0.5, 3),
+        ("exp", lambda x: ops.sum(ops.mul(ops.exp(x), W)), -1, 1),
+        ("abs", lambda x: ops.sum(ops.mul(ops.abs(x), W)), 0.2, 1),
+        ("relu", lambda x: ops.sum(ops.mul(ops.relu(x), W)), 0.2, 1),
+        ("silu", lambda x: ops.sum(ops.mul(ops.silu(x), W)), -2, 2),
+        ("scale", lambda x: ops.sum(ops.scale(ops.mul(x, W), 3.0)), -2, 2),
+        ("div", lambda x: ops.sum(ops.div(W, ops.add(ops.sqr(x), 1.0))), -2, 2),
+        ("soft_max", lambda x: ops.sum(ops.mul(ops.soft_max(x), W)), -2, 2),
+        ("rms_norm", lambda x: ops.sum(ops.mul(ops.rms_norm(x, 1e-5), W)), -2, 2),
+        ("mean", lambda x: ops.sum(ops.sqr(ops.mean(x))), -2, 2),
+        ("sum_rows", lambda x: ops.sum(ops.sqr(ops.sum_rows(x))), -2, 2),
+        ("transpose", lambda x: ops.sum(ops.mul(ops.cont(ops.transpose(x)), W.T.copy())), -2, 2),
+        ("permute", lambda x: ops.sum(ops.sqr(ops.permute(x, (1, 0)))), -2, 2),
+        ("reshape", lambda x: ops.sum(ops.mul(ops.reshape(x, (2, 6)), W.reshape(2, 6))), -2, 2),
+        ("repeat", lambda x: ops.sum(ops.mul(ops.repeat(x, (6, 4)), np.tile(W, (2, 1)))), -2, 2),
+        ("get_rows", lambda x: ops.sum(ops.sqr(ops.get_rows(x, np.array([2, 0, 2], np.int32)))), -2, 2),
+    ],
+)
 def test_grad_single_input(name, f, lo, hi):
     check_grad(f, rnd(3, 4, lo=lo, hi=hi, seed=len(name)))
 
@@ -87,16 +91,19 @@ def test_vjp_matches_jacobian_products():
 
 def test_backward_ops_against_finite_differences():
     x, dy = rnd(3, 7), rnd(3, 7, seed=1)
-    dot = lambda f: (lambda x: float((f(x).astype(np.float64) * dy).sum()))  # noqa: E731
+    dot = lambda f: lambda x: float((f(x).astype(np.float64) * dy).sum())  # noqa: E731
     np.testing.assert_allclose(ops.silu_back(dy, x), fd_grad(dot(ops.silu), [x], 0), rtol=2e-2, atol=2e-3)
-    np.testing.assert_allclose(ops.rms_norm_back(dy, x, 1e-5), fd_grad(dot(lambda v: ops.rms_norm(v, 1e-5)), [x], 0),
-                               rtol=2e-2, atol=2e-3)
+    np.testing.assert_allclose(
+        ops.rms_norm_back(dy, x, 1e-5), fd_grad(dot(lambda v: ops.rms_norm(v, 1e-5)), [x], 0), rtol=2e-2, atol=2e-3
+    )
     y = ops.soft_max(x)
     np.testing.assert_allclose(ops.soft_max_back(dy, y), fd_grad(dot(ops.soft_max), [x], 0), rtol=2e-2, atol=2e-3)
 
 
-@pytest.mark.parametrize("mode,sections", [("normal", None), ("neox", None), ("mrope", [4, 2, 2, 0]),
-                                           ("imrope", [4, 2, 2, 0]), ("vision", [4, 4, 0, 0])])
+@pytest.mark.parametrize(
+    "mode,sections",
+    [("normal", None), ("neox", None), ("mrope", [4, 2, 2, 0]), ("imrope", [4, 2, 2, 0]), ("vision", [4, 4, 0, 0])],
+)
 def test_rope_back_is_the_gradient_of_rope(mode, sections):
     """Upstream fix PR #24725 (b9690, Metal rope_back); here: rope_back == d rope for every mode."""
     n_tok = 3
@@ -112,8 +119,12 @@ def test_rope_back_is_the_gradient_of_rope(mode, sections):
     if mode in ("normal", "neox"):  # and ggml's backward graph of rope uses it
         g = ops.grad(lambda v: ops.sum(ops.mul(ops.rope(v, pos, n_dims, mode, **kw), dy)))(x)
         np.testing.assert_allclose(g, back, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(ops.rope(x, pos, n_dims, mode, freq_base=1000.0),
-                                   rope_ref(x, pos, n_dims, mode, 1000.0), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            ops.rope(x, pos, n_dims, mode, freq_base=1000.0),
+            rope_ref(x, pos, n_dims, mode, 1000.0),
+            rtol=1e-4,
+            atol=1e-4,
+        )
 
 
 def test_rms_norm_back_seed_fix():

@@ -1,4 +1,5 @@
 """What a user meets: the README's example runs, and the sdist carries the patched tree."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,6 @@ import tarfile
 import zipfile
 
 import pytest
-
 from conftest import ROOT, build_wheel, new_venv, outside_env, run_python
 
 
@@ -27,8 +27,7 @@ def test_readme_python_example_runs():
 def sdist(tmp_path_factory):
     """The sdist, made by the in-tree build backend (tools/llamabind_build: vendor sync, then scikit-build-core)."""
     out = tmp_path_factory.mktemp("sdist")
-    code = ("import sys; sys.path.insert(0, 'tools'); import llamabind_build as b; "
-            f"print(b.build_sdist({str(out)!r}))")
+    code = f"import sys; sys.path.insert(0, 'tools'); import llamabind_build as b; print(b.build_sdist({str(out)!r}))"
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     return out / p.stdout.strip().splitlines()[-1]
@@ -49,8 +48,13 @@ def test_sdist_carries_the_patched_tree_and_needs_no_registry(sdist, tmp_path):
     assert not any("/.venv/" in n or n.startswith(f"{top}/build/") for n in names)
     # the sdist's vendor step works with no cache and no registry
     env = {**os.environ, "LLAMABIND_CACHE": str(tmp_path / "empty-cache"), "PIP_INDEX_URL": "http://127.0.0.1:9/simple"}
-    s = subprocess.run([sys.executable, str(tmp_path / top / "vendor" / "vendor.py"), "sync"], capture_output=True,
-                       text=True, env=env, timeout=120)
+    s = subprocess.run(
+        [sys.executable, str(tmp_path / top / "vendor" / "vendor.py"), "sync"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert s.returncode == 0, s.stderr
     assert "up to date" in s.stderr
 
@@ -76,21 +80,40 @@ def test_wheel_installs_into_a_fresh_venv_and_generates(tmp_path, model_path):
     whl = build_wheel(tmp_path / "wheels", "-Cbuild-dir=build/wheel-{wheel_tag}")
     names = zipfile.ZipFile(whl).namelist()
     assert any(n.startswith("llamabind/_core") for n in names) and "llamabind/__main__.py" in names
-    assert not [n for n in names if n.startswith(("tests/", "vendor/", "llamabind/bin/")) or n.endswith((".gguf", ".md"))
-                and "dist-info" not in n]
+    assert not [
+        n
+        for n in names
+        if n.startswith(("tests/", "vendor/", "llamabind/bin/"))
+        or n.endswith((".gguf", ".md"))
+        and "dist-info" not in n
+    ]
     size_mb = whl.stat().st_size / 2**20
     unpacked_mb = sum(i.file_size for i in zipfile.ZipFile(whl).infolist()) / 2**20
     print(f"\n{whl.name}: {size_mb:.1f} MiB, installed {unpacked_mb:.1f} MiB")
     assert unpacked_mb < 40
 
     py = new_venv(tmp_path / "venv", str(whl))
-    tools = subprocess.run([str(py), "-c", "import importlib.util as u; print([m for m in ('cmake', 'ninja', 'nanobind', "
-                            "'scikit_build_core') if u.find_spec(m)])"], capture_output=True, text=True)
+    tools = subprocess.run(
+        [
+            str(py),
+            "-c",
+            "import importlib.util as u; print([m for m in ('cmake', 'ninja', 'nanobind', "
+            "'scikit_build_core') if u.find_spec(m)])",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert tools.stdout.strip() == "[]", tools.stdout  # nothing to build with: the wheel must just run
     run_env = outside_env()
     run_env["LLAMABIND_CACHE"] = str(model_path.parent.parent.parent)  # the model already fetched
-    g = subprocess.run([str(py), "-m", "llamabind", "generate", "The capital of France is", "-t", "0", "-n", "8"],
-                       capture_output=True, text=True, timeout=300, env=run_env, cwd=tmp_path)
+    g = subprocess.run(
+        [str(py), "-m", "llamabind", "generate", "The capital of France is", "-t", "0", "-n", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=run_env,
+        cwd=tmp_path,
+    )
     assert g.returncode == 0, g.stderr[-2000:]
     assert "Paris" in g.stdout
 
@@ -100,7 +123,16 @@ def test_sdist_builds_a_wheel_offline(sdist, tmp_path):
     (the patched llama.cpp included) is inside the sdist. Build requirements come from this environment
     (--no-build-isolation), as on an offline machine that has them installed."""
     (tmp_path / "tmp").mkdir()
-    whl = build_wheel(tmp_path / "wheels", "--no-index", source=sdist, env={
-        "LLAMABIND_CACHE": str(tmp_path / "empty-cache"), "PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
-        "TMPDIR": str(tmp_path / "tmp"), "CCACHE_BASEDIR": str(tmp_path)})  # pip unpacks below it: cache hits
+    whl = build_wheel(
+        tmp_path / "wheels",
+        "--no-index",
+        source=sdist,
+        env={
+            "LLAMABIND_CACHE": str(tmp_path / "empty-cache"),
+            "PIP_NO_INDEX": "1",
+            "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+            "TMPDIR": str(tmp_path / "tmp"),
+            "CCACHE_BASEDIR": str(tmp_path),
+        },
+    )  # pip unpacks below it: cache hits
     assert any(n.startswith("llamabind/_core") for n in zipfile.ZipFile(whl).namelist())

@@ -1,4 +1,5 @@
 """Fixes carried in patches/ (and upstream fixes we rely on), tested through the real build."""
+
 from __future__ import annotations
 
 import numpy as np

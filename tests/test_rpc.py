@@ -1,6 +1,7 @@
 """ggml's RPC backend on loopback: servers started with llamabind.rpc.serve (child processes running
 `python -m llamabind rpc-server`), models spread over them, ops on a remote device, failures as
 exceptions (patch 0011), the loopback default and its warning, and a bounded fuzz of the server."""
+
 from __future__ import annotations
 
 import os
@@ -12,22 +13,27 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import ROOT, run_python
 
 import llamabind
-from conftest import ROOT, run_python
 from llamabind import _core, ops, rpc
 
 pytestmark = pytest.mark.skipif(not getattr(_core, "HAS_RPC", False), reason="build without GGML_RPC")
 PROMPT = "The capital of France is"
-# The servers compute on their CPUs. On a GPU build the comparisons are CPU against CPU: the local
-# reference is a CPU model, and the RPC models put no layer on the local GPUs (tensor_split 0 there).
+# The servers compute on their CPUs with the GGUF's weight layout. The comparisons are the same
+# kernels on both sides: the local reference and the local part of an RPC model keep that layout
+# too (repack=False: on a CPU with AMX the repacked weights take other kernels, and greedy text
+# parted from the servers' at token 14), and on a GPU build the local reference is a CPU model and
+# the RPC models put no layer on the local GPUs (tensor_split 0 there).
 LOCAL_GPUS = sum(d["type"] == "gpu" and d["backend"] != "RPC" for d in llamabind.devices())
-LOCAL_CPU = {"n_gpu_layers": 0, "op_offload": False} if LOCAL_GPUS else {}
+LOCAL_CPU = {"n_gpu_layers": 0, "op_offload": False, "repack": False} if LOCAL_GPUS else {"repack": False}
 
 
 def only_rpc(n_servers: int) -> dict:
     """Model kwargs that put every offloaded layer on the RPC servers (the local GPUs come first)."""
-    return {"tensor_split": [0] * LOCAL_GPUS + [1] * n_servers, "op_offload": False} if LOCAL_GPUS else {}
+    if LOCAL_GPUS:
+        return {"tensor_split": [0] * LOCAL_GPUS + [1] * n_servers, "op_offload": False, "repack": False}
+    return {"repack": False}
 
 
 def free_port() -> int:
@@ -74,12 +80,35 @@ def test_rpc_devices_are_listed_and_run_ops(servers):
 def test_cli_generate_over_two_servers_matches_local(model_path):
     """From the shell, with its own servers (a ggml RPC server serves one client at a time, and this
     test process keeps its connections to the module's servers open)."""
+
     def cli(*extra):
-        r = subprocess.run([sys.executable, "-m", "llamabind", "generate", PROMPT, "-m", str(model_path), "-t", "0",
-                            "-n", "24", *extra], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "llamabind",
+                "generate",
+                PROMPT,
+                "-m",
+                str(model_path),
+                "-t",
+                "0",
+                "-n",
+                "24",
+                "--no-repack",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         return r.stdout
-    with rpc.serve(port=free_port(), device="CPU", threads=1) as a, rpc.serve(port=free_port(), device="CPU", threads=1) as b:
+
+    with (
+        rpc.serve(port=free_port(), device="CPU", threads=1) as a,
+        rpc.serve(port=free_port(), device="CPU", threads=1) as b,
+    ):
         if LOCAL_GPUS:  # CPU against CPU (the prompt is under ggml-cuda's 32-token op-offload batch)
             ts = ",".join(["0"] * LOCAL_GPUS + ["1", "1"])
             assert cli("--rpc", a.endpoint, "--rpc", b.endpoint, "--tensor-split", ts) == cli("-ngl", "0")
@@ -106,7 +135,8 @@ except ValueError as e:
 
 def test_dead_server_mid_generation_raises(model_path):
     """The server process is killed while tokens stream: LlamaError in the client, no hang, no abort."""
-    r = run_python(f"""
+    r = run_python(
+        f"""
 import llamabind
 from llamabind import rpc
 s = rpc.serve(port={free_port()}, device="CPU", threads=1)
@@ -126,7 +156,9 @@ print("closed")
 # listing devices asks every RPC server for its memory: the dead one is marked, nothing hangs
 # (a dispatcher thread logging the failure once deadlocked with a caller holding the GIL)
 print("devices", [d.get("error") for d in llamabind.devices() if d["backend"] == "RPC"])
-""", timeout=120)
+""",
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "LlamaError after" in r.stdout and "RPC server" in r.stdout and "closed" in r.stdout, r.stdout
     assert "devices ['unreachable']" in r.stdout, r.stdout
@@ -135,8 +167,9 @@ print("devices", [d.get("error") for d in llamabind.devices() if d["backend"] ==
 def test_server_binds_loopback_by_default_and_warns_otherwise():
     with rpc.serve(port=free_port(), device="CPU", threads=1) as s:
         port = int(s.endpoint.rsplit(":", 1)[1])
-        listening = [line.split()[1] for line in open("/proc/net/tcp").read().splitlines()[1:]
-                     if line.split()[3] == "0A"]  # state LISTEN
+        listening = [
+            line.split()[1] for line in open("/proc/net/tcp").read().splitlines()[1:] if line.split()[3] == "0A"
+        ]  # state LISTEN
         assert f"0100007F:{port:04X}" in listening  # 127.0.0.1, not 0.0.0.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -144,8 +177,12 @@ def test_server_binds_loopback_by_default_and_warns_otherwise():
         rpc.check_host("::1")
     with pytest.warns(UserWarning, match="no authentication"):
         rpc.check_host("0.0.0.0")
-    r = subprocess.run([sys.executable, "-m", "llamabind", "rpc-server", "--host", "0.0.0.0", "--port", "70000"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "llamabind", "rpc-server", "--host", "0.0.0.0", "--port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "port" in r.stderr  # bad port: argparse error, before any socket
 
 
@@ -161,8 +198,12 @@ def test_bad_arguments():
 def test_bounded_fuzz_of_the_server_finds_no_crash(tmp_path):
     """tests/fuzz/rpc_fuzz.py: malformed frames on loopback; the server must stay up and serve."""
     n = int(os.environ.get("LLAMABIND_RPC_FUZZ_CASES", "400"))
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "fuzz" / "rpc_fuzz.py"), "--cases", str(n), "--seed", "1"],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "fuzz" / "rpc_fuzz.py"), "--cases", str(n), "--seed", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert f"{n} cases" in r.stdout
 
@@ -176,6 +217,7 @@ def netns_hosts():
     """Two network namespaces, each a 'host' reached over a veth pair (a real network stack, not lo).
     Needs root and iproute2; skips otherwise (set LLAMABIND_REQUIRE_NETNS=1 to make that a failure)."""
     import shutil
+
     tag = f"lb{os.getpid() % 100000}"
     hosts, made = [], []
     try:
@@ -196,16 +238,20 @@ def netns_hosts():
             hosts.append((ns, f"10.213.{i}.2"))
     except (PermissionError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
         for x in made:
-            subprocess.run(["ip", "netns", "del", x] if not x[len(tag):].startswith("a") else ["ip", "link", "del", x],
-                           capture_output=True)
+            subprocess.run(
+                ["ip", "netns", "del", x] if not x[len(tag) :].startswith("a") else ["ip", "link", "del", x],
+                capture_output=True,
+            )
         msg = f"network namespaces unavailable: {getattr(e, 'stderr', '') or e}"
         if os.environ.get("LLAMABIND_REQUIRE_NETNS") == "1":
             pytest.fail(msg)
         pytest.skip(msg)
     yield hosts
     for x in made:
-        subprocess.run(["ip", "netns", "del", x] if not x[len(tag):].startswith("a") else ["ip", "link", "del", x],
-                       capture_output=True)
+        subprocess.run(
+            ["ip", "netns", "del", x] if not x[len(tag) :].startswith("a") else ["ip", "link", "del", x],
+            capture_output=True,
+        )
 
 
 def test_servers_in_network_namespaces_match_local(model_path, netns_hosts, local_tokens):
@@ -215,9 +261,31 @@ def test_servers_in_network_namespaces_match_local(model_path, netns_hosts, loca
     try:
         for ns, addr in netns_hosts:
             port = free_port()
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "llamabind", "rpc-server",
-                                           "--host", addr, "--port", str(port), "--device", "CPU", "--threads", "1"],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        sys.executable,
+                        "-m",
+                        "llamabind",
+                        "rpc-server",
+                        "--host",
+                        addr,
+                        "--port",
+                        str(port),
+                        "--device",
+                        "CPU",
+                        "--threads",
+                        "1",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
             eps.append(f"{addr}:{port}")
         for (ns, addr), ep in zip(netns_hosts, eps):
             for _ in range(200):

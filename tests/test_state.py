@@ -1,5 +1,6 @@
 """Logits, logprobs, KV cache and state, prompt-prefix reuse, batched generation, LoRA,
 speculative decoding, embeddings pooling."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -76,13 +77,13 @@ def test_prefix_reuse_evaluates_only_new_tokens(model):
     with model.context(n_ctx=512) as c:
         a = c.generate(PROMPT, max_tokens=8, temperature=0)
         longer = PROMPT + " red, yellow and blue. The secondary colors are"
-        c._c.perf_reset()
+        c._llama_context.perf_reset()
         b = c.generate(longer, max_tokens=8, temperature=0)
         new = model.tokenize(longer)
         cached = model.tokenize(PROMPT) + a.tokens[:-1]
         common = next(i for i, (x, y) in enumerate(zip(cached + [-1], new)) if x != y)
         assert b.timings.prompt_reused == common >= len(model.tokenize(PROMPT)) - 1
-        perf = c._c.perf()
+        perf = c._llama_context.perf()
         assert perf["n_p_eval"] == len(new) - common  # llama.cpp's own count of prompt tokens evaluated
     with model.context(n_ctx=512) as fresh:
         assert fresh.generate(longer, max_tokens=8, temperature=0).tokens == b.tokens
@@ -138,13 +139,13 @@ def test_seq_copy_and_remove(model):
     with model.context(n_ctx=512, n_seq_max=2) as c:
         c.decode(p)
         c.seq_copy(0, 1)
-        c._c.decode(b, 1)
-        lb = c._c.logits(-1)
-        c._c.decode(a, 0)
-        la = c._c.logits(-1)
-        assert c._c.pos(0) == c._c.pos(1) == len(p) + 1
+        c._llama_context.decode(b, 1)
+        lb = c._llama_context.logits(-1)
+        c._llama_context.decode(a, 0)
+        la = c._llama_context.logits(-1)
+        assert c._llama_context.pos(0) == c._llama_context.pos(1) == len(p) + 1
         c.seq_remove(1, len(p))
-        assert c._c.pos(1) == len(p)
+        assert c._llama_context.pos(1) == len(p)
     with model.context(n_ctx=512) as ref:
         np.testing.assert_allclose(ref.eval(p + b)[-1], lb, atol=2e-2 * np.abs(lb).max())
         ref.clear()
@@ -159,7 +160,9 @@ def test_generate_batch_equals_one_by_one(model):
         with model.context(n_ctx=512) as c:
             assert c.generate(p, max_tokens=12, temperature=0).tokens == r.tokens
     again = model.generate_batch(prompts, max_tokens=12, temperature=0.9, seed=5)
-    assert [r.tokens for r in again] == [r.tokens for r in model.generate_batch(prompts, max_tokens=12, temperature=0.9, seed=5)]
+    assert [r.tokens for r in again] == [
+        r.tokens for r in model.generate_batch(prompts, max_tokens=12, temperature=0.9, seed=5)
+    ]
     with pytest.raises(ValueError):
         model.generate_batch([], max_tokens=1)
     with pytest.raises(TypeError):

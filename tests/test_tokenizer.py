@@ -1,22 +1,26 @@
 """Tokenizer: round trips on SmolLM2, and upstream's expected ids for its vocab-only GGUFs."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import VENDOR
 
 import llamabind
-from conftest import VENDOR
 
 SEP = "\n__ggml_vocab_test__\n"  # the separator of upstream's tests/test-tokenizer-0 inputs
 
 
-@pytest.mark.parametrize("text", [
-    "Hello world",
-    " leading space and  double  spaces\tand tabs\n\nnewlines",
-    "accents: café naïve façade Ångström über",
-    "CJK: 日本語のテキスト 中文文本 한국어",
-    "emoji: 🎉🦙👩‍👩‍👧‍👦 and flags 🇫🇷",
-    "code: def f(x):\n    return x ** 2  # 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello world",
+        " leading space and  double  spaces\tand tabs\n\nnewlines",
+        "accents: café naïve façade Ångström über",
+        "CJK: 日本語のテキスト 中文文本 한국어",
+        "emoji: 🎉🦙👩‍👩‍👧‍👦 and flags 🇫🇷",
+        "code: def f(x):\n    return x ** 2  # 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    ],
+)
 def test_round_trip(model, text):
     ids = model.tokenize(text, add_special=False)
     assert ids and all(0 <= t < model.n_vocab for t in ids)
@@ -46,11 +50,13 @@ def test_tokenize_rejects_bytes_and_bad_ids(model):
         model.detokenize([-1])
     with pytest.raises(ValueError):
         model.token_to_piece(10**6)
-    assert model.tokenize("") == ([model.token_bos] if model._m.add_bos else [])
+    assert model.tokenize("") == ([model.token_bos] if model._llama_model.add_bos else [])
 
 
 def _vocab_cases():
-    names = sorted(p.name[len("ggml-vocab-"):-len(".gguf.inp")] for p in (VENDOR / "models").glob("ggml-vocab-*.gguf.inp"))
+    names = sorted(
+        p.name[len("ggml-vocab-") : -len(".gguf.inp")] for p in (VENDOR / "models").glob("ggml-vocab-*.gguf.inp")
+    )
     return names
 
 

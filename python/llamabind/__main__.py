@@ -1,21 +1,38 @@
 """Command line: ``python -m llamabind generate|chat|info``."""
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
+from .generation import Stream
+
 DEFAULT_PROMPT = "The three most useful things to know about the Python programming language are"
 
 
 def _model_kwargs(args) -> dict:
     """The Model(...) arguments the generate and chat commands share."""
-    kw = dict(n_ctx=args.n_ctx, n_threads=args.threads, rpc=args.rpc, n_gpu_layers=args.n_gpu_layers)
+    kw = dict(
+        n_ctx=args.n_ctx, n_threads=args.threads, rpc=args.rpc, n_gpu_layers=args.n_gpu_layers, repack=args.repack
+    )
     if args.split_mode is not None:
         kw["split_mode"] = args.split_mode
     if args.tensor_split is not None:
         kw["tensor_split"] = args.tensor_split
     return kw
+
+
+def _generation_kwargs(args) -> dict:
+    """The streamed generate()/chat() arguments the generate and chat commands share."""
+    return dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stream=True,
+    )
 
 
 def _proportions(text: str) -> list[float]:
@@ -30,8 +47,8 @@ def _generate(args) -> int:
 
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     with Model(args.model, **_model_kwargs(args)) as m:
-        stream = m.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=True)
+        stream = m.generate(prompt, **_generation_kwargs(args))
+        assert isinstance(stream, Stream)
         out = sys.stdout
         if args.prompt is None or args.echo:
             out.write(prompt)
@@ -46,9 +63,9 @@ def _generate(args) -> int:
         out.write("\n")
         out.flush()
         r = stream.result
+        assert r is not None
         name = args.model if args.model in models.KNOWN else str(m.path)
-        print(f"[{name} | {m.description} | {r.timings.summary()} | finish: {r.finish_reason}]",
-              file=sys.stderr)
+        print(f"[{name} | {m.description} | {r.timings.summary()} | finish: {r.finish_reason}]", file=sys.stderr)
     return 0
 
 
@@ -80,8 +97,8 @@ def _chat(args) -> int:
             if not cmd:
                 continue
             history.append({"role": "user", "content": line})
-            stream = m.chat(history, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stream=True)
+            stream = m.chat(history, **_generation_kwargs(args))
+            assert isinstance(stream, Stream)
             try:
                 for piece in stream:
                     sys.stdout.write(piece)
@@ -92,6 +109,7 @@ def _chat(args) -> int:
                 continue
             sys.stdout.write("\n")
             sys.stdout.flush()
+            assert stream.result is not None
             history.append(stream.result.message)
     return 0
 
@@ -122,12 +140,16 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["rpc-server"]:  # its own parser (rpc.main): it never returns to Python while serving
         from . import rpc
+
         return rpc.main(argv[1:])
 
     ap = argparse.ArgumentParser(prog="python -m llamabind", description="llamabind: llama.cpp from Python")
     sub = ap.add_subparsers(dest="cmd", required=True)
+
     def model_and_sampling(p, max_tokens: int):
-        p.add_argument("--model", "-m", default=models.DEFAULT, help=f"model name or GGUF path (default {models.DEFAULT})")
+        p.add_argument(
+            "--model", "-m", default=models.DEFAULT, help=f"model name or GGUF path (default {models.DEFAULT})"
+        )
         p.add_argument("--max-tokens", "-n", type=int, default=max_tokens)
         p.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
         p.add_argument("--top-k", type=int, default=40)
@@ -135,13 +157,36 @@ def main(argv=None) -> int:
         p.add_argument("--seed", "-s", type=int, default=None)
         p.add_argument("--n-ctx", type=int, default=4096)
         p.add_argument("--threads", type=int, default=None)
-        p.add_argument("--rpc", action="append", default=None, metavar="HOST:PORT",
-                       help="also use the devices of this RPC server (repeatable; see rpc-server)")
+        p.add_argument(
+            "--rpc",
+            action="append",
+            default=None,
+            metavar="HOST:PORT",
+            help="also use the devices of this RPC server (repeatable; see rpc-server)",
+        )
         p.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
-        p.add_argument("--split-mode", "-sm", choices=["none", "layer", "row", "tensor"], default=None,
-                       help="how several devices share the model (default: layer)")
-        p.add_argument("--tensor-split", "-ts", type=_proportions, default=None, metavar="P0,P1,...",
-                       help="share of the model per device, in the order `info` lists GPUs then RPC devices")
+        p.add_argument(
+            "--split-mode",
+            "-sm",
+            choices=["none", "layer", "row", "tensor"],
+            default=None,
+            help="how several devices share the model (default: layer)",
+        )
+        p.add_argument(
+            "--tensor-split",
+            "-ts",
+            type=_proportions,
+            default=None,
+            metavar="P0,P1,...",
+            help="share of the model per device, in the order `info` lists GPUs then RPC devices",
+        )
+        p.add_argument(
+            "--no-repack",
+            "-nr",
+            dest="repack",
+            action="store_false",
+            help="keep the GGUF's weight layout on the CPU (no AMX/interleaved repacking), as llama-cli's -nr",
+        )
 
     g = sub.add_parser("generate", help="stream a continuation of PROMPT")
     g.add_argument("prompt", nargs="?", help="the prompt (default: a short example prompt)")

@@ -4,6 +4,7 @@ The native side drops records below the logger's effective level without taking 
 :func:`sync_level` re-reads that level and is called at every model/context creation and
 generation, so ``logging.getLogger("llamabind").setLevel(logging.DEBUG)`` takes effect there.
 """
+
 from __future__ import annotations
 
 import logging

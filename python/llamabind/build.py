@@ -1,4 +1,5 @@
 """What this build of llamabind contains: :func:`build_info` and upstream's tools."""
+
 from __future__ import annotations
 
 import os
@@ -36,3 +37,12 @@ def tool_path(name: str) -> Path | None:
     if os.name == "nt":
         p = p.with_suffix(".exe")
     return p if p.exists() else None
+
+
+def default_threads() -> int:
+    """CPU threads llamabind uses when n_threads is None: the cores this process may run on
+    (os.sched_getaffinity where there is one, else os.cpu_count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)

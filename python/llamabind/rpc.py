@@ -17,6 +17,7 @@ release of one version shares. A server serves one client connection at a time (
 it to disconnect). Weights travel to the servers at load time (``cache_dir`` keeps
 them on the server's disk by hash, so a second load sends only hashes).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -28,24 +29,18 @@ import time
 import warnings
 
 from . import _core
+from ._validate import endpoint as _endpoint
+from .build import default_threads, devices
 
 __all__ = ["Server", "connect", "serve", "DEFAULT_PORT"]
 
 DEFAULT_PORT = 50052  # upstream rpc-server's default
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-NO_AUTH_WARNING = ("the ggml RPC server has no authentication and no encryption: anyone who can reach "
-                   "{endpoint} can run computations on this host and read what it holds. Bind it to "
-                   "127.0.0.1 (the default) or use it only on a trusted network.")
-
-
-def _endpoint(endpoint: str) -> tuple[str, int]:
-    """(host, port) of a "host:port" string (IPv6 as "[::1]:50052"); ValueError if malformed."""
-    if not isinstance(endpoint, str):
-        raise TypeError(f"an RPC endpoint must be a 'host:port' string; got {type(endpoint).__name__}")
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"an RPC endpoint must be 'host:port' with a port in 1..65535; got {endpoint!r}")
-    return host.strip("[]"), int(port)
+NO_AUTH_WARNING = (
+    "the ggml RPC server has no authentication and no encryption: anyone who can reach "
+    "{endpoint} can run computations on this host and read what it holds. Bind it to "
+    "127.0.0.1 (the default) or use it only on a trusted network."
+)
 
 
 def _join(host: str, port: int) -> str:
@@ -99,7 +94,7 @@ class Server:
                 self.process.kill()
                 self.process.wait()
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -121,8 +116,15 @@ def check_host(host: str) -> None:
         warnings.warn(NO_AUTH_WARNING.format(endpoint=host), UserWarning, stacklevel=3)
 
 
-def serve(host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, device: str | list[str] | None = None,
-          cache_dir: str | os.PathLike | None = None, threads: int | None = None, timeout: float = 60.0) -> Server:
+def serve(
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    *,
+    device: str | list[str] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    threads: int | None = None,
+    timeout: float = 60.0,
+) -> Server:
     """Start a ggml RPC server on ``host:port`` serving ``device`` (a device name such as "CUDA0" or
     "CPU", or a list; None: this build's GPUs, else the CPU) and return once it accepts connections.
 
@@ -167,13 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import signal
 
-    ap = argparse.ArgumentParser(prog="python -m llamabind rpc-server",
-                                 description="Serve this host's devices to llamabind/llama.cpp clients over ggml's RPC "
-                                             "protocol (no authentication: bind to 127.0.0.1 unless on a trusted network).")
+    ap = argparse.ArgumentParser(
+        prog="python -m llamabind rpc-server",
+        description="Serve this host's devices to llamabind/llama.cpp clients over ggml's RPC "
+        "protocol (no authentication: bind to 127.0.0.1 unless on a trusted network).",
+    )
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     ap.add_argument("--port", "-p", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
-    ap.add_argument("--device", "-d", action="append", default=None,
-                    help="device to serve (repeatable; default: the GPUs, else CPU); see `python -m llamabind info`")
+    ap.add_argument(
+        "--device",
+        "-d",
+        action="append",
+        default=None,
+        help="device to serve (repeatable; default: the GPUs, else CPU); see `python -m llamabind info`",
+    )
     ap.add_argument("--cache-dir", "-c", default=None, help="keep received tensors here by hash (faster reloads)")
     ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
     ap.add_argument("--quiet-warning", action="store_true", help=argparse.SUPPRESS)
@@ -190,14 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(_core, "HAS_RPC", False):
         print(f"error: {NO_RPC}", file=sys.stderr)
         return 2
-    from .build import devices
-    from .model import _default_threads
-
     local = [d for d in devices() if d["backend"] != "RPC"]
-    names = args.device or ([d["name"] for d in local if d["type"] != "cpu"] or [d["name"] for d in local if d["type"] == "cpu"])
+    names = args.device or (
+        [d["name"] for d in local if d["type"] != "cpu"] or [d["name"] for d in local if d["type"] == "cpu"]
+    )
     if args.cache_dir:
         os.makedirs(args.cache_dir, exist_ok=True)
-    threads = args.threads or _default_threads()
+    threads = args.threads or default_threads()
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # the C++ loop never returns to Python: let Ctrl-C end it
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:

@@ -42,8 +42,9 @@ static void templates_init(ChatTemplates * self, Model & model, const std::strin
 
 // messages_json: OpenAI-style [{"role", "content", "tool_calls"?, ...}]; tools_json: [{"type":
 // "function", "function": {...}}] or "". Returns the prompt, grammar and parser to use.
-static ChatParams * templates_apply(const ChatTemplates & self, const std::string & messages_json, const std::string & tools_json,
-                                    bool add_generation_prompt, const std::string & json_schema, const std::string & tool_choice,
+static ChatParams * templates_apply(const ChatTemplates & self, const std::string & messages_json,
+                                    const std::string & tools_json, bool add_generation_prompt,
+                                    const std::string & json_schema, const std::string & tool_choice,
                                     bool parallel_tool_calls, bool enable_thinking,
                                     const std::map<std::string, std::string> & kwargs) {
     const common_chat_templates * t = self.get();
@@ -88,15 +89,16 @@ static std::string chat_parse(const ChatParams & self, const std::string & text,
     try {
         pp.reasoning_format = common_reasoning_format_from_name(reasoning_format);
     } catch (const std::exception & e) {
-        raise_value("reasoning_format must be one of none, auto, deepseek, deepseek-legacy; got '" + reasoning_format + "'");
+        raise_value("reasoning_format must be one of none, auto, deepseek, deepseek-legacy; got '" + reasoning_format +
+                    "'");
     }
     try {
         if (!self.p.parser.empty()) pp.parser.load(self.p.parser);
         common_chat_msg msg = common_chat_parse(text, is_partial, pp);
         return msg.to_json_oaicompat().dump();
     } catch (const std::exception & e) {
-        throw LlamaError(std::string("cannot parse the model's output with the chat format ") + common_chat_format_name(self.p.format) +
-                         ": " + e.what());
+        throw LlamaError(std::string("cannot parse the model's output with the chat format ") +
+                         common_chat_format_name(self.p.format) + ": " + e.what());
     }
 }
 
@@ -124,12 +126,14 @@ void register_chat(nb::module_ & m) {
     nb::class_<ChatTemplates>(m, "ChatTemplates", "A model's chat templates (common_chat_templates_init).")
         .def("__init__", &templates_init, nb::arg("model"), nb::arg("override_template") = "",
              "override_template: a jinja template (or a built-in name) used instead of the GGUF's. Raises ValueError.")
-        .def("apply", &templates_apply, nb::arg("messages_json"), nb::arg("tools_json") = "", nb::arg("add_generation_prompt") = true,
-             nb::arg("json_schema") = "", nb::arg("tool_choice") = "auto", nb::arg("parallel_tool_calls") = false,
-             nb::arg("enable_thinking") = true, nb::arg("kwargs") = std::map<std::string, std::string>(),
-             nb::rv_policy::take_ownership, "Render messages (common_chat_templates_apply). Raises ValueError.")
+        .def("apply", &templates_apply, nb::arg("messages_json"), nb::arg("tools_json") = "",
+             nb::arg("add_generation_prompt") = true, nb::arg("json_schema") = "", nb::arg("tool_choice") = "auto",
+             nb::arg("parallel_tool_calls") = false, nb::arg("enable_thinking") = true,
+             nb::arg("kwargs") = std::map<std::string, std::string>(), nb::rv_policy::take_ownership,
+             "Render messages (common_chat_templates_apply). Raises ValueError.")
         .def_prop_ro("source", [](const ChatTemplates & t) { return common_chat_templates_source(t.get()); })
-        .def_prop_ro("was_explicit", [](const ChatTemplates & t) { return common_chat_templates_was_explicit(t.get()); });
+        .def_prop_ro("was_explicit",
+                     [](const ChatTemplates & t) { return common_chat_templates_was_explicit(t.get()); });
     m.def("json_schema_to_grammar", &schema_to_grammar, nb::arg("schema"),
           "JSON schema (JSON text) -> GBNF grammar text (common's json_schema_to_grammar). Raises ValueError.");
 }

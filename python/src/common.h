@@ -33,8 +33,9 @@ void clear_recent_errors();
 // ---- backends.cpp: build info, devices
 void register_backends(nb::module_ & m);
 
-// ---- model.cpp / context.cpp / sampling.cpp
+// ---- each area's bindings (module.cpp calls them in this order); the file is the area's name
 void register_model(nb::module_ & m);
+void register_lora(nb::module_ & m);
 void register_context(nb::module_ & m);
 void register_sampling(nb::module_ & m);
 void register_chat(nb::module_ & m);

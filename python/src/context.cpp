@@ -1,4 +1,5 @@
 // Context: a llama_context (KV cache, compute buffers, threads) on a Model, and llama_decode.
+#include "interrupt.h"
 #include "objects.h"
 
 #include <ggml-cpu.h>  // declarations only: the functions are reached by proc address
@@ -21,49 +22,12 @@
 namespace lb {
 
 // ggml-cpu's threadpool functions, by proc address of the CPU registry (a module under GGML_BACKEND_DL)
-template <typename F> static F * cpu_threadpool_fn(const char * name) {
+template <typename F>
+static F * cpu_threadpool_fn(const char * name) {
     ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     return cpu ? (F *) ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(cpu), name) : nullptr;
 }
 
-
-// --- Ctrl-C inside a decode. While any decode runs, a SIGINT handler sets g_interrupted and then
-// chains to the previous handler (Python's, which schedules KeyboardInterrupt). ggml's CPU backend
-// polls the abort callback between graph nodes, so llama_decode returns 2 (aborted) promptly.
-static std::atomic<bool> g_interrupted{false};
-static std::mutex g_sig_mutex;
-static int g_sig_depth = 0;
-static struct sigaction g_old_sigint;
-
-static void on_sigint(int sig, siginfo_t * info, void * uctx) {
-    g_interrupted.store(true);
-    if (g_old_sigint.sa_flags & SA_SIGINFO) {
-        if (g_old_sigint.sa_sigaction) g_old_sigint.sa_sigaction(sig, info, uctx);
-    } else if (g_old_sigint.sa_handler != SIG_DFL && g_old_sigint.sa_handler != SIG_IGN) {
-        g_old_sigint.sa_handler(sig);
-    }
-}
-
-struct SigintScope {
-    SigintScope() {
-        std::lock_guard<std::mutex> lock(g_sig_mutex);
-        if (g_sig_depth++ == 0) {
-            g_interrupted.store(false);
-            struct sigaction sa;
-            std::memset(&sa, 0, sizeof sa);
-            sa.sa_sigaction = on_sigint;
-            sa.sa_flags = SA_SIGINFO;
-            sigemptyset(&sa.sa_mask);
-            sigaction(SIGINT, &sa, &g_old_sigint);
-        }
-    }
-    ~SigintScope() {
-        std::lock_guard<std::mutex> lock(g_sig_mutex);
-        if (--g_sig_depth == 0) sigaction(SIGINT, &g_old_sigint, nullptr);
-    }
-};
-
-static bool abort_callback(void *) { return g_interrupted.load(std::memory_order_relaxed); }
 
 void Context::close() {
     if (busy.load()) throw LlamaError("the context is in use by another thread: cannot close it now");
@@ -85,7 +49,8 @@ void Context::release() {
         ctx = nullptr;
     }
     if (threadpool) {
-        if (auto * free_fn = cpu_threadpool_fn<decltype(ggml_threadpool_free)>("ggml_threadpool_free")) free_fn(threadpool);
+        if (auto * free_fn = cpu_threadpool_fn<decltype(ggml_threadpool_free)>("ggml_threadpool_free"))
+            free_fn(threadpool);
         threadpool = nullptr;
     }
     if (owner) {
@@ -95,23 +60,30 @@ void Context::release() {
     loras.clear();
 }
 
-static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch, int n_threads,
-                         int n_threads_batch, uint32_t n_seq_max, bool embeddings, int pooling, bool kv_unified,
-                         bool op_offload) {
+static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch,
+                         int n_threads, int n_threads_batch, uint32_t n_seq_max, bool embeddings, int pooling,
+                         bool kv_unified, bool op_offload) {
     new (self) Context();
     llama_model * m = model.get();
-    if (model.vocab_only) raise_value("the model was loaded with vocab_only=True: it has no weights to run a context on");
+    if (model.vocab_only)
+        raise_value("the model was loaded with vocab_only=True: it has no weights to run a context on");
     const int hw = (int) std::max(1u, std::thread::hardware_concurrency());
     if (n_threads == 0) n_threads = hw;
     if (n_threads_batch == 0) n_threads_batch = n_threads;
-    if (n_threads < 0 || n_threads > 512) raise_value("n_threads must be in [1, 512], or 0 for all cores; got " + std::to_string(n_threads));
-    if (n_threads_batch < 0 || n_threads_batch > 512) raise_value("n_threads_batch must be in [1, 512], or 0; got " + std::to_string(n_threads_batch));
+    if (n_threads < 0 || n_threads > 512)
+        raise_value("n_threads must be in [1, 512], or 0 for all cores; got " + std::to_string(n_threads));
+    if (n_threads_batch < 0 || n_threads_batch > 512)
+        raise_value("n_threads_batch must be in [1, 512], or 0; got " + std::to_string(n_threads_batch));
     if (n_ctx == 0) n_ctx = (uint32_t) llama_model_n_ctx_train(m);
-    if (n_ctx < 8) raise_value("n_ctx must be >= 8 tokens (or 0 for the model's n_ctx_train); got " + std::to_string(n_ctx));
+    if (n_ctx < 8)
+        raise_value("n_ctx must be >= 8 tokens (or 0 for the model's n_ctx_train); got " + std::to_string(n_ctx));
     if (n_batch < 1) raise_value("n_batch must be >= 1; got " + std::to_string(n_batch));
     if (n_ubatch < 1) raise_value("n_ubatch must be >= 1; got " + std::to_string(n_ubatch));
-    if (n_seq_max < 1 || n_seq_max > (uint32_t) llama_max_parallel_sequences()) raise_value("n_seq_max must be in [1, " + std::to_string(llama_max_parallel_sequences()) + "]; got " + std::to_string(n_seq_max));
-    if (pooling < LLAMA_POOLING_TYPE_UNSPECIFIED || pooling > LLAMA_POOLING_TYPE_RANK) raise_value("pooling must be a llama_pooling_type (-1..4); got " + std::to_string(pooling));
+    if (n_seq_max < 1 || n_seq_max > (uint32_t) llama_max_parallel_sequences())
+        raise_value("n_seq_max must be in [1, " + std::to_string(llama_max_parallel_sequences()) + "]; got " +
+                    std::to_string(n_seq_max));
+    if (pooling < LLAMA_POOLING_TYPE_UNSPECIFIED || pooling > LLAMA_POOLING_TYPE_RANK)
+        raise_value("pooling must be a llama_pooling_type (-1..4); got " + std::to_string(pooling));
     n_batch = std::min(n_batch, n_ctx);
     n_ubatch = std::min(n_ubatch, n_batch);
     llama_context_params p = llama_context_default_params();
@@ -132,7 +104,8 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
         clear_recent_errors();
         c = llama_init_from_model(m, p);
     }
-    if (!c) throw LlamaError("llama_init_from_model failed (n_ctx=" + std::to_string(n_ctx) + ")\n" + take_recent_errors());
+    if (!c)
+        throw LlamaError("llama_init_from_model failed (n_ctx=" + std::to_string(n_ctx) + ")\n" + take_recent_errors());
     llama_set_abort_callback(c, abort_callback, nullptr);
     // A persistent CPU threadpool for this context (default params: poll 50), as llama-bench and
     // llama.cpp's common attach; without one ggml makes a disposable pool on every graph compute.
@@ -153,7 +126,8 @@ static llama_pos next_pos(llama_context * c, llama_seq_id seq) {
 
 static void check_seq(llama_context * c, int64_t seq) {
     const int64_t n = llama_n_seq_max(c);
-    if (seq < 0 || seq >= n) raise_value("seq_id must be in [0, n_seq_max) = [0, " + std::to_string(n) + "); got " + std::to_string(seq));
+    if (seq < 0 || seq >= n)
+        raise_value("seq_id must be in [0, n_seq_max) = [0, " + std::to_string(n) + "); got " + std::to_string(seq));
 }
 
 // One entry of a batch: tokens appended to sequence seq after what the KV cache holds.
@@ -192,7 +166,8 @@ static std::vector<int32_t> run_batch(Context & self, const std::vector<Entry> &
         }
         last[k] = (int32_t) j - 1;
     }
-    llama_batch b = {(int32_t) total, bb.token.data(), nullptr, bb.pos.data(), bb.n_seq_id.data(), bb.seq_id.data(), bb.logits.data()};
+    llama_batch b = { (int32_t) total,    bb.token.data(),  nullptr,         bb.pos.data(),
+                      bb.n_seq_id.data(), bb.seq_id.data(), bb.logits.data() };
     int32_t rc;
     std::string backend_error;
     self.has_logits = false;
@@ -211,11 +186,12 @@ static std::vector<int32_t> run_batch(Context & self, const std::vector<Entry> &
     }
     flush_logs();  // lines ggml's own threads logged during the decode
     if (rc != 0 && rc != 2) {
-        const std::string why = rc == 1 ? "no KV cache slot for the batch (n_ctx too small)"
-                                : rc == -1 ? "invalid batch"
-                                : rc == -100 ? "backend error: " + backend_error + " (close this context)"
-                                : "fatal error " + std::to_string(rc);
-        throw LlamaError(std::string(self.encoder_only ? "llama_encode" : "llama_decode") + " failed: " + why + "\n" + take_recent_errors());
+        const std::string why = rc == 1    ? "no KV cache slot for the batch (n_ctx too small)" :
+                                rc == -1   ? "invalid batch" :
+                                rc == -100 ? "backend error: " + backend_error + " (close this context)" :
+                                             "fatal error " + std::to_string(rc);
+        throw LlamaError(std::string(self.encoder_only ? "llama_encode" : "llama_decode") + " failed: " + why + "\n" +
+                         take_recent_errors());
     }
     if (rc == 2) {
         // The aborted ubatches may remain in the KV cache: drop what this call added.
@@ -242,8 +218,9 @@ static void check_room(llama_context * c, llama_seq_id seq, size_t n) {
     const llama_pos p = next_pos(c, seq);
     const uint32_t n_ctx = llama_n_ctx_seq(c);
     if ((uint64_t) p + n > n_ctx) {
-        raise_value("the context is full: sequence " + std::to_string(seq) + " holds " + std::to_string(p) + " tokens, + " +
-                    std::to_string(n) + " new tokens > n_ctx per sequence (" + std::to_string(n_ctx) + ")");
+        raise_value("the context is full: sequence " + std::to_string(seq) + " holds " + std::to_string(p) +
+                    " tokens, + " + std::to_string(n) + " new tokens > n_ctx per sequence (" + std::to_string(n_ctx) +
+                    ")");
     }
 }
 
@@ -260,20 +237,22 @@ static void decode(Context & self, const std::vector<int64_t> & tokens, int64_t 
     SigintScope sigint;
     const size_t n_batch = self.encoder_only ? t.size() : llama_n_batch(c);
     if (self.encoder_only && t.size() > llama_n_ubatch(c)) {
-        raise_value("an encoder-only model needs the whole input in one ubatch: " + std::to_string(t.size()) + " tokens > n_ubatch (" +
-                    std::to_string(llama_n_ubatch(c)) + ")");
+        raise_value("an encoder-only model needs the whole input in one ubatch: " + std::to_string(t.size()) +
+                    " tokens > n_ubatch (" + std::to_string(llama_n_ubatch(c)) + ")");
     }
     if (all_logits && t.size() > n_batch) {
-        raise_value("all_logits needs the tokens in one batch: " + std::to_string(t.size()) + " > n_batch (" + std::to_string(n_batch) + ")");
+        raise_value("all_logits needs the tokens in one batch: " + std::to_string(t.size()) + " > n_batch (" +
+                    std::to_string(n_batch) + ")");
     }
     for (size_t i = 0; i < t.size(); i += n_batch) {
         const size_t n = std::min(n_batch, t.size() - i);
-        run_batch(self, {Entry{(llama_seq_id) seq, t.data() + i, n}}, all_logits);
+        run_batch(self, { Entry{ (llama_seq_id) seq, t.data() + i, n } }, all_logits);
     }
 }
 
 // Several sequences in one llama_decode: entries [(seq_id, tokens)], total <= n_batch.
-static std::vector<int32_t> decode_batch(Context & self, const std::vector<std::pair<int64_t, std::vector<int64_t>>> & entries) {
+static std::vector<int32_t> decode_batch(Context & self,
+                                         const std::vector<std::pair<int64_t, std::vector<int64_t>>> & entries) {
     llama_context * c = self.get();
     if (entries.empty()) raise_value("entries must not be empty");
     std::vector<std::vector<llama_token>> ids;  // checked copies; es views them
@@ -287,12 +266,13 @@ static std::vector<int32_t> decode_batch(Context & self, const std::vector<std::
         seen[seq] = true;
         if (tokens.empty()) raise_value("the tokens of seq_id " + std::to_string(seq) + " are empty");
         ids.push_back(checked(self, tokens));
-        es.push_back(Entry{(llama_seq_id) seq, ids.back().data(), ids.back().size()});
+        es.push_back(Entry{ (llama_seq_id) seq, ids.back().data(), ids.back().size() });
         check_room(c, (llama_seq_id) seq, tokens.size());
         total += tokens.size();
     }
     if (total > llama_n_batch(c)) {
-        raise_value("a batch holds at most n_batch (" + std::to_string(llama_n_batch(c)) + ") tokens; got " + std::to_string(total));
+        raise_value("a batch holds at most n_batch (" + std::to_string(llama_n_batch(c)) + ") tokens; got " +
+                    std::to_string(total));
     }
     self.check_no_views("decode");
     BusyGuard guard(self);
@@ -329,38 +309,41 @@ static nb::object eval(nb::handle py_self, const std::vector<int64_t> & tokens, 
     BusyGuard guard(self);
     SigintScope sigint;
     if (!copy && t.size() <= n_batch) {
-        run_batch(self, {Entry{(llama_seq_id) seq, t.data(), t.size()}}, true);
+        run_batch(self, { Entry{ (llama_seq_id) seq, t.data(), t.size() } }, true);
         // every token has an output row: llama_get_logits gives them contiguous, in batch order
         float * l = llama_get_logits(c);
         if (!l) throw LlamaError("llama_get_logits returned no logits\n" + take_recent_errors());
         Py_INCREF(py_self.ptr());
-        nb::capsule owner(new ViewRef{&self, py_self.ptr()}, release_view);
+        nb::capsule owner(new ViewRef{ &self, py_self.ptr() }, release_view);
         self.views++;
-        return nb::cast(nb::ndarray<nb::numpy, const float, nb::ndim<2>>(l, {t.size(), n_vocab}, owner));
+        return nb::cast(nb::ndarray<nb::numpy, const float, nb::ndim<2>>(l, { t.size(), n_vocab }, owner));
     }
     float * out = new float[t.size() * n_vocab];
     nb::capsule owner(out, [](void * p) noexcept { delete[] (float *) p; });
     for (size_t i = 0; i < t.size(); i += n_batch) {
         const size_t n = std::min(n_batch, t.size() - i);
-        run_batch(self, {Entry{(llama_seq_id) seq, t.data() + i, n}}, true);
+        run_batch(self, { Entry{ (llama_seq_id) seq, t.data() + i, n } }, true);
         for (size_t r = 0; r < n; ++r) {
             const float * l = llama_get_logits_ith(c, (int32_t) r);
             if (!l) throw LlamaError("llama_get_logits_ith returned no logits\n" + take_recent_errors());
             std::copy(l, l + n_vocab, out + (i + r) * n_vocab);
         }
     }
-    return nb::cast(nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {t.size(), n_vocab}, owner));
+    return nb::cast(nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, { t.size(), n_vocab }, owner));
 }
 
 static const float * logits_at(Context & self, int32_t idx) {
     llama_context * c = self.get();
     if (!self.has_logits || self.encoder_only) raise_value("no logits: call decode() first");
     if (idx < -1 || idx >= self.n_batch_last) {
-        raise_value("idx must be -1 or a position of the last batch, in [0, " + std::to_string(self.n_batch_last) + "); got " + std::to_string(idx));
+        raise_value("idx must be -1 or a position of the last batch, in [0, " + std::to_string(self.n_batch_last) +
+                    "); got " + std::to_string(idx));
     }
     clear_recent_errors();
     const float * l = llama_get_logits_ith(c, idx);
-    if (!l) raise_value("no logits at batch position " + std::to_string(idx) + " (only positions that asked for logits have them)\n" + take_recent_errors());
+    if (!l)
+        raise_value("no logits at batch position " + std::to_string(idx) +
+                    " (only positions that asked for logits have them)\n" + take_recent_errors());
     return l;
 }
 
@@ -369,7 +352,7 @@ static nb::ndarray<nb::numpy, float, nb::ndim<1>> copy_to_numpy(const float * sr
     float * copy = new float[n];
     std::copy(src, src + n, copy);
     nb::capsule owner(copy, [](void * p) noexcept { delete[] (float *) p; });
-    return nb::ndarray<nb::numpy, float, nb::ndim<1>>(copy, {n}, owner);
+    return nb::ndarray<nb::numpy, float, nb::ndim<1>>(copy, { n }, owner);
 }
 
 static nb::ndarray<nb::numpy, float, nb::ndim<1>> logits(Context & self, int32_t idx) {
@@ -391,7 +374,8 @@ static nb::tuple logprobs(Context & self, int32_t idx, int64_t token, int32_t n_
     if (n_top > 0) {  // the n_top largest, ties by id: partial_sort over all n_vocab ids
         std::vector<int32_t> ids(n);
         for (int32_t i = 0; i < n; ++i) ids[i] = i;
-        std::partial_sort(ids.begin(), ids.begin() + n_top, ids.end(), [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+        std::partial_sort(ids.begin(), ids.begin() + n_top, ids.end(),
+                          [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
         for (int32_t i = 0; i < n_top; ++i) {
             top_ids.append(ids[i]);
             top_lp.append((double) l[ids[i]] - lse);
@@ -409,12 +393,14 @@ static nb::ndarray<nb::numpy, float, nb::ndim<1>> embedding(Context & self, int6
     const float * e;
     size_t n = (size_t) llama_model_n_embd(self.owner->get());
     if (llama_pooling_type(c) == LLAMA_POOLING_TYPE_NONE) {
-        if (idx < -1 || idx >= self.n_batch_last) raise_value("idx must be in [-1, " + std::to_string(self.n_batch_last) + "); got " + std::to_string(idx));
+        if (idx < -1 || idx >= self.n_batch_last)
+            raise_value("idx must be in [-1, " + std::to_string(self.n_batch_last) + "); got " + std::to_string(idx));
         e = llama_get_embeddings_ith(c, idx);
     } else {
         check_seq(c, seq);
         e = llama_get_embeddings_seq(c, (llama_seq_id) seq);
-        if (llama_pooling_type(c) == LLAMA_POOLING_TYPE_RANK) n = (size_t) std::max<uint32_t>(1, llama_model_n_cls_out(self.owner->get()));
+        if (llama_pooling_type(c) == LLAMA_POOLING_TYPE_RANK)
+            n = (size_t) std::max<uint32_t>(1, llama_model_n_cls_out(self.owner->get()));
     }
     if (!e) raise_value("no embeddings: create the context with embeddings=True\n" + take_recent_errors());
     return copy_to_numpy(e, n);
@@ -502,8 +488,8 @@ static void state_set(Context & self, nb::bytes data) {
     }
     if (n == 0 || n != data.size()) {
         after_failed_restore(self);
-        raise_value("not a state of this context (llama_state_set_data read " + std::to_string(n) + " of " + std::to_string(data.size()) +
-                    " bytes); the KV cache was cleared\n" + take_recent_errors());
+        raise_value("not a state of this context (llama_state_set_data read " + std::to_string(n) + " of " +
+                    std::to_string(data.size()) + " bytes); the KV cache was cleared\n" + take_recent_errors());
     }
     self.has_logits = false;  // at this pin a state holds the KV cache only, not the outputs
     self.n_batch_last = 0;
@@ -538,98 +524,20 @@ static std::vector<int32_t> state_load_file(Context & self, const std::string & 
     }
     if (!ok) {
         after_failed_restore(self);
-        raise_value("'" + path + "' is not a state file of this context; the KV cache was cleared\n" + take_recent_errors());
+        raise_value("'" + path + "' is not a state file of this context; the KV cache was cleared\n" +
+                    take_recent_errors());
     }
     self.has_logits = false;
     self.n_batch_last = 0;
     return std::vector<int32_t>(t.begin(), t.begin() + n);
 }
 
-// --- LoRA adapters (llama_adapter_lora_*), loaded on a model, applied per context with a scale
-Lora::~Lora() {
-    if (!owner) return;
-    owner->loras.erase(this);
-    for (Context * c : owner->contexts) {
-        auto & v = c->loras;
-        v.erase(std::remove_if(v.begin(), v.end(), [this](const auto & e) { return e.first == this; }), v.end());
-    }
-}
-
-void Lora::close() {
-    if (!adapter) return;
-    if (owner) {
-        for (Context * c : owner->contexts) {
-            for (auto & [l, s] : c->loras) {
-                if (l == this) throw LlamaError("the LoRA adapter is applied to a context: remove it there first (set_loras)");
-            }
-        }
-        llama_adapter_lora_free(adapter);
-        owner->loras.erase(this);
-    }
-    adapter = nullptr;
-    owner = nullptr;
-}
-
-static void lora_init(Lora * self, Model & model, const std::string & path) {
-    new (self) Lora();
-    llama_model * m = model.get();
-    struct stat st;
-    if (stat(path.c_str(), &st) != 0) raise_file_not_found("no such LoRA adapter file: '" + path + "'");
-    clear_recent_errors();
-    llama_adapter_lora * a;
-    {
-        nb::gil_scoped_release release;
-        a = llama_adapter_lora_init(m, path.c_str());
-    }
-    if (!a) raise_value("cannot load the LoRA adapter '" + path + "' for this model\n" + take_recent_errors());
-    self->adapter = a;
-    self->owner = &model;
-    self->path = path;
-    model.loras.insert(self);
-}
-
-static void set_loras(Context & self, const std::vector<std::pair<Lora *, double>> & loras) {
-    llama_context * c = self.get();
-    std::vector<llama_adapter_lora *> as;
-    std::vector<float> scales;
-    for (const auto & [l, s] : loras) {
-        if (!l || !l->adapter) raise_value("the LoRA adapter is closed");
-        if (l->owner != self.owner) raise_value("the LoRA adapter was loaded on a different model");
-        if (!std::isfinite(s)) raise_value("a LoRA scale must be finite; got " + std::to_string(s));
-        as.push_back(l->adapter);
-        scales.push_back((float) s);
-    }
-    BusyGuard guard(self);
-    clear_recent_errors();
-    if (llama_set_adapters_lora(c, as.data(), as.size(), scales.data()) != 0) {
-        throw LlamaError("llama_set_adapters_lora failed\n" + take_recent_errors());
-    }
-    self.loras.clear();
-    for (const auto & [l, s] : loras) self.loras.push_back({l, (float) s});
-}
-
 void register_context(nb::module_ & m) {
-    nb::class_<Lora>(m, "Lora", "A LoRA adapter loaded on a Model (llama_adapter_lora_init).")
-        .def("__init__", &lora_init, nb::arg("model"), nb::arg("path"), nb::keep_alive<1, 2>())
-        .def("close", &Lora::close)
-        .def_prop_ro("closed", [](const Lora & l) { return l.adapter == nullptr; })
-        .def_prop_ro("path", [](const Lora & l) { return l.path; })
-        .def("metadata", [](const Lora & l) {
-            if (!l.adapter) raise_value("the LoRA adapter is closed");
-            nb::dict out;
-            char k[512], v[4096];
-            for (int32_t i = 0; i < llama_adapter_meta_count(l.adapter); ++i) {
-                if (llama_adapter_meta_key_by_index(l.adapter, i, k, sizeof k) < 0) continue;
-                if (llama_adapter_meta_val_str_by_index(l.adapter, i, v, sizeof v) < 0) continue;
-                out[k] = std::string(v);
-            }
-            return out;
-        });
     nb::class_<Context>(m, "Context", "A llama_context on a Model (see llamabind.Context).")
         .def("__init__", &context_init, nb::arg("model"), nb::arg("n_ctx") = 4096, nb::arg("n_batch") = 2048,
-             nb::arg("n_ubatch") = 512, nb::arg("n_threads") = 0, nb::arg("n_threads_batch") = 0, nb::arg("n_seq_max") = 1,
-             nb::arg("embeddings") = false, nb::arg("pooling") = -1, nb::arg("kv_unified") = true, nb::arg("op_offload") = true,
-             nb::keep_alive<1, 2>(),
+             nb::arg("n_ubatch") = 512, nb::arg("n_threads") = 0, nb::arg("n_threads_batch") = 0,
+             nb::arg("n_seq_max") = 1, nb::arg("embeddings") = false, nb::arg("pooling") = -1,
+             nb::arg("kv_unified") = true, nb::arg("op_offload") = true, nb::keep_alive<1, 2>(),
              "Wraps llama_init_from_model. n_threads=0: all cores.")
         .def("close", &Context::close)
         .def_prop_ro("closed", [](const Context & s) { return s.ctx == nullptr; })
@@ -642,12 +550,23 @@ void register_context(nb::module_ & m) {
         .def_prop_ro("n_threads_batch", [](const Context & s) { return llama_n_threads_batch(s.get()); })
         .def_prop_ro("pooling", [](const Context & s) { return (int) llama_pooling_type(s.get()); })
         .def_prop_ro("encoder_only", [](const Context & s) { return s.encoder_only; })
-        .def("pos", [](Context & s, int64_t seq) { check_seq(s.get(), seq); return next_pos(s.get(), (llama_seq_id) seq); },
-             nb::arg("seq_id") = 0, "Tokens held for a sequence: its next position (llama_memory_seq_pos_max + 1).")
-        .def("pos_min", [](Context & s, int64_t seq) { check_seq(s.get(), seq); return llama_memory_seq_pos_min(llama_get_memory(s.get()), (llama_seq_id) seq); },
-             nb::arg("seq_id") = 0)
+        .def(
+            "pos",
+            [](Context & s, int64_t seq) {
+                check_seq(s.get(), seq);
+                return next_pos(s.get(), (llama_seq_id) seq);
+            },
+            nb::arg("seq_id") = 0, "Tokens held for a sequence: its next position (llama_memory_seq_pos_max + 1).")
+        .def(
+            "pos_min",
+            [](Context & s, int64_t seq) {
+                check_seq(s.get(), seq);
+                return llama_memory_seq_pos_min(llama_get_memory(s.get()), (llama_seq_id) seq);
+            },
+            nb::arg("seq_id") = 0)
         .def("decode", &decode, nb::arg("tokens"), nb::arg("seq_id") = 0, nb::arg("all_logits") = false,
-             "Evaluate token ids at the end of a sequence, in n_batch chunks (llama_decode, or llama_encode for encoder-only models).")
+             "Evaluate token ids at the end of a sequence, in n_batch chunks (llama_decode, or llama_encode "
+             "for encoder-only models).")
         .def("decode_batch", &decode_batch, nb::arg("entries"),
              "[(seq_id, tokens)] in one llama_decode (total <= n_batch); returns each entry's last batch position.")
         .def("eval", &eval, nb::arg("tokens"), nb::arg("seq_id") = 0, nb::arg("copy") = true,
@@ -667,7 +586,8 @@ void register_context(nb::module_ & m) {
         .def("state_set", &state_set, nb::arg("data"), "Restore a state from state_get (llama_state_set_data).")
         .def("state_save_file", &state_save_file, nb::arg("path"), nb::arg("tokens"))
         .def("state_load_file", &state_load_file, nb::arg("path"))
-        .def("set_loras", &set_loras, nb::arg("loras"), "[(Lora, scale)] applied to this context (llama_set_adapters_lora).")
+        .def("set_loras", &set_loras, nb::arg("loras"),
+             "[(Lora, scale)] applied to this context (llama_set_adapters_lora).")
         .def_prop_ro("views", [](const Context & s) { return s.views; })
         .def("perf", &perf, "llama_perf_context timings (ms) and token counts.")
         .def("perf_reset", [](Context & s) { llama_perf_context_reset(s.get()); });

@@ -27,7 +27,8 @@ namespace lb {
 struct SharedBackend {
     ggml_backend_t backend = nullptr;
     ggml_backend_dev_t dev = nullptr;
-    ggml_backend_set_n_threads_t set_n_threads = nullptr;  // the CPU backend's (by proc address: it may be a loaded module)
+    ggml_backend_set_n_threads_t set_n_threads =
+        nullptr;  // the CPU backend's (by proc address: it may be a loaded module)
     std::mutex mutex;
 };
 
@@ -85,8 +86,9 @@ static void graph_init(Graph * self, const std::string & device, size_t max_node
     self->be = &shared_backend(device);
     if (max_nodes < 16 || max_nodes > (1u << 20)) raise_value("max_nodes must be in [16, 2**20]");
     // room for the user's tensors plus the backward pass (grads, accumulators) and two graphs
-    ggml_init_params ip = {ggml_tensor_overhead() * max_nodes * 4 + 2 * ggml_graph_overhead_custom(max_nodes * 4, true),
-                           nullptr, /*no_alloc =*/true};
+    ggml_init_params ip = { ggml_tensor_overhead() * max_nodes * 4 +
+                                2 * ggml_graph_overhead_custom(max_nodes * 4, true),
+                            nullptr, /*no_alloc =*/true };
     self->ctx = ggml_init(ip);
     if (!self->ctx) throw LlamaError("ggml_init failed");
     const int hw = (int) std::max(1u, std::thread::hardware_concurrency());
@@ -95,18 +97,20 @@ static void graph_init(Graph * self, const std::string & device, size_t max_node
 
 static int graph_input(Graph & g, int type, std::array<int64_t, 4> ne) {
     g.check_building();
-    if (type < 0 || type >= GGML_TYPE_COUNT || ggml_type_size((ggml_type) type) == 0) raise_value("invalid ggml type " + std::to_string(type));
+    if (type < 0 || type >= GGML_TYPE_COUNT || ggml_type_size((ggml_type) type) == 0)
+        raise_value("invalid ggml type " + std::to_string(type));
     for (int64_t n : ne) {
         if (n < 1) raise_value("input dimensions must be >= 1");
     }
-    if (ne[0] % ggml_blck_size((ggml_type) type) != 0) raise_value("the last axis must be a multiple of the type's block size");
+    if (ne[0] % ggml_blck_size((ggml_type) type) != 0)
+        raise_value("the last axis must be a multiple of the type's block size");
     ggml_tensor * t = ggml_new_tensor_4d(g.ctx, (ggml_type) type, ne[0], ne[1], ne[2], ne[3]);
     ggml_set_input(t);
     return g.add(t);
 }
 
-static int graph_op(Graph & g, const std::string & name, const std::vector<int64_t> & srcs, const std::vector<int64_t> & ints,
-                    const std::vector<double> & floats) {
+static int graph_op(Graph & g, const std::string & name, const std::vector<int64_t> & srcs,
+                    const std::vector<int64_t> & ints, const std::vector<double> & floats) {
     g.check_building();
     std::vector<ggml_tensor *> s;
     for (int64_t id : srcs) s.push_back(id < 0 ? nullptr : g.node(id));
@@ -117,7 +121,8 @@ static int graph_op(Graph & g, const std::string & name, const std::vector<int64
 // (type, ne[4], contiguous) of a node
 static nb::tuple graph_info(Graph & g, int64_t id) {
     ggml_tensor * t = g.node(id);
-    return nb::make_tuple((int) t->type, std::array<int64_t, 4>{t->ne[0], t->ne[1], t->ne[2], t->ne[3]}, ggml_is_contiguous(t));
+    return nb::make_tuple((int) t->type, std::array<int64_t, 4>{ t->ne[0], t->ne[1], t->ne[2], t->ne[3] },
+                          ggml_is_contiguous(t));
 }
 
 static std::string op_desc(ggml_tensor * t) {
@@ -141,15 +146,17 @@ static void check_backward(ggml_cgraph * gf) {
         any_loss = any_loss || (n->flags & GGML_TENSOR_FLAG_LOSS);
         if (n->type == GGML_TYPE_I32) continue;  // ggml skips integer nodes
         bool need = (n->flags & GGML_TENSOR_FLAG_PARAM) != 0;
-        bool src_needs[GGML_MAX_SRC] = {false};
+        bool src_needs[GGML_MAX_SRC] = { false };
         for (int j = 0; j < GGML_MAX_SRC; ++j) {
             const ggml_tensor * src = n->src[j];
             if (!src || !needs.count(src)) continue;
-            const bool ignored = (j == 0 && n->op == GGML_OP_IM2COL) ||
-                                 (j == 1 && (n->op == GGML_OP_CPY || n->op == GGML_OP_GET_ROWS || n->op == GGML_OP_ROPE));
+            const bool ignored =
+                (j == 0 && n->op == GGML_OP_IM2COL) ||
+                (j == 1 && (n->op == GGML_OP_CPY || n->op == GGML_OP_GET_ROWS || n->op == GGML_OP_ROPE));
             if (ignored) continue;
             if (src->type != GGML_TYPE_F32 && src->type != GGML_TYPE_F16) {
-                raise_type("no gradient through a " + std::string(ggml_type_name(src->type)) + " tensor (" + ggml_op_desc(n) + ")");
+                raise_type("no gradient through a " + std::string(ggml_type_name(src->type)) + " tensor (" +
+                           ggml_op_desc(n) + ")");
             }
             src_needs[j] = need = true;
         }
@@ -160,14 +167,34 @@ static void check_backward(ggml_cgraph * gf) {
         needs.insert(n);
         bool ok;
         switch (n->op) {
-            case GGML_OP_DUP: case GGML_OP_ADD: case GGML_OP_ADD1: case GGML_OP_ACC: case GGML_OP_SUB: case GGML_OP_MUL:
-            case GGML_OP_DIV: case GGML_OP_SQR: case GGML_OP_SQRT: case GGML_OP_LOG: case GGML_OP_SIN: case GGML_OP_COS:
-            case GGML_OP_SUM: case GGML_OP_SUM_ROWS: case GGML_OP_MEAN: case GGML_OP_REPEAT: case GGML_OP_REPEAT_BACK:
-            case GGML_OP_RMS_NORM: case GGML_OP_SCALE: case GGML_OP_CPY: case GGML_OP_CONT: case GGML_OP_RESHAPE:
-            case GGML_OP_VIEW: case GGML_OP_PERMUTE: case GGML_OP_TRANSPOSE: case GGML_OP_GET_ROWS: case GGML_OP_IM2COL:
-            case GGML_OP_POOL_2D:
-                ok = true;
-                break;
+            case GGML_OP_DUP:
+            case GGML_OP_ADD:
+            case GGML_OP_ADD1:
+            case GGML_OP_ACC:
+            case GGML_OP_SUB:
+            case GGML_OP_MUL:
+            case GGML_OP_DIV:
+            case GGML_OP_SQR:
+            case GGML_OP_SQRT:
+            case GGML_OP_LOG:
+            case GGML_OP_SIN:
+            case GGML_OP_COS:
+            case GGML_OP_SUM:
+            case GGML_OP_SUM_ROWS:
+            case GGML_OP_MEAN:
+            case GGML_OP_REPEAT:
+            case GGML_OP_REPEAT_BACK:
+            case GGML_OP_RMS_NORM:
+            case GGML_OP_SCALE:
+            case GGML_OP_CPY:
+            case GGML_OP_CONT:
+            case GGML_OP_RESHAPE:
+            case GGML_OP_VIEW:
+            case GGML_OP_PERMUTE:
+            case GGML_OP_TRANSPOSE:
+            case GGML_OP_GET_ROWS:
+            case GGML_OP_IM2COL:
+            case GGML_OP_POOL_2D: ok = true; break;
             case GGML_OP_MUL_MAT:  // no backward for batch-broadcast products
                 ok = n->src[0]->ne[2] == n->src[1]->ne[2] && n->src[0]->ne[3] == n->src[1]->ne[3];
                 break;
@@ -175,9 +202,9 @@ static void check_backward(ggml_cgraph * gf) {
             case GGML_OP_ROPE: ok = !src_needs[2]; break;      // nor for freq factors
             case GGML_OP_UNARY: {
                 const ggml_unary_op u = ggml_get_unary_op(n);
-                ok = u == GGML_UNARY_OP_ABS || u == GGML_UNARY_OP_SGN || u == GGML_UNARY_OP_NEG || u == GGML_UNARY_OP_STEP ||
-                     u == GGML_UNARY_OP_RELU || u == GGML_UNARY_OP_SILU || u == GGML_UNARY_OP_EXP ||
-                     u == GGML_UNARY_OP_EXPM1 || u == GGML_UNARY_OP_SOFTPLUS;
+                ok = u == GGML_UNARY_OP_ABS || u == GGML_UNARY_OP_SGN || u == GGML_UNARY_OP_NEG ||
+                     u == GGML_UNARY_OP_STEP || u == GGML_UNARY_OP_RELU || u == GGML_UNARY_OP_SILU ||
+                     u == GGML_UNARY_OP_EXP || u == GGML_UNARY_OP_EXPM1 || u == GGML_UNARY_OP_SOFTPLUS;
                 break;
             }
             default: ok = false;
@@ -189,7 +216,8 @@ static void check_backward(ggml_cgraph * gf) {
 }
 
 // Finish the graph: outputs, optional loss + params for gradients, backend support, allocation.
-static void graph_build(Graph & g, const std::vector<int64_t> & outputs, int64_t loss, const std::vector<int64_t> & params) {
+static void graph_build(Graph & g, const std::vector<int64_t> & outputs, int64_t loss,
+                        const std::vector<int64_t> & params) {
     g.check_building();
     if (outputs.empty() && loss < 0) raise_value("a graph needs at least one output");
     const size_t size = g.nodes.size() * 4 + 64;
@@ -198,7 +226,8 @@ static void graph_build(Graph & g, const std::vector<int64_t> & outputs, int64_t
         for (int64_t id : params) {
             ggml_tensor * p = g.node(id);
             if (p->type != GGML_TYPE_F32) raise_type("gradients need float32 inputs");
-            if (!(p->flags & GGML_TENSOR_FLAG_INPUT) || p->op != GGML_OP_NONE) raise_value("gradients are taken with respect to graph inputs");
+            if (!(p->flags & GGML_TENSOR_FLAG_INPUT) || p->op != GGML_OP_NONE)
+                raise_value("gradients are taken with respect to graph inputs");
         }
         ggml_tensor * l = g.node(loss);
         if (l->type != GGML_TYPE_F32 || !ggml_is_scalar(l)) raise_value("the loss must be a float32 scalar");
@@ -238,13 +267,15 @@ static void graph_build(Graph & g, const std::vector<int64_t> & outputs, int64_t
         }
     }
     g.galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(g.be->backend));
-    if (!ggml_gallocr_alloc_graph(g.galloc, run)) throw LlamaError("could not allocate the graph's buffers on the device");
+    if (!ggml_gallocr_alloc_graph(g.galloc, run))
+        throw LlamaError("could not allocate the graph's buffers on the device");
     g.built = true;
 }
 
 static void check_bytes(ggml_tensor * t, size_t n, const char * what) {
     if (n != ggml_nbytes(t)) {
-        raise_value(std::string(what) + ": expected " + std::to_string(ggml_nbytes(t)) + " bytes, got " + std::to_string(n));
+        raise_value(std::string(what) + ": expected " + std::to_string(ggml_nbytes(t)) + " bytes, got " +
+                    std::to_string(n));
     }
 }
 
@@ -291,7 +322,8 @@ static void graph_compute(Graph & g, int n_threads) {
         if (g.gb) ggml_graph_reset(g.gb);  // loss grad = 1, other grads = 0
         st = ggml_backend_graph_compute(g.be->backend, run);
     }
-    if (st != GGML_STATUS_SUCCESS) throw LlamaError(std::string("ggml_backend_graph_compute failed: ") + ggml_status_to_string(st));
+    if (st != GGML_STATUS_SUCCESS)
+        throw LlamaError(std::string("ggml_backend_graph_compute failed: ") + ggml_status_to_string(st));
 }
 
 static nb::dict type_table() {
@@ -300,7 +332,8 @@ static nb::dict type_table() {
         if (ggml_type_size((ggml_type) t) == 0) continue;  // removed types
         const char * name = ggml_type_name((ggml_type) t);
         if (!name) continue;
-        d[name] = nb::make_tuple(t, ggml_blck_size((ggml_type) t), ggml_type_size((ggml_type) t), ggml_is_quantized((ggml_type) t));
+        d[name] = nb::make_tuple(t, ggml_blck_size((ggml_type) t), ggml_type_size((ggml_type) t),
+                                 ggml_is_quantized((ggml_type) t));
     }
     return d;
 }
@@ -308,16 +341,19 @@ static nb::dict type_table() {
 void register_graph(nb::module_ & m) {
     nb::class_<Graph>(m, "Graph", "A ggml compute graph on one backend device (see llamabind.ops).")
         .def("__init__", &graph_init, nb::arg("device"), nb::arg("max_nodes") = 256)
-        .def("input", &graph_input, nb::arg("type"), nb::arg("ne"), "New input tensor (ggml type id, ne[4]); its node id.")
+        .def("input", &graph_input, nb::arg("type"), nb::arg("ne"),
+             "New input tensor (ggml type id, ne[4]); its node id.")
         .def("op", &graph_op, nb::arg("name"), nb::arg("srcs"), nb::arg("ints"), nb::arg("floats"),
              "Apply ggml op `name` (see ops.cpp) to nodes; its node id. Shapes must be validated by the caller.")
         .def("info", &graph_info, nb::arg("id"), "(ggml type id, ne[4], is_contiguous) of a node.")
-        .def("build", &graph_build, nb::arg("outputs"), nb::arg("loss") = -1, nb::arg("params") = std::vector<int64_t>{},
+        .def("build", &graph_build, nb::arg("outputs"), nb::arg("loss") = -1,
+             nb::arg("params") = std::vector<int64_t>{},
              "Mark outputs (and a loss with params for gradients), check backend support, allocate (ggml_gallocr).")
         .def("set", &graph_set, nb::arg("id"), nb::arg("data"), "Upload an input's bytes.")
         .def("get", &graph_get, nb::arg("id"), nb::arg("out"), nb::arg("grad") = false,
              "Download an output's bytes (or the gradient of an input) into `out`.")
-        .def("compute", &graph_compute, nb::arg("n_threads") = 0, "Run the graph (GIL released). CPU: n_threads (0 = all cores).")
+        .def("compute", &graph_compute, nb::arg("n_threads") = 0,
+             "Run the graph (GIL released). CPU: n_threads (0 = all cores).")
         .def_prop_ro("device", [](const Graph & g) { return std::string(ggml_backend_dev_name(g.be->dev)); })
         .def_prop_ro("n_nodes", [](const Graph & g) { return g.nodes.size(); });
     m.def("ggml_types", &type_table, "ggml type name -> (id, block size, bytes per block, is_quantized).");

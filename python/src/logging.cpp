@@ -15,7 +15,7 @@
 
 namespace lb {
 
-static std::atomic<int> g_min_level{GGML_LOG_LEVEL_WARN};
+static std::atomic<int> g_min_level{ GGML_LOG_LEVEL_WARN };
 static std::mutex g_handler_mutex;
 static PyObject * g_handler = nullptr;  // strong reference, owned; callable(level: int, text: str)
 
@@ -37,7 +37,7 @@ static bool is_finalizing() {
 // very thread (seen: devices() asking a dead RPC server while its dispatcher logged the failure).
 static std::mutex g_pending_mutex;
 static std::deque<std::pair<int, std::string>> g_pending;
-static std::atomic<bool> g_has_pending{false};  // flush_logs() runs after every decode: no lock when empty
+static std::atomic<bool> g_has_pending{ false };  // flush_logs() runs after every decode: no lock when empty
 
 static void call_handler(int level, const std::string & line);
 
@@ -121,7 +121,9 @@ static void log_callback(enum ggml_log_level level, const char * text, void *) {
     }
 }
 
-void install_log_callback() { llama_log_set(log_callback, nullptr); }
+void install_log_callback() {
+    llama_log_set(log_callback, nullptr);
+}
 
 std::string take_recent_errors() {
     std::string out;
@@ -133,14 +135,22 @@ std::string take_recent_errors() {
     return out;
 }
 
-void clear_recent_errors() { t_recent.clear(); }
+void clear_recent_errors() {
+    t_recent.clear();
+}
 
 void register_logging(nb::module_ & m) {
-    m.def("set_log_level", [](int level) { g_min_level.store(level); }, nb::arg("level"),
-          "Lowest ggml_log_level forwarded to the handler (1 debug, 2 info, 3 warn, 4 error, 5 none).");
+    m.def(
+        "set_log_level", [](int level) { g_min_level.store(level); }, nb::arg("level"),
+        "Lowest ggml_log_level forwarded to the handler (1 debug, 2 info, 3 warn, 4 error, 5 none).");
     m.def("get_log_level", []() { return g_min_level.load(); });
-    m.def("flush_logs", []() { nb::gil_scoped_release release; flush_logs(); },
-          "Deliver the lines that threads unknown to Python logged since the last delivery.");
+    m.def(
+        "flush_logs",
+        []() {
+            nb::gil_scoped_release release;
+            flush_logs();
+        },
+        "Deliver the lines that threads unknown to Python logged since the last delivery.");
     m.def(
         "set_log_handler",
         [](nb::object handler) {

@@ -1,5 +1,6 @@
 // Model: a GGUF file loaded by llama.cpp (weights + vocabulary), and its tokenizer.
 #include "objects.h"
+#include "rpc.h"
 
 #include <gguf.h>
 
@@ -19,7 +20,8 @@ namespace lb {
 void Model::close() {
     if (in_use.load()) throw LlamaError("the model is in use by another thread: cannot close it now");
     for (auto * c : contexts) {
-        if (c->busy.load()) throw LlamaError("cannot close the model while one of its contexts is in use by another thread");
+        if (c->busy.load())
+            throw LlamaError("cannot close the model while one of its contexts is in use by another thread");
         c->check_no_views("close the model");
     }
     release();
@@ -47,7 +49,7 @@ static void check_gguf_file(const std::string & path) {
     if (!S_ISREG(st.st_mode)) raise_value("path must be a GGUF file, but '" + path + "' is not a regular file");
     FILE * f = std::fopen(path.c_str(), "rb");
     if (!f) raise_value("cannot open '" + path + "': " + std::strerror(errno));
-    char magic[4] = {0, 0, 0, 0};
+    char magic[4] = { 0, 0, 0, 0 };
     size_t n = std::fread(magic, 1, 4, f);
     std::fclose(f);
     if (n < 4 || std::memcmp(magic, "GGUF", 4) != 0) {
@@ -85,7 +87,7 @@ static nb::object gguf_value(const gguf_context * g, int64_t id, enum gguf_type 
 // GGUF key/values with their types (ints, floats, bools, strings, lists), read by ggml's gguf.
 static nb::dict read_metadata(const std::string & path) {
     check_gguf_file(path);
-    gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/nullptr};
+    gguf_init_params params = { /*no_alloc =*/true, /*ctx =*/nullptr };
     gguf_context * g;
     {
         nb::gil_scoped_release release;
@@ -140,17 +142,20 @@ static bool on_progress(float progress, void * user) {
     }
 }
 
-static void model_init(Model * self, const std::string & path, int n_gpu_layers, int load_mode, bool vocab_only, int split_mode,
-                       int main_gpu, const std::vector<float> & tensor_split, nb::object progress,
-                       const std::vector<std::string> & rpc) {
+static void model_init(Model * self, const std::string & path, int n_gpu_layers, int load_mode, bool vocab_only,
+                       int split_mode, int main_gpu, const std::vector<float> & tensor_split, nb::object progress,
+                       const std::vector<std::string> & rpc, bool repack) {
     new (self) Model();
-    if (n_gpu_layers < -1) raise_value("n_gpu_layers must be >= 0, or -1 for all layers; got " + std::to_string(n_gpu_layers));
+    if (n_gpu_layers < -1)
+        raise_value("n_gpu_layers must be >= 0, or -1 for all layers; got " + std::to_string(n_gpu_layers));
     check_gguf_file(path);
     llama_model_params p = llama_model_default_params();
     p.n_gpu_layers = n_gpu_layers;
     p.vocab_only = vocab_only;
+    p.use_extra_bufts = repack;  // repacked CPU weight layouts (AMX, AVX2/AArch64 interleaved), llama-cli's --repack
     if (load_mode < LLAMA_LOAD_MODE_AUTO || load_mode > LLAMA_LOAD_MODE_DIRECT_IO) {
-        raise_value("load_mode must be one of llama_load_mode (-1 auto, 0 none, 1 mmap, ...); got " + std::to_string(load_mode));
+        raise_value("load_mode must be one of llama_load_mode (-1 auto, 0 none, 1 mmap, ...); got " +
+                    std::to_string(load_mode));
     }
     p.load_mode = (enum llama_load_mode) load_mode;
     if (split_mode < LLAMA_SPLIT_MODE_NONE || split_mode > LLAMA_SPLIT_MODE_TENSOR) {
@@ -168,8 +173,10 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
         ggml_backend_dev_t d = ggml_backend_dev_get(i);
         const auto t = ggml_backend_dev_type(d);
-        if (is_rpc_device(d)) any_rpc = true;
-        else if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) devices.push_back(d);
+        if (is_rpc_device(d))
+            any_rpc = true;
+        else if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU)
+            devices.push_back(d);
     }
     devices.insert(devices.end(), rpc_devs.begin(), rpc_devs.end());
     const size_t n_gpu = devices.size();  // what tensor_split and main_gpu index
@@ -180,11 +187,13 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
     if (!tensor_split.empty()) {
         if ((int) tensor_split.size() > n_dev || (n_gpu > 0 && tensor_split.size() > n_gpu)) {
             raise_value("tensor_split has " + std::to_string(tensor_split.size()) + " entries; the model has " +
-                        std::to_string(n_gpu) + " GPU/RPC devices (at most " + std::to_string(n_dev) + " in this build)");
+                        std::to_string(n_gpu) + " GPU/RPC devices (at most " + std::to_string(n_dev) +
+                        " in this build)");
         }
         float sum = 0.0f;
         for (size_t i = 0; i < tensor_split.size(); ++i) {
-            if (!std::isfinite(tensor_split[i]) || tensor_split[i] < 0.0f) raise_value("tensor_split entries must be finite and >= 0");
+            if (!std::isfinite(tensor_split[i]) || tensor_split[i] < 0.0f)
+                raise_value("tensor_split entries must be finite and >= 0");
             split[i] = tensor_split[i];
             sum += split[i];
         }
@@ -192,7 +201,8 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
         p.tensor_split = split.data();
     }
     if (main_gpu < 0 || (n_gpu > 0 && (size_t) main_gpu >= n_gpu) || (n_gpu == 0 && main_gpu != 0)) {
-        raise_value("main_gpu must be in [0, " + std::to_string(std::max<size_t>(n_gpu, 1)) + "); got " + std::to_string(main_gpu));
+        raise_value("main_gpu must be in [0, " + std::to_string(std::max<size_t>(n_gpu, 1)) + "); got " +
+                    std::to_string(main_gpu));
     }
     p.main_gpu = main_gpu;
     Progress prog;
@@ -222,16 +232,19 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
 
 static std::vector<int32_t> tokenize(Model & self, const std::string & text, bool add_special, bool parse_special) {
     const llama_vocab * vocab = self.get_vocab();
-    if (text.size() > (size_t) INT32_MAX / 2) raise_value("text is too long to tokenize: " + std::to_string(text.size()) + " bytes");
+    if (text.size() > (size_t) INT32_MAX / 2)
+        raise_value("text is too long to tokenize: " + std::to_string(text.size()) + " bytes");
     std::vector<int32_t> out(text.size() + 8);
     int32_t n;
     ModelUse use(self);
     {
         nb::gil_scoped_release release;
-        n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special, parse_special);
+        n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special,
+                           parse_special);
         if (n < 0 && n != INT32_MIN) {
             out.resize((size_t) -n);
-            n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special, parse_special);
+            n = llama_tokenize(vocab, text.data(), (int32_t) text.size(), out.data(), (int32_t) out.size(), add_special,
+                               parse_special);
         }
     }
     if (n < 0) throw LlamaError("llama_tokenize failed (result too large)");
@@ -248,14 +261,17 @@ static std::vector<int32_t> checked_tokens(const Model & self, const std::vector
     return t;
 }
 
-static nb::str detokenize(Model & self, const std::vector<int64_t> & tokens, bool remove_special, bool unparse_special) {
+static nb::str detokenize(Model & self, const std::vector<int64_t> & tokens, bool remove_special,
+                          bool unparse_special) {
     const llama_vocab * vocab = self.get_vocab();
     std::vector<int32_t> t = checked_tokens(self, tokens);
     std::string buf(t.size() * 8 + 16, '\0');
-    int32_t n = llama_detokenize(vocab, t.data(), (int32_t) t.size(), buf.data(), (int32_t) buf.size(), remove_special, unparse_special);
+    int32_t n = llama_detokenize(vocab, t.data(), (int32_t) t.size(), buf.data(), (int32_t) buf.size(), remove_special,
+                                 unparse_special);
     if (n < 0) {
         buf.resize((size_t) -n);
-        n = llama_detokenize(vocab, t.data(), (int32_t) t.size(), buf.data(), (int32_t) buf.size(), remove_special, unparse_special);
+        n = llama_detokenize(vocab, t.data(), (int32_t) t.size(), buf.data(), (int32_t) buf.size(), remove_special,
+                             unparse_special);
     }
     if (n < 0) throw LlamaError("llama_detokenize failed");
     return nb::steal<nb::str>(PyUnicode_DecodeUTF8(buf.data(), n, "replace"));
@@ -273,14 +289,16 @@ static nb::bytes token_to_piece(Model & self, int64_t token, bool special) {
     return nb::bytes(buf, (size_t) n);
 }
 
-static nb::object opt_token(llama_token t) { return t == LLAMA_TOKEN_NULL ? nb::object(nb::none()) : nb::object(nb::int_(t)); }
+static nb::object opt_token(llama_token t) {
+    return t == LLAMA_TOKEN_NULL ? nb::object(nb::none()) : nb::object(nb::int_(t));
+}
 
 void register_model(nb::module_ & m) {
     nb::class_<Model>(m, "Model", "A GGUF model loaded by llama_model_load_from_file (see llamabind.Model).")
         .def("__init__", &model_init, nb::arg("path"), nb::arg("n_gpu_layers") = -1, nb::arg("load_mode") = -1,
              nb::arg("vocab_only") = false, nb::arg("split_mode") = 1, nb::arg("main_gpu") = 0,
              nb::arg("tensor_split") = std::vector<float>(), nb::arg("progress").none() = nb::none(),
-             nb::arg("rpc") = std::vector<std::string>(),
+             nb::arg("rpc") = std::vector<std::string>(), nb::arg("repack") = true,
              "Load a GGUF file. Raises FileNotFoundError (no file), ValueError (not GGUF, corrupt, truncated).")
         .def("close", &Model::close, "Free the weights and every context opened on this model.")
         .def_prop_ro("closed", [](const Model & s) { return s.model == nullptr; })
@@ -291,25 +309,36 @@ void register_model(nb::module_ & m) {
         .def_prop_ro("n_embd", [](const Model & s) { return llama_model_n_embd(s.get()); })
         .def_prop_ro("n_layer", [](const Model & s) { return llama_model_n_layer(s.get()); })
         .def_prop_ro("n_params", [](const Model & s) { return llama_model_n_params(s.get()); })
-        .def_prop_ro("size", [](const Model & s) { return llama_model_size(s.get()); }, "Size of the weights in bytes.")
-        .def_prop_ro("description", [](const Model & s) {
-            char buf[256];
-            int n = llama_model_desc(s.get(), buf, sizeof buf);
-            return std::string(buf, (size_t) std::max(0, std::min(n, (int) sizeof buf - 1)));
-        })
+        .def_prop_ro(
+            "size", [](const Model & s) { return llama_model_size(s.get()); }, "Size of the weights in bytes.")
+        .def_prop_ro("description",
+                     [](const Model & s) {
+                         char buf[256];
+                         int n = llama_model_desc(s.get(), buf, sizeof buf);
+                         return std::string(buf, (size_t) std::max(0, std::min(n, (int) sizeof buf - 1)));
+                     })
         .def_prop_ro("token_bos", [](const Model & s) { return opt_token(llama_vocab_bos(s.get_vocab())); })
         .def_prop_ro("token_eos", [](const Model & s) { return opt_token(llama_vocab_eos(s.get_vocab())); })
         .def_prop_ro("add_bos", [](const Model & s) { return llama_vocab_get_add_bos(s.get_vocab()); })
-        .def("is_eog", [](const Model & s, int64_t t) { s.check_token(t); return llama_vocab_is_eog(s.get_vocab(), (llama_token) t); },
-             nb::arg("token"), "True for end-of-generation tokens (EOS, EOT, ...). Wraps llama_vocab_is_eog.")
-        .def("chat_template", [](const Model & s, const nb::object & name) -> nb::object {
-                 std::string n = name.is_none() ? std::string() : nb::cast<std::string>(name);
-                 const char * t = llama_model_chat_template(s.get(), name.is_none() ? nullptr : n.c_str());
-                 return t ? nb::cast(std::string(t)) : nb::none();
-             }, nb::arg("name") = nb::none(), "The GGUF chat template (tokenizer.chat_template), or None.")
+        .def(
+            "is_eog",
+            [](const Model & s, int64_t t) {
+                s.check_token(t);
+                return llama_vocab_is_eog(s.get_vocab(), (llama_token) t);
+            },
+            nb::arg("token"), "True for end-of-generation tokens (EOS, EOT, ...). Wraps llama_vocab_is_eog.")
+        .def(
+            "chat_template",
+            [](const Model & s, const nb::object & name) -> nb::object {
+                std::string n = name.is_none() ? std::string() : nb::cast<std::string>(name);
+                const char * t = llama_model_chat_template(s.get(), name.is_none() ? nullptr : n.c_str());
+                return t ? nb::cast(std::string(t)) : nb::none();
+            },
+            nb::arg("name") = nb::none(), "The GGUF chat template (tokenizer.chat_template), or None.")
         .def("tokenize", &tokenize, nb::arg("text"), nb::arg("add_special") = true, nb::arg("parse_special") = false,
              "str -> list of token ids. Wraps llama_tokenize.")
-        .def("detokenize", &detokenize, nb::arg("tokens"), nb::arg("remove_special") = false, nb::arg("unparse_special") = false,
+        .def("detokenize", &detokenize, nb::arg("tokens"), nb::arg("remove_special") = false,
+             nb::arg("unparse_special") = false,
              "Token ids -> str (invalid UTF-8 replaced by U+FFFD). Wraps llama_detokenize.")
         .def("token_to_piece", &token_to_piece, nb::arg("token"), nb::arg("special") = false,
              "One token id -> its UTF-8 bytes (possibly part of a character). Wraps llama_token_to_piece.");

@@ -22,7 +22,8 @@ static void load_backends() {
     HMODULE h = nullptr;
     char buf[MAX_PATH];
     if (GetModuleHandleExA(GET_MODULE_HANDLE_EX_FLAG_FROM_ADDRESS | GET_MODULE_HANDLE_EX_FLAG_UNCHANGED_REFCOUNT,
-                           (LPCSTR) &load_backends, &h) && GetModuleFileNameA(h, buf, MAX_PATH)) {
+                           (LPCSTR) &load_backends, &h) &&
+        GetModuleFileNameA(h, buf, MAX_PATH)) {
         path = buf;
     }
 #else
@@ -49,6 +50,7 @@ NB_MODULE(_core, m) {
     lb::register_logging(m);
     lb::register_backends(m);
     lb::register_model(m);
+    lb::register_lora(m);
     lb::register_context(m);
     lb::register_sampling(m);
     lb::register_chat(m);

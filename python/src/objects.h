@@ -1,5 +1,6 @@
-// The native objects behind llamabind.Model / Context / Sampler. Python owns them; closing is
-// explicit (close(), context managers) or at garbage collection.
+// The native objects behind llamabind.Model, Context, LoraAdapter and ChatTemplates' results
+// (model.cpp, context.cpp, lora.cpp, chat.cpp). Python owns them; closing is explicit (close(),
+// context managers) or at garbage collection.
 #pragma once
 
 #include "common.h"
@@ -12,11 +13,6 @@
 
 namespace lb {
 
-// ---- rpc.cpp
-bool is_rpc_device(ggml_backend_dev_t dev);
-// Connects (patch 0011: ConnectionError instead of an abort) and registers the server's devices once.
-std::vector<ggml_backend_dev_t> rpc_connect(const std::string & endpoint);
-
 struct Context;
 struct Lora;
 
@@ -27,7 +23,7 @@ struct Model {
     bool vocab_only = false;
     std::set<Context *> contexts;  // open contexts on this model; closed with it
     std::set<Lora *> loras;        // LoRA adapters loaded on it (llama.cpp frees them with the model)
-    std::atomic<int> in_use{0};    // native calls running without the GIL (e.g. tokenize)
+    std::atomic<int> in_use{ 0 };  // native calls running without the GIL (e.g. tokenize)
 
     ~Model() { release(); }
     void close();    // raises LlamaError if a context of this model is in use by another thread
@@ -44,8 +40,8 @@ struct Model {
     void check_token(int64_t token, const char * what = "token") const {
         const int32_t n = n_vocab();
         if (token < 0 || token >= n) {
-            raise_value(std::string(what) + " id " + std::to_string(token) + " is out of range: expected 0 <= id < n_vocab (" +
-                        std::to_string(n) + ")");
+            raise_value(std::string(what) + " id " + std::to_string(token) +
+                        " is out of range: expected 0 <= id < n_vocab (" + std::to_string(n) + ")");
         }
     }
 };
@@ -64,10 +60,10 @@ struct Context {
     Model * owner = nullptr;
     llama_context * ctx = nullptr;
     ggml_threadpool * threadpool = nullptr;  // ours, attached to ctx (as llama-bench and common do)
-    std::atomic<bool> busy{false};
-    bool has_logits = false;  // the last decode produced logits
-    int32_t n_batch_last = 0; // tokens in the last llama_decode (valid sample() positions)
-    int views = 0;            // live zero-copy logits arrays (eval(copy=False)) into llama.cpp's buffer
+    std::atomic<bool> busy{ false };
+    bool has_logits = false;    // the last decode produced logits
+    int32_t n_batch_last = 0;   // tokens in the last llama_decode (valid sample() positions)
+    int views = 0;              // live zero-copy logits arrays (eval(copy=False)) into llama.cpp's buffer
     bool encoder_only = false;  // e.g. BERT: llama_encode, no KV cache
     std::vector<std::pair<Lora *, float>> loras;  // adapters applied (set_loras)
     BatchBuf batch;
@@ -86,9 +82,12 @@ struct Lora {
     Model * owner = nullptr;
     llama_adapter_lora * adapter = nullptr;
     std::string path;
-    ~Lora();  // forgets itself; the adapter is freed with the model (or by close())
+    ~Lora();       // forgets itself; the adapter is freed with the model (or by close())
     void close();  // frees the adapter (LlamaError while a context applies it)
 };
+
+// lora.cpp: [(adapter, scale)] applied to a context (llama_set_adapters_lora)
+void set_loras(Context & self, const std::vector<std::pair<Lora *, double>> & loras);
 
 // The result of applying a chat template (common_chat_templates_apply): prompt, grammar, parser.
 struct ChatParams {

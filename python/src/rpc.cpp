@@ -1,6 +1,7 @@
 // ggml's RPC backend: connect to servers (their devices join the registry), run a server.
 #include "common.h"
 #include "objects.h"
+#include "rpc.h"
 
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -22,7 +23,8 @@ bool is_rpc_device(ggml_backend_dev_t dev) {
 }
 
 #ifdef LLAMABIND_HAS_RPC
-template <typename F> static F * rpc_fn(const char * name) {
+template <typename F>
+static F * rpc_fn(const char * name) {
     ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
     void * p = reg ? ggml_backend_reg_get_proc_address(reg, name) : nullptr;
     if (p == nullptr) throw LlamaError(std::string("the RPC backend is not loaded (") + name + ")");
@@ -40,8 +42,10 @@ std::vector<ggml_backend_dev_t> rpc_connect(const std::string & endpoint) {
         std::lock_guard<std::mutex> lock(rpc_mutex);
         try {  // patch 0011: a failed connection throws instead of aborting
             reg = rpc_fn<decltype(ggml_backend_rpc_add_server)>("ggml_backend_rpc_add_server")(endpoint.c_str());
-            if (reg == nullptr) error = "RPC server " + endpoint + " reports no devices";
-            else if (rpc_registered.insert(endpoint).second) ggml_backend_register(reg);
+            if (reg == nullptr)
+                error = "RPC server " + endpoint + " reports no devices";
+            else if (rpc_registered.insert(endpoint).second)
+                ggml_backend_register(reg);
         } catch (const std::exception & e) {
             error = e.what();
         }
@@ -60,14 +64,15 @@ static void rpc_serve(const std::string & endpoint, const std::string & cache_di
     std::vector<ggml_backend_dev_t> devs;
     for (const auto & name : device_names) {
         ggml_backend_dev_t d = ggml_backend_dev_by_name(name.c_str());
-        if (d == nullptr || is_rpc_device(d)) raise_value("no local backend device named '" + name + "' (see llamabind.devices())");
+        if (d == nullptr || is_rpc_device(d))
+            raise_value("no local backend device named '" + name + "' (see llamabind.devices())");
         devs.push_back(d);
     }
     if (devs.empty()) raise_value("rpc serve: no devices");
     auto * start_server = rpc_fn<decltype(ggml_backend_rpc_start_server)>("ggml_backend_rpc_start_server");
     nb::gil_scoped_release release;  // serves until the process ends (or the socket cannot be opened)
-    start_server(endpoint.c_str(), cache_dir.empty() ? nullptr : cache_dir.c_str(), n_threads,
-                                  devs.size(), devs.data());
+    start_server(endpoint.c_str(), cache_dir.empty() ? nullptr : cache_dir.c_str(), n_threads, devs.size(),
+                 devs.data());
 }
 #else
 std::vector<ggml_backend_dev_t> rpc_connect(const std::string &) {
@@ -78,11 +83,14 @@ std::vector<ggml_backend_dev_t> rpc_connect(const std::string &) {
 void register_rpc(nb::module_ & m) {
 #ifdef LLAMABIND_HAS_RPC
     m.attr("HAS_RPC") = true;
-    m.def("rpc_connect", [](const std::string & endpoint) {
-        std::vector<std::string> names;
-        for (auto * d : rpc_connect(endpoint)) names.push_back(ggml_backend_dev_name(d));
-        return names;
-    }, nb::arg("endpoint"), "ggml_backend_rpc_add_server + ggml_backend_register; the server's device names.");
+    m.def(
+        "rpc_connect",
+        [](const std::string & endpoint) {
+            std::vector<std::string> names;
+            for (auto * d : rpc_connect(endpoint)) names.push_back(ggml_backend_dev_name(d));
+            return names;
+        },
+        nb::arg("endpoint"), "ggml_backend_rpc_add_server + ggml_backend_register; the server's device names.");
     m.def("rpc_serve", &rpc_serve, nb::arg("endpoint"), nb::arg("cache_dir"), nb::arg("n_threads"), nb::arg("devices"),
           "ggml_backend_rpc_start_server: blocks while serving; returns if the socket cannot be opened.");
 #else

@@ -14,23 +14,24 @@
 namespace lb {
 
 struct Sampler {
-    common_sampler * s = nullptr;
+    common_sampler * chain = nullptr;
     const llama_vocab * vocab = nullptr;
     int32_t n_vocab = 0;
     ~Sampler() { close(); }
     void close() {
-        if (s) {
-            common_sampler_free(s);
-            s = nullptr;
+        if (chain) {
+            common_sampler_free(chain);
+            chain = nullptr;
         }
     }
     common_sampler * get() const {
-        if (!s) raise_value("the sampler is closed");
-        return s;
+        if (!chain) raise_value("the sampler is closed");
+        return chain;
     }
 };
 
-template <typename T> static T take(nb::dict & d, const char * key, T dflt) {
+template <typename T>
+static T take(nb::dict & d, const char * key, T dflt) {
     if (!d.contains(key)) return dflt;
     nb::object v = d[key];
     nb::del(d[key]);
@@ -38,7 +39,8 @@ template <typename T> static T take(nb::dict & d, const char * key, T dflt) {
     try {
         return nb::cast<T>(v);
     } catch (const nb::cast_error &) {
-        raise_type(std::string("sampling parameter ") + key + " has the wrong type (" + nb::type_name(v.type()).c_str() + ")");
+        raise_type(std::string("sampling parameter ") + key + " has the wrong type (" +
+                   nb::type_name(v.type()).c_str() + ")");
     }
 }
 
@@ -48,7 +50,9 @@ static float finite(const char * name, double v) {
 }
 
 // A finite float parameter (NaN/inf would reach samplers that divide or compare by it).
-static float num(nb::dict & d, const char * key, double dflt) { return finite(key, take<double>(d, key, dflt)); }
+static float num(nb::dict & d, const char * key, double dflt) {
+    return finite(key, take<double>(d, key, dflt));
+}
 
 // params: the fields of llamabind.SamplingParams (validated in Python; re-checked here where a
 // bad value would reach a GGML_ASSERT or an infinite loop).
@@ -64,33 +68,48 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
     p.seed = (uint32_t) seed;
     // defaults: common_params_sampling's own (what llama-cli uses), except where noted
     using P = common_params_sampling;
-    static const std::pair<const char *, float P::*> floats[] = {
-        {"temperature", &P::temp}, {"dynatemp_range", &P::dynatemp_range}, {"dynatemp_exponent", &P::dynatemp_exponent},
-        {"top_p", &P::top_p}, {"min_p", &P::min_p}, {"typical_p", &P::typ_p}, {"top_n_sigma", &P::top_n_sigma},
-        {"xtc_probability", &P::xtc_probability}, {"xtc_threshold", &P::xtc_threshold},
-        {"repeat_penalty", &P::penalty_repeat}, {"frequency_penalty", &P::penalty_freq},
-        {"presence_penalty", &P::penalty_present}, {"dry_multiplier", &P::dry_multiplier}, {"dry_base", &P::dry_base},
-        {"mirostat_tau", &P::mirostat_tau}, {"mirostat_eta", &P::mirostat_eta}};
-    static const std::pair<const char *, int32_t P::*> ints[] = {
-        {"top_k", &P::top_k}, {"min_keep", &P::min_keep}, {"repeat_last_n", &P::penalty_last_n},
-        {"dry_allowed_length", &P::dry_allowed_length}, {"mirostat", &P::mirostat}};
+    static const std::pair<const char *, float P::*> floats[] = { { "temperature", &P::temp },
+                                                                  { "dynatemp_range", &P::dynatemp_range },
+                                                                  { "dynatemp_exponent", &P::dynatemp_exponent },
+                                                                  { "top_p", &P::top_p },
+                                                                  { "min_p", &P::min_p },
+                                                                  { "typical_p", &P::typ_p },
+                                                                  { "top_n_sigma", &P::top_n_sigma },
+                                                                  { "xtc_probability", &P::xtc_probability },
+                                                                  { "xtc_threshold", &P::xtc_threshold },
+                                                                  { "repeat_penalty", &P::penalty_repeat },
+                                                                  { "frequency_penalty", &P::penalty_freq },
+                                                                  { "presence_penalty", &P::penalty_present },
+                                                                  { "dry_multiplier", &P::dry_multiplier },
+                                                                  { "dry_base", &P::dry_base },
+                                                                  { "mirostat_tau", &P::mirostat_tau },
+                                                                  { "mirostat_eta", &P::mirostat_eta } };
+    static const std::pair<const char *, int32_t P::*> ints[] = { { "top_k", &P::top_k },
+                                                                  { "min_keep", &P::min_keep },
+                                                                  { "repeat_last_n", &P::penalty_last_n },
+                                                                  { "dry_allowed_length", &P::dry_allowed_length },
+                                                                  { "mirostat", &P::mirostat } };
     for (const auto & [key, field] : floats) p.*field = num(d, key, p.*field);
     for (const auto & [key, field] : ints) p.*field = take<int>(d, key, p.*field);
     p.dry_penalty_last_n = take<int>(d, "dry_penalty_last_n", -1);  // -1: the context size (common: 64)
     p.dry_sequence_breakers = take<std::vector<std::string>>(d, "dry_sequence_breakers", p.dry_sequence_breakers);
     p.ignore_eos = take<bool>(d, "ignore_eos", p.ignore_eos);
     p.no_perf = true;
-    if (p.mirostat < 0 || p.mirostat > 2) raise_value("mirostat must be 0 (off), 1 or 2; got " + std::to_string(p.mirostat));
+    if (p.mirostat < 0 || p.mirostat > 2)
+        raise_value("mirostat must be 0 (off), 1 or 2; got " + std::to_string(p.mirostat));
     if (p.penalty_last_n < -1) raise_value("repeat_last_n must be >= -1; got " + std::to_string(p.penalty_last_n));
-    if (p.dry_penalty_last_n < -1) raise_value("dry_penalty_last_n must be >= -1; got " + std::to_string(p.dry_penalty_last_n));
-    if (p.dry_allowed_length < 0) raise_value("dry_allowed_length must be >= 0; got " + std::to_string(p.dry_allowed_length));
+    if (p.dry_penalty_last_n < -1)
+        raise_value("dry_penalty_last_n must be >= -1; got " + std::to_string(p.dry_penalty_last_n));
+    if (p.dry_allowed_length < 0)
+        raise_value("dry_allowed_length must be >= 0; got " + std::to_string(p.dry_allowed_length));
     if (p.min_keep < 0) raise_value("min_keep must be >= 0; got " + std::to_string(p.min_keep));
     // common's "-1 = the context size": without a context at hand, the model's training context
     // (the samplers allocate a ring buffer of that many tokens)
     const int32_t whole = std::min<int32_t>(std::max<int32_t>(llama_model_n_ctx_train(model.get()), 1), 1 << 20);
     if (p.penalty_last_n == -1) p.penalty_last_n = whole;
     if (p.dry_penalty_last_n == -1) p.dry_penalty_last_n = whole;
-    if (p.penalty_last_n > (1 << 20) || p.dry_penalty_last_n > (1 << 20)) raise_value("repeat_last_n and dry_penalty_last_n must be <= 2**20");
+    if (p.penalty_last_n > (1 << 20) || p.dry_penalty_last_n > (1 << 20))
+        raise_value("repeat_last_n and dry_penalty_last_n must be <= 2**20");
 
     // logit bias: {token id: bias}; -inf bans the token
     nb::dict bias = take<nb::dict>(d, "logit_bias", nb::dict());
@@ -98,12 +117,13 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
         const int64_t t = nb::cast<int64_t>(k);
         model.check_token(t, "logit_bias token");
         const double b = nb::cast<double>(v);
-        if (std::isnan(b) || b == INFINITY) raise_value("logit_bias values must be finite or -inf; got " + std::to_string(b));
-        p.logit_bias.push_back({(llama_token) t, (float) b});
+        if (std::isnan(b) || b == INFINITY)
+            raise_value("logit_bias values must be finite or -inf; got " + std::to_string(b));
+        p.logit_bias.push_back({ (llama_token) t, (float) b });
     }
     if (p.ignore_eos) {
         for (int32_t t = 0; t < n_vocab; ++t) {
-            if (llama_vocab_is_eog(vocab, t)) p.logit_bias.push_back({t, -INFINITY});
+            if (llama_vocab_is_eog(vocab, t)) p.logit_bias.push_back({ t, -INFINITY });
         }
     }
 
@@ -112,7 +132,8 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
     if (chat && !chat->p.grammar.empty()) {
         if (!grammar.empty()) raise_value("give either grammar or a chat response format/tools, not both");
         const common_chat_params & cp = chat->p;
-        p.grammar = {chat->from_schema ? COMMON_GRAMMAR_TYPE_OUTPUT_FORMAT : COMMON_GRAMMAR_TYPE_TOOL_CALLS, cp.grammar};
+        p.grammar = { chat->from_schema ? COMMON_GRAMMAR_TYPE_OUTPUT_FORMAT : COMMON_GRAMMAR_TYPE_TOOL_CALLS,
+                      cp.grammar };
         p.grammar_lazy = cp.grammar_lazy;
         p.generation_prompt = cp.generation_prompt;
         for (const auto & t : cp.preserved_tokens) {
@@ -133,9 +154,10 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
             }
             p.grammar_triggers.push_back(t);
         }
-        if (p.grammar_lazy && p.grammar_triggers.empty()) raise_value("the chat template gave a lazy grammar without triggers");
+        if (p.grammar_lazy && p.grammar_triggers.empty())
+            raise_value("the chat template gave a lazy grammar without triggers");
     } else if (!grammar.empty()) {
-        p.grammar = {COMMON_GRAMMAR_TYPE_USER, grammar};
+        p.grammar = { COMMON_GRAMMAR_TYPE_USER, grammar };
     }
     if (d.size() != 0) {
         std::string names;
@@ -153,7 +175,7 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
         }
     }
     if (!s) raise_value("common_sampler_init failed\n" + take_recent_errors());
-    self->s = s;
+    self->chain = s;
     self->vocab = vocab;
     self->n_vocab = n_vocab;
 }
@@ -165,8 +187,8 @@ static int32_t sample(Sampler & self, Context & ctx, int32_t idx) {
     llama_context * c = ctx.get();
     if (!ctx.has_logits) raise_value("no logits to sample from: decode() first");
     if (idx < -1 || (idx >= 0 && idx >= ctx.n_batch_last)) {
-        raise_value("idx must be -1 or a position of the last batch, in [0, " + std::to_string(ctx.n_batch_last) + "); got " +
-                    std::to_string(idx));
+        raise_value("idx must be -1 or a position of the last batch, in [0, " + std::to_string(ctx.n_batch_last) +
+                    "); got " + std::to_string(idx));
     }
     BusyGuard guard(ctx);
     llama_token t;

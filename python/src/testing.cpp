@@ -21,8 +21,10 @@ using F32Out = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
 using Result = std::pair<F32Out, bool>;
 
 static void check_pair(const F32In & p, const F32In & q, const char * names) {
-    if (p.shape(0) != q.shape(0) || p.shape(1) != q.shape(1)) raise_value(std::string(names) + " must have the same shape");
-    if (p.shape(0) < 1 || p.shape(1) < 1) raise_value(std::string(names) + " must be non-empty (rows, n) float32 arrays");
+    if (p.shape(0) != q.shape(0) || p.shape(1) != q.shape(1))
+        raise_value(std::string(names) + " must have the same shape");
+    if (p.shape(0) < 1 || p.shape(1) < 1)
+        raise_value(std::string(names) + " must be non-empty (rows, n) float32 arrays");
 }
 
 // Two (rows, n) float32 inputs, a graph built by `build` on them, allocated with ggml_gallocr on
@@ -30,7 +32,7 @@ static void check_pair(const F32In & p, const F32In & q, const char * names) {
 template <typename Build>
 static Result run_graph(const F32In & in0, const F32In & in1, bool in0_is_output, Build build) {
     const int64_t rows = (int64_t) in0.shape(0), n = (int64_t) in0.shape(1);
-    ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, /*no_alloc =*/true};
+    ggml_init_params ip = { ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, /*no_alloc =*/true };
     std::unique_ptr<ggml_context, decltype(&ggml_free)> ctx(ggml_init(ip), ggml_free);
     ggml_tensor * t0 = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F32, n, rows);
     ggml_tensor * t1 = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_F32, n, rows);
@@ -54,7 +56,7 @@ static Result run_graph(const F32In & in0, const F32In & in1, bool in0_is_output
     float * host = new float[rows * n];
     ggml_backend_tensor_get(out, host, 0, ggml_nbytes(out));
     nb::capsule owner(host, [](void * p) noexcept { delete[] (float *) p; });
-    return {F32Out(host, {(size_t) rows, (size_t) n}, owner), aliased};
+    return { F32Out(host, { (size_t) rows, (size_t) n }, owner), aliased };
 }
 
 // design.md's reproduction of patches/0001: dy (an input kept as output), y = soft_max(a),
@@ -62,11 +64,12 @@ static Result run_graph(const F32In & in0, const F32In & in1, bool in0_is_output
 static Result soft_max_back_graph(F32In dy, F32In a, float scale) {
     check_pair(dy, a, "dy and a");
     if (!std::isfinite(scale)) raise_value("scale must be finite");
-    return run_graph(dy, a, true, [scale](ggml_context * ctx, ggml_tensor * t_dy, ggml_tensor * t_a, ggml_tensor ** alias) {
-        ggml_tensor * y = ggml_soft_max(ctx, t_a);
-        *alias = y;
-        return ggml_soft_max_ext_back(ctx, t_dy, y, scale, 0.0f);
-    });
+    return run_graph(dy, a, true,
+                     [scale](ggml_context * ctx, ggml_tensor * t_dy, ggml_tensor * t_a, ggml_tensor ** alias) {
+                         ggml_tensor * y = ggml_soft_max(ctx, t_a);
+                         *alias = y;
+                         return ggml_soft_max_ext_back(ctx, t_dy, y, scale, 0.0f);
+                     });
 }
 
 // The upstream b9572 fix: dz is an intermediate (dz_in * 1), so the allocator may place
@@ -74,12 +77,13 @@ static Result soft_max_back_graph(F32In dy, F32In a, float scale) {
 static Result rms_norm_back_graph(F32In dz, F32In x, float eps) {
     check_pair(dz, x, "dz and x");
     if (!(eps >= 0.0f) || !std::isfinite(eps)) raise_value("eps must be finite and >= 0");
-    return run_graph(dz, x, false, [eps](ggml_context * ctx, ggml_tensor * t_dz, ggml_tensor * t_x, ggml_tensor ** alias) {
-        ggml_set_output(t_x);
-        ggml_tensor * dz1 = ggml_scale(ctx, t_dz, 1.0f);
-        *alias = dz1;
-        return ggml_rms_norm_back(ctx, dz1, t_x, eps);
-    });
+    return run_graph(dz, x, false,
+                     [eps](ggml_context * ctx, ggml_tensor * t_dz, ggml_tensor * t_x, ggml_tensor ** alias) {
+                         ggml_set_output(t_x);
+                         ggml_tensor * dz1 = ggml_scale(ctx, t_dz, 1.0f);
+                         *alias = dz1;
+                         return ggml_rms_norm_back(ctx, dz1, t_x, eps);
+                     });
 }
 
 void register_testing(nb::module_ & m) {

@@ -17,7 +17,9 @@
 #include <vector>
 
 static void quiet(ggml_log_level, const char *, void *) {}
-static bool never_abort(void *) { return false; }
+static bool never_abort(void *) {
+    return false;
+}
 
 struct Variant {
     const char * name;
@@ -44,11 +46,12 @@ static double run(llama_model * model, const Variant & v, int n_threads) {
     const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
     llama_token tok = 1;
     llama_pos pos = 0;
-    llama_seq_id seq = 0, * seqp = &seq;
+    llama_seq_id seq = 0, *seqp = &seq;
     int32_t one = 1;
     int8_t out = 1;
     auto decode = [&]() {
-        llama_batch b = v.explicit_batch ? llama_batch{1, &tok, nullptr, &pos, &one, &seqp, &out} : llama_batch_get_one(&tok, 1);
+        llama_batch b =
+            v.explicit_batch ? llama_batch{ 1, &tok, nullptr, &pos, &one, &seqp, &out } : llama_batch_get_one(&tok, 1);
         llama_decode(ctx, b);
         llama_synchronize(ctx);
         ++pos;
@@ -82,14 +85,14 @@ int main(int argc, char ** argv) {
     if (!model) return 1;
     const int n_threads = std::atoi(argv[3]);
     const Variant variants[] = {
-        {"llama-bench settings", false, false, false, false, true},
-        {"+ kv_unified", true, false, false, false, true},
-        {"+ abort callback", false, true, false, false, true},
-        {"+ perf timings", false, false, true, false, true},
-        {"+ explicit batch", false, false, false, true, true},
-        {"- threadpool", false, false, false, false, false},
-        {"llamabind settings", true, true, true, true, true},
-        {"llama-bench settings (again)", false, false, false, false, true},
+        { "llama-bench settings", false, false, false, false, true },
+        { "+ kv_unified", true, false, false, false, true },
+        { "+ abort callback", false, true, false, false, true },
+        { "+ perf timings", false, false, true, false, true },
+        { "+ explicit batch", false, false, false, true, true },
+        { "- threadpool", false, false, false, false, false },
+        { "llamabind settings", true, true, true, true, true },
+        { "llama-bench settings (again)", false, false, false, false, true },
     };
     run(model, variants[0], n_threads);  // warm-up: the first context pays one-time costs
     for (const auto & v : variants) std::printf("%-30s %8.1f us/token\n", v.name, run(model, v, n_threads));

@@ -7,6 +7,7 @@ at a time), and llamabind's Context.decode and _core.Context.decode in the same 
 
     python3 tests/device/decode_cost.py MODEL --build-dir build/cp312-cp312-linux_x86_64 [-ngl 99] [--threads 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,10 @@ def llamabind_us_per_token(model: llamabind.Model, threads: int) -> dict[str, fl
     out = {}
     with model.context(n_ctx=128, n_threads=threads) as ctx:
         ctx.decode([1])
-        for label, fn in [("llamabind Context.decode", ctx.decode), ("llamabind _core.Context.decode", ctx._c.decode)] * 2:
+        for label, fn in [
+            ("llamabind Context.decode", ctx.decode),
+            ("llamabind _core.Context.decode", ctx._llama_context.decode),
+        ] * 2:
             us = []
             for _ in range(20):
                 ctx.clear()
@@ -43,9 +47,29 @@ def llamabind_us_per_token(model: llamabind.Model, threads: int) -> dict[str, fl
 
 def llama_bench_us_per_token(model_path: str, ngl: int, threads: int, env: dict | None = None) -> float:
     exe = llamabind.tool_path("llama-bench")
-    p = subprocess.run([str(exe), "-m", model_path, "-ngl", str(ngl), "-t", str(threads), "-p", "0", "-n", "128",
-                        "-r", "20", "-o", "json"], capture_output=True, text=True, check=True,
-                       env={**__import__("os").environ, **(env or {})})
+    p = subprocess.run(
+        [
+            str(exe),
+            "-m",
+            model_path,
+            "-ngl",
+            str(ngl),
+            "-t",
+            str(threads),
+            "-p",
+            "0",
+            "-n",
+            "128",
+            "-r",
+            "20",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, **(env or {})},
+    )
     return 1e6 / json.loads(p.stdout)[0]["avg_ts"]
 
 
@@ -71,7 +95,9 @@ def main() -> None:
     for k, v in rows.items():
         print(f"{k:45} {v:8.1f} us/token  {v - base:+7.1f}")
     if a.out:
-        a.out.write_text(json.dumps({"model": a.model, "ngl": a.ngl, "threads": a.threads, "us_per_token": rows}, indent=1))
+        a.out.write_text(
+            json.dumps({"model": a.model, "ngl": a.ngl, "threads": a.threads, "us_per_token": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

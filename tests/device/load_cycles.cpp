@@ -20,7 +20,10 @@
 static long rss_kib() {
     long pages_total = 0, pages_rss = 0;
     FILE * f = std::fopen("/proc/self/statm", "r");
-    if (!f || std::fscanf(f, "%ld %ld", &pages_total, &pages_rss) != 2) { if (f) std::fclose(f); return -1; }
+    if (!f || std::fscanf(f, "%ld %ld", &pages_total, &pages_rss) != 2) {
+        if (f) std::fclose(f);
+        return -1;
+    }
     std::fclose(f);
     return pages_rss * (sysconf(_SC_PAGESIZE) / 1024);
 }
@@ -43,7 +46,10 @@ static bool cycle(const char * path, int ngl, bool gen) {
         cp.n_batch = 64;
         cp.n_threads = cp.n_threads_batch = 1;
         llama_context * ctx = llama_init_from_model(model, cp);
-        if (!ctx) { llama_model_free(model); return false; }
+        if (!ctx) {
+            llama_model_free(model);
+            return false;
+        }
         const llama_vocab * vocab = llama_model_get_vocab(model);
         std::vector<llama_token> toks(16);
         int n = llama_tokenize(vocab, "Hi", 2, toks.data(), (int) toks.size(), true, false);
@@ -75,12 +81,18 @@ int main(int argc, char ** argv) {
     llama_log_set(quiet, nullptr);
     llama_backend_init();
     for (int i = 0; i < 10; i++) {
-        if (!cycle(path, ngl, gen)) { std::fprintf(stderr, "cycle failed\n"); return 1; }
+        if (!cycle(path, ngl, gen)) {
+            std::fprintf(stderr, "cycle failed\n");
+            return 1;
+        }
     }
     const long rss0 = rss_kib();
     const size_t heap0 = heap_in_use();
     for (int i = 1; i <= n; i++) {
-        if (!cycle(path, ngl, gen)) { std::fprintf(stderr, "cycle failed\n"); return 1; }
+        if (!cycle(path, ngl, gen)) {
+            std::fprintf(stderr, "cycle failed\n");
+            return 1;
+        }
         if (i % 25 == 0) std::printf("cycle %d rss_kib %ld heap_bytes %zu\n", i, rss_kib(), heap_in_use());
     }
     std::printf("drift_rss_mb %.2f drift_heap_mb %.2f\n", (rss_kib() - rss0) / 1024.0,

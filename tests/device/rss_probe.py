@@ -15,6 +15,7 @@ after malloc_trim(0), and (Python runs) which mappings of /proc/self/smaps grew:
 
     python3 tests/device/rss_probe.py MODEL --build-dir build/cp312-cp312-linux_x86_64 --cycles 200 --out rss.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,13 @@ def worker(model: str, mode: str, ngl: int, cycles: int) -> dict:
             trace.append([i, rss_kib()])
     g = growth(start, snapshot())
     malloc_trim()
-    return {"drift_rss_mb": g["rss_mb"], "drift_heap_mb": g["heap_mb"], "smaps_growth_mb": g["maps_mb"],
-            "drift_rss_after_trim_mb": round((rss_kib() - start["rss_kib"]) / 1024, 2), "trace": trace}
+    return {
+        "drift_rss_mb": g["rss_mb"],
+        "drift_heap_mb": g["heap_mb"],
+        "smaps_growth_mb": g["maps_mb"],
+        "drift_rss_after_trim_mb": round((rss_kib() - start["rss_kib"]) / 1024, 2),
+        "trace": trace,
+    }
 
 
 def build_native(build_dir: Path, source: str = "load_cycles.cpp") -> Path:
@@ -57,11 +63,23 @@ def build_native(build_dir: Path, source: str = "load_cycles.cpp") -> Path:
     lines = (build_dir / "build.ninja").read_text().split("\n")
     start = next(i for i, ln in enumerate(lines) if ln.startswith("build _core"))
     libs = next(ln for ln in lines[start:] if ln.strip().startswith("LINK_LIBRARIES")).split("=", 1)[1].split()
-    libs = [str(build_dir / x) if x.endswith(".a") and not x.startswith("/") else x
-            for x in libs if "nanobind" not in x]
-    cmd = ["g++", "-O2", "-o", str(exe), str(ROOT / "tests/device" / source),
-           f"-I{ROOT}/vendor/llama.cpp/include", f"-I{ROOT}/vendor/llama.cpp/ggml/include",
-           "-Wl,--start-group", *libs, "-Wl,--end-group", "-lpthread", "-ldl"]
+    libs = [
+        str(build_dir / x) if x.endswith(".a") and not x.startswith("/") else x for x in libs if "nanobind" not in x
+    ]
+    cmd = [
+        "g++",
+        "-O2",
+        "-o",
+        str(exe),
+        str(ROOT / "tests/device" / source),
+        f"-I{ROOT}/vendor/llama.cpp/include",
+        f"-I{ROOT}/vendor/llama.cpp/ggml/include",
+        "-Wl,--start-group",
+        *libs,
+        "-Wl,--end-group",
+        "-lpthread",
+        "-ldl",
+    ]
     subprocess.run(cmd, check=True)
     return exe
 
@@ -107,8 +125,10 @@ def main() -> None:
             cmd = [str(exe), a.model, str(a.cycles), str(ngl), mode]
         else:
             continue
-        procs[name] = (kind, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                              env={**os.environ, **env}))
+        procs[name] = (
+            kind,
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}),
+        )
     results = {}
     for name, (kind, p) in procs.items():
         if kind == "c":
@@ -121,11 +141,14 @@ def main() -> None:
             results[name] = {"error": f"rc={p.returncode}: {err[-400:]}"}
     print(f"{'config':18} {'RSS drift MB':>12} {'heap drift MB':>13} {'RSS after trim':>14}  grew (MB)")
     for name, r in results.items():
-        print(f"{name:18} {r.get('drift_rss_mb', float('nan')):12.2f} {r.get('drift_heap_mb', float('nan')):13.2f} "
-              f"{r.get('drift_rss_after_trim_mb', float('nan')):14.2f}  {r.get('smaps_growth_mb', r.get('error', ''))}")
+        print(
+            f"{name:18} {r.get('drift_rss_mb', float('nan')):12.2f} {r.get('drift_heap_mb', float('nan')):13.2f} "
+            f"{r.get('drift_rss_after_trim_mb', float('nan')):14.2f}  {r.get('smaps_growth_mb', r.get('error', ''))}"
+        )
     if a.out:
-        a.out.write_text(json.dumps({"cycles": a.cycles, "model": os.path.basename(a.model), "results": results},
-                                    indent=1))
+        a.out.write_text(
+            json.dumps({"cycles": a.cycles, "model": os.path.basename(a.model), "results": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ and, for scale, one GPU vs the CPU. Prints NMSE per configuration (tests/test_mu
 
     python3 tests/device/split_nmse.py MODEL [--out split-nmse.json]
 """
+
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ PROMPT = "The three primary colors are"
 
 def logits(model: str, kw: dict) -> np.ndarray:
     import llamabind
+
     with llamabind.Model(model, n_ctx=512, **kw) as m, m.context(n_ctx=512) as c:
         return c.eval(m.tokenize(PROMPT))
 
@@ -33,20 +35,25 @@ def main() -> None:
         "one GPU": ({"n_gpu_layers": -1, "split_mode": "none"}, {}),
         "CPU": ({"n_gpu_layers": 0, "op_offload": False}, {}),
         "tensor, default all-reduce": ({"n_gpu_layers": -1, "split_mode": "tensor", "tensor_split": [1, 1]}, {}),
-        "tensor, AR_BF16_THRESHOLD=0": ({"n_gpu_layers": -1, "split_mode": "tensor", "tensor_split": [1, 1]},
-                             {"GGML_CUDA_AR_BF16_THRESHOLD": "0"}),
-        "tensor, butterfly": ({"n_gpu_layers": -1, "split_mode": "tensor", "tensor_split": [1, 1]},
-                              {"GGML_CUDA_ALLREDUCE": "none"}),
+        "tensor, AR_BF16_THRESHOLD=0": (
+            {"n_gpu_layers": -1, "split_mode": "tensor", "tensor_split": [1, 1]},
+            {"GGML_CUDA_AR_BF16_THRESHOLD": "0"},
+        ),
+        "tensor, butterfly": (
+            {"n_gpu_layers": -1, "split_mode": "tensor", "tensor_split": [1, 1]},
+            {"GGML_CUDA_ALLREDUCE": "none"},
+        ),
         "layer split": ({"n_gpu_layers": -1, "split_mode": "layer"}, {}),
     }
     out = {}
     for name, (kw, env) in runs.items():
         path = f"/tmp/split-{len(out)}.npy"
-        subprocess.run([sys.executable, __file__, "--worker", model, json.dumps(kw), path], check=True,
-                       env={**os.environ, **env})
+        subprocess.run(
+            [sys.executable, __file__, "--worker", model, json.dumps(kw), path], check=True, env={**os.environ, **env}
+        )
         out[name] = np.load(path).astype(np.float64)
     ref = out["one GPU"]
-    res = {name: float(np.sum((x - ref) ** 2) / np.sum(ref ** 2)) for name, x in out.items() if name != "one GPU"}
+    res = {name: float(np.sum((x - ref) ** 2) / np.sum(ref**2)) for name, x in out.items() if name != "one GPU"}
     for name, v in res.items():
         print(f"NMSE vs one GPU: {name:28} {v:.3e}")
     if len(sys.argv) > 3 and sys.argv[2] == "--out":

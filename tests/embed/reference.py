@@ -5,6 +5,7 @@ sentence-transformers embeddings of the sentences as the reference.
 
     python reference.py MODEL_DIR VENDOR_DIR OUT_DIR  (sentences: OUT_DIR/sentences.json)
 """
+
 import json
 import subprocess
 import sys
@@ -17,8 +18,19 @@ def main(model_dir: str, vendor: str, out: str) -> None:
     out_dir = Path(out)
     gguf = out_dir / "all-minilm-l6-v2.f32.gguf"
     if not gguf.exists():
-        subprocess.run([sys.executable, str(Path(vendor) / "convert_hf_to_gguf.py"), model_dir, "--outfile", str(gguf),
-                        "--outtype", "f32"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                str(Path(vendor) / "convert_hf_to_gguf.py"),
+                model_dir,
+                "--outfile",
+                str(gguf),
+                "--outtype",
+                "f32",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     from sentence_transformers import SentenceTransformer
 
     sentences = json.loads((out_dir / "sentences.json").read_text())

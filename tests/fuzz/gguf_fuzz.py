@@ -9,6 +9,7 @@ starts a new one. A load that takes too long is a hang.
 
     python tests/fuzz/gguf_fuzz.py --iterations 2000 --seed 1 [--keep DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ SIZES = {U8: 1, I8: 1, U16: 2, I16: 2, U32: 4, I32: 4, F32: 4, BOOL: 1, U64: 8, 
 @dataclass
 class Layout:
     """Byte offsets of the fields of a GGUF header (what the mutators aim at)."""
+
     n_tensors_pos: int = 8
     n_kv_pos: int = 16
     kv_entries: list = field(default_factory=list)  # dicts: key_len, key, type, value, arr_type, arr_n, end
@@ -49,7 +51,7 @@ def parse(data: bytes) -> Layout:
 
     def read_str(p):
         n = struct.unpack_from("<Q", data, p)[0]
-        return p + 8 + n, data[p + 8: p + 8 + n]
+        return p + 8 + n, data[p + 8 : p + 8 + n]
 
     for _ in range(n_kv):
         e = {"key_len": pos}
@@ -104,8 +106,24 @@ def put(b: bytearray, pos: int, fmt: str, v) -> None:
 
 def mutate(data: bytes, lay: Layout, rng: random.Random) -> tuple[bytes, str]:
     b = bytearray(data)
-    kind = rng.choice(["count", "strlen", "vtype", "arr", "dims", "ttype", "offset", "align", "dup", "trunc",
-                       "flip", "flip", "version", "ndims"])
+    kind = rng.choice(
+        [
+            "count",
+            "strlen",
+            "vtype",
+            "arr",
+            "dims",
+            "ttype",
+            "offset",
+            "align",
+            "dup",
+            "trunc",
+            "flip",
+            "flip",
+            "version",
+            "ndims",
+        ]
+    )
     if kind == "count":
         put(b, rng.choice([lay.n_tensors_pos, lay.n_kv_pos]), "<Q", rng.choice(HOSTILE_U64))
     elif kind == "strlen" and (lay.kv_entries or lay.tensors):
@@ -137,7 +155,7 @@ def mutate(data: bytes, lay: Layout, rng: random.Random) -> tuple[bytes, str]:
     elif kind == "dup" and lay.kv_entries:
         e = rng.choice(lay.kv_entries)
         if len(data) >= lay.header_end:
-            b[lay.header_end:lay.header_end] = data[e["key_len"]:e["end"]]  # a second copy of a key/value
+            b[lay.header_end : lay.header_end] = data[e["key_len"] : e["end"]]  # a second copy of a key/value
             n_kv = struct.unpack_from("<Q", data, lay.n_kv_pos)[0]
             put(b, lay.n_kv_pos, "<Q", (n_kv + 1) % 2**64)
     elif kind == "trunc":
@@ -175,8 +193,15 @@ for line in sys.stdin:
 class Worker:
     def __init__(self):
         env = dict(os.environ, GGML_NO_BACKTRACE="1")  # ggml's abort handler would run gdb into our pipe
-        self.p = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True, bufsize=1, env=env)
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", WORKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
 
     def load(self, path: str, vocab_only: bool, timeout: float) -> str:
         try:
@@ -186,6 +211,7 @@ class Worker:
             self.p.wait()
             return f"crash {self.p.returncode} (after the previous input)"
         import selectors
+
         sel = selectors.DefaultSelector()
         sel.register(self.p.stdout, selectors.EVENT_READ)
         if not sel.select(timeout):
@@ -198,7 +224,7 @@ class Worker:
                 self.p.wait()
                 return f"crash {self.p.returncode}"
             if line.startswith("RESULT "):
-                return line[len("RESULT "):].strip()
+                return line[len("RESULT ") :].strip()
 
     def close(self):
         try:
@@ -222,8 +248,9 @@ def seeds(model: Path | None = None) -> list[tuple[Path, bool]]:
     return out
 
 
-def run(iterations: int, seed: int, model: Path | None, timeout: float = 30.0, keep: Path | None = None,
-        log=None) -> dict:
+def run(
+    iterations: int, seed: int, model: Path | None, timeout: float = 30.0, keep: Path | None = None, log=None
+) -> dict:
     rng = random.Random(seed)
     base = [(p, vo, p.read_bytes()) for p, vo in seeds(model)]
     layouts = [parse(d) for _, _, d in base]
@@ -248,7 +275,7 @@ def run(iterations: int, seed: int, model: Path | None, timeout: float = 30.0, k
             stats["by_kind"].setdefault(kind.split("+")[0], {}).setdefault(bucket, 0)
             stats["by_kind"][kind.split("+")[0]][bucket] += 1
             if bucket in ("crash", "hang", "unexpected"):
-                dest = (keep or CRASHES)
+                dest = keep or CRASHES
                 dest.mkdir(parents=True, exist_ok=True)
                 name = f"{bucket}-{path.stem}-{'vocab' if vocab_only else 'full'}-{kind}-{seed}-{i}.gguf"
                 (dest / name).write_bytes(mutant)
@@ -259,8 +286,12 @@ def run(iterations: int, seed: int, model: Path | None, timeout: float = 30.0, k
             run._prev = mutant
             f.unlink()
             if log and (i + 1) % 500 == 0:
-                print(f"{i + 1} inputs, {stats.get('crash', 0)} crashes, {stats.get('hang', 0)} hangs, "
-                      f"{time.time() - t0:.0f} s", file=log, flush=True)
+                print(
+                    f"{i + 1} inputs, {stats.get('crash', 0)} crashes, {stats.get('hang', 0)} hangs, "
+                    f"{time.time() - t0:.0f} s",
+                    file=log,
+                    flush=True,
+                )
     worker.close()
     stats["seconds"] = round(time.time() - t0, 1)
     return stats
@@ -271,14 +302,28 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--model", type=Path, default=None, help="a small full GGUF to mutate (default: make one)")
-    ap.add_argument("--keep", type=Path, default=None, help="where to write crashing inputs (default tests/fuzz/crashes)")
+    ap.add_argument(
+        "--keep", type=Path, default=None, help="where to write crashing inputs (default tests/fuzz/crashes)"
+    )
     args = ap.parse_args()
     model = args.model
     if model is None:
         model = Path(tempfile.gettempdir()) / "llamabind-fuzz-micro.gguf"
         if not model.exists():
-            subprocess.run([sys.executable, str(HERE.parent.parent / "bench" / "make_model.py"), "--size", "micro",
-                            "--type", "q8_0", "-o", str(model)], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(HERE.parent.parent / "bench" / "make_model.py"),
+                    "--size",
+                    "micro",
+                    "--type",
+                    "q8_0",
+                    "-o",
+                    str(model),
+                ],
+                check=True,
+                capture_output=True,
+            )
     stats = run(args.iterations, args.seed, model, keep=args.keep, log=sys.stderr)
     print(json.dumps(stats, indent=1))
     return 1 if stats.get("crash") or stats.get("hang") or stats.get("unexpected") else 0

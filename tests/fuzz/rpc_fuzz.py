@@ -11,6 +11,7 @@ carrying a pointer of a buffer the server really allocated. After every case the
 must be alive, and every 25 cases a real client (HELLO + DEVICE_COUNT) must be served. Exit 0 and
 "N cases" on success; 1 with the case's seed when the server died.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,26 @@ from llamabind import rpc
 HELLO, DEVICE_COUNT, ALLOC_BUFFER, N_CMDS = 14, 15, 0, 19
 CAPS = 24  # RPC_CONN_CAPS_SIZE
 RPC_TENSOR = 296  # sizeof(rpc_tensor) at this pin (the protocol structs are packed)
-SIZES = [0, 1, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, RPC_TENSOR, RPC_TENSOR + 4, RPC_TENSOR + 8, RPC_TENSOR + 16,
-         2 * RPC_TENSOR + 12, 4096]
+SIZES = [
+    0,
+    1,
+    4,
+    8,
+    12,
+    16,
+    20,
+    24,
+    28,
+    32,
+    40,
+    48,
+    RPC_TENSOR,
+    RPC_TENSOR + 4,
+    RPC_TENSOR + 8,
+    RPC_TENSOR + 16,
+    2 * RPC_TENSOR + 12,
+    4096,
+]
 
 
 def frame(cmd: int, payload: bytes, size: int | None = None) -> bytes:
@@ -94,7 +113,7 @@ def one_case(port: int, rng: random.Random, buffers: list[int], sent: list[bytes
             try:
                 s.sendall(sent[-1])
                 s.recv(1 << 16)  # read whatever answer there is
-            except (socket.timeout, ConnectionError, OSError):
+            except (TimeoutError, ConnectionError, OSError):
                 return
 
 
@@ -123,9 +142,12 @@ def main() -> int:
                 time.sleep(0.002)
             if not server.running:
                 err = server.process.stderr.read().decode(errors="replace")[-1500:] if server.process.stderr else ""
-                print(f"server died (exit {server.process.returncode}) at case {i} (seed {seed}); frames after HELLO "
-                      f"(cmd, declared size, payload bytes): {[(f[0], struct.unpack('<Q', f[1:9])[0], len(f) - 9) for f in sent]}"
-                      f"\nserver stderr: {err}")
+                frames = [(f[0], struct.unpack("<Q", f[1:9])[0], len(f) - 9) for f in sent]
+                print(
+                    f"server died (exit {server.process.returncode}) at case {i} (seed {seed}); frames after HELLO "
+                    f"(cmd, declared size, payload bytes): {frames}"
+                    f"\nserver stderr: {err}"
+                )
                 return 1
             if i % 25 == 24 and not served(port):
                 print(f"server stopped serving after case {i} (seed {seed})")

@@ -2,6 +2,7 @@
 llamabind's extension, llama.cpp or ggml (not CPython or numpy, which keep module state alive at
 exit). A suppression file cannot do this: LSan suppresses a leak when *any* frame matches, and every
 call from Python into llamabind has CPython frames further up. Exit 1 if any leak is ours."""
+
 import glob
 import re
 import sys
@@ -16,7 +17,10 @@ for b in blocks:
         ours.append((m.group(1), int(m.group(2)), frames[:3]))
     else:
         others += 1
-print(f"LeakSanitizer: {len(blocks)} leak reports; {others} at CPython/numpy allocation sites; {len(ours)} in llamabind/llama/ggml")
+print(
+    f"LeakSanitizer: {len(blocks)} leak reports; {others} at CPython/numpy allocation sites; "
+    f"{len(ours)} in llamabind/llama/ggml"
+)
 for o in ours:
     print("  ours:", o)
 sys.exit(1 if ours else 0)

@@ -3,11 +3,12 @@
 Shapes are numpy's (at most 4 axes). Every function takes numpy arrays (or ops.Tensor inside a
 graph) and ``backend=`` (default: "cpu", or the one set by ops.default_backend).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-from ._engine import (BF16, F16, F32, FLOATS, Graph, Tensor, apply, as_float, expect, expect_dtype, shape_to_ne)
+from .graph import BF16, F16, F32, FLOATS, OPERATORS, Graph, Tensor, apply, as_float, expect, expect_dtype, shape_to_ne
 
 # dtype pairs (a, b) of ggml's binary kernels (ggml-cpu binary-ops.cpp); the result has a's dtype
 _BINARY_PAIRS = {(F32, F32), (F16, F16), (F16, F32)} | ({(BF16, BF16), (BF16, F32)} if BF16 is not None else set())
@@ -19,9 +20,13 @@ def _broadcast(g: Graph, op: str, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]
     except ValueError:
         raise ValueError(f"{op}: shapes {a.shape} and {b.shape} do not broadcast") from None
     if (a.dtype, b.dtype) not in _BINARY_PAIRS:
-        ok = ", ".join(f"({x.name if x is not BF16 else 'bfloat16'}, {y.name if y is not BF16 else 'bfloat16'})"
-                       for x, y in sorted(_BINARY_PAIRS, key=str))
-        raise TypeError(f"{op}: ggml has no kernel for dtypes ({a.dtype}, {b.dtype}) on backend {g.device}; supported: {ok}")
+        ok = ", ".join(
+            f"({x.name if x is not BF16 else 'bfloat16'}, {y.name if y is not BF16 else 'bfloat16'})"
+            for x, y in sorted(_BINARY_PAIRS, key=str)
+        )
+        raise TypeError(
+            f"{op}: ggml has no kernel for dtypes ({a.dtype}, {b.dtype}) on backend {g.device}; supported: {ok}"
+        )
     if a.shape != out:  # ggml broadcasts only b into a: tile a first
         a = g.op("repeat_4d", [a], shape_to_ne(out), shape=out)
     return a, b
@@ -60,7 +65,9 @@ def _unary(name: str, formula: str, dtypes=FLOATS):
 
     fn.__name__ = name
     names = ", ".join("bfloat16" if d is BF16 else d.name for d in dtypes)
-    fn.__doc__ = f"""Element-wise ``{formula}`` (wraps ggml_{name}). a: any shape, dtype {names}; same shape and dtype out."""
+    fn.__doc__ = (
+        f"""Element-wise ``{formula}`` (wraps ggml_{name}). a: any shape, dtype {names}; same shape and dtype out."""
+    )
     return fn
 
 
@@ -131,6 +138,7 @@ def _rows(name: str):
     def build(g: Graph, a: Tensor) -> Tensor:
         expect_dtype(name, "a", a, (F32,), g.device)
         return g.op(name, [a], shape=a.shape[:-1] + (1,) if a.ndim else (1,))
+
     return build
 
 
@@ -223,3 +231,6 @@ def out_prod(a, b, *, backend: str | None = None):
     a: (K, M) or (M,), b: (K, N) or (N,), float32. Returns float32 (M, N); for vectors,
     numpy.outer(a, b)."""
     return apply(_out_prod, (a, b), {}, backend)
+
+
+OPERATORS.update(add=add, sub=sub, mul=mul, div=div, mul_mat=mul_mat, neg=neg)  # Tensor's +, -, *, /, @, unary -

@@ -1,9 +1,10 @@
 """Neural-network ops: normalization, softmax, RoPE, attention, sorting, generators."""
+
 from __future__ import annotations
 
 import numpy as np
 
-from ._engine import (F16, F32, I32, Graph, Tensor, apply, as_float, as_int, expect, expect_dtype, resolve_device)
+from .graph import F16, F32, I32, Graph, Tensor, apply, as_float, as_int, expect, expect_dtype, resolve_device
 
 # ---- normalization over the last axis
 
@@ -12,6 +13,7 @@ def _norm_like(name: str):
     def build(g: Graph, a: Tensor, eps: float) -> Tensor:
         expect_dtype(name, "a", a, (F32,), g.device)
         return g.op(name, [a], floats=[eps], shape=a.shape)
+
     return build
 
 
@@ -115,19 +117,24 @@ def soft_max_back(dy, y, scale: float = 1.0, *, backend: str | None = None):
 ROPE_MODES = {"normal": 0, "neox": 2, "mrope": 8, "vision": 24, "imrope": 40}
 
 
-def _rope_common(g: Graph, op: str, x: Tensor, pos: Tensor, ff: Tensor | None, n_dims: int, mode: str,
-                 sections) -> tuple[list, int]:
+def _rope_common(
+    g: Graph, op: str, x: Tensor, pos: Tensor, ff: Tensor | None, n_dims: int, mode: str, sections
+) -> tuple[list, int]:
     expect_dtype(op, "x", x, (F32, F16), g.device)
     expect(mode in ROPE_MODES, f"{op}: mode must be one of {sorted(ROPE_MODES)}; got {mode!r}")
-    expect(x.ndim in (3, 4), f"{op}: x must be (n_tokens, n_head, head_dim) or (batch, n_tokens, n_head, head_dim); "
-                             f"got {x.shape}")
+    expect(
+        x.ndim in (3, 4),
+        f"{op}: x must be (n_tokens, n_head, head_dim) or (batch, n_tokens, n_head, head_dim); got {x.shape}",
+    )
     head_dim, n_tokens = x.shape[-1], x.shape[-3]
     expect(0 < n_dims <= head_dim and n_dims % 2 == 0, f"{op}: n_dims must be even and in [2, head_dim={head_dim}]")
     expect_dtype(op, "pos", pos, (I32,), g.device)
     multi = ROPE_MODES[mode] >= 8
-    expect(pos.ndim == 1 and pos.shape[0] == (4 * n_tokens if multi else n_tokens),
-           f"{op}: pos must be int32 of shape ({'4 * ' if multi else ''}n_tokens,) = "
-           f"({(4 if multi else 1) * n_tokens},); got {pos.shape}")
+    expect(
+        pos.ndim == 1 and pos.shape[0] == (4 * n_tokens if multi else n_tokens),
+        f"{op}: pos must be int32 of shape ({'4 * ' if multi else ''}n_tokens,) = "
+        f"({(4 if multi else 1) * n_tokens},); got {pos.shape}",
+    )
     if ff is not None:
         expect_dtype(op, "freq_factors", ff, (F32,), g.device)
         # ggml's CPU cache reads freq_factors[i/2] for every i < head_dim (more than it asserts)
@@ -145,9 +152,22 @@ def _rope_common(g: Graph, op: str, x: Tensor, pos: Tensor, ff: Tensor | None, n
 
 
 def _rope_builder(back: bool):
-    def build(g: Graph, x: Tensor, pos: Tensor, freq_factors: Tensor | None, n_dims: int, mode: str, sections,
-              n_ctx_orig: int, freq_base: float, freq_scale: float, ext_factor: float, attn_factor: float,
-              beta_fast: float, beta_slow: float) -> Tensor:
+    def build(
+        g: Graph,
+        x: Tensor,
+        pos: Tensor,
+        freq_factors: Tensor | None,
+        n_dims: int,
+        mode: str,
+        sections,
+        n_ctx_orig: int,
+        freq_base: float,
+        freq_scale: float,
+        ext_factor: float,
+        attn_factor: float,
+        beta_fast: float,
+        beta_slow: float,
+    ) -> Tensor:
         op = "rope_back" if back else "rope"
         secs, m = _rope_common(g, op, x, pos, freq_factors, n_dims, mode, sections)
         floats = [freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow]
@@ -156,30 +176,53 @@ def _rope_builder(back: bool):
             return g.op(name, [x, pos, freq_factors], ints=[n_dims, m, n_ctx_orig] + secs, floats=floats, shape=x.shape)
         name = "rope_ext_back" if back else "rope_ext"
         return g.op(name, [x, pos, freq_factors], ints=[n_dims, m, n_ctx_orig], floats=floats, shape=x.shape)
+
     return build
 
 
 _rope, _rope_back = _rope_builder(False), _rope_builder(True)
 
 
-def _rope_params(n_dims, mode, sections, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast,
-                 beta_slow) -> dict:
+def _rope_params(
+    n_dims, mode, sections, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow
+) -> dict:
     base = as_float(freq_base, "freq_base")
     expect(base > 0, f"freq_base must be > 0; got {base}")
     fs = as_float(freq_scale, "freq_scale")
     expect(fs > 0, f"freq_scale must be > 0; got {fs}")
     if not isinstance(mode, str):
         raise TypeError(f"mode must be a str; got {type(mode).__name__}")
-    return {"n_dims": as_int(n_dims, "n_dims", 2, 1 << 16), "mode": mode,
-            "sections": None if sections is None else tuple(sections),
-            "n_ctx_orig": as_int(n_ctx_orig, "n_ctx_orig", 0), "freq_base": base, "freq_scale": fs,
-            "ext_factor": as_float(ext_factor, "ext_factor"), "attn_factor": as_float(attn_factor, "attn_factor"),
-            "beta_fast": as_float(beta_fast, "beta_fast"), "beta_slow": as_float(beta_slow, "beta_slow")}
+    return {
+        "n_dims": as_int(n_dims, "n_dims", 2, 1 << 16),
+        "mode": mode,
+        "sections": None if sections is None else tuple(sections),
+        "n_ctx_orig": as_int(n_ctx_orig, "n_ctx_orig", 0),
+        "freq_base": base,
+        "freq_scale": fs,
+        "ext_factor": as_float(ext_factor, "ext_factor"),
+        "attn_factor": as_float(attn_factor, "attn_factor"),
+        "beta_fast": as_float(beta_fast, "beta_fast"),
+        "beta_slow": as_float(beta_slow, "beta_slow"),
+    }
 
 
-def rope(x, pos, n_dims: int, mode: str = "normal", *, freq_base: float = 10000.0, freq_scale: float = 1.0,
-         n_ctx_orig: int = 0, ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
-         beta_slow: float = 1.0, freq_factors=None, sections=None, backend: str | None = None):
+def rope(
+    x,
+    pos,
+    n_dims: int,
+    mode: str = "normal",
+    *,
+    freq_base: float = 10000.0,
+    freq_scale: float = 1.0,
+    n_ctx_orig: int = 0,
+    ext_factor: float = 0.0,
+    attn_factor: float = 1.0,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    freq_factors=None,
+    sections=None,
+    backend: str | None = None,
+):
     """Rotary position embedding (wraps ggml_rope_ext, or ggml_rope_multi for the multi modes).
 
     x: float32/float16 (n_tokens, n_head, head_dim) or (batch, n_tokens, n_head, head_dim).
@@ -190,26 +233,43 @@ def rope(x, pos, n_dims: int, mode: str = "normal", *, freq_base: float = 10000.
     YaRN: n_ctx_orig, ext_factor (> 0 enables), attn_factor, beta_fast, beta_slow.
     freq_factors: optional float32 (n_dims/2,) dividing each frequency.
     Returns x's shape and dtype."""
-    params = _rope_params(n_dims, mode, sections, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
-                          beta_fast, beta_slow)
+    params = _rope_params(
+        n_dims, mode, sections, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow
+    )
     return apply(_rope, (x, pos, freq_factors), params, backend)
 
 
-def rope_back(dy, pos, n_dims: int, mode: str = "normal", *, freq_base: float = 10000.0, freq_scale: float = 1.0,
-              n_ctx_orig: int = 0, ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
-              beta_slow: float = 1.0, freq_factors=None, sections=None, backend: str | None = None):
+def rope_back(
+    dy,
+    pos,
+    n_dims: int,
+    mode: str = "normal",
+    *,
+    freq_base: float = 10000.0,
+    freq_scale: float = 1.0,
+    n_ctx_orig: int = 0,
+    ext_factor: float = 0.0,
+    attn_factor: float = 1.0,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    freq_factors=None,
+    sections=None,
+    backend: str | None = None,
+):
     """Gradient of :func:`rope` for the output gradient dy: the inverse rotation (wraps
     ggml_rope_ext_back / ggml_rope_multi_back). Same arguments as rope."""
-    params = _rope_params(n_dims, mode, sections, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor,
-                          beta_fast, beta_slow)
+    params = _rope_params(
+        n_dims, mode, sections, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow
+    )
     return apply(_rope_back, (dy, pos, freq_factors), params, backend)
 
 
 # ---- attention
 
 
-def _flash_attn(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, max_bias: float,
-                logit_softcap: float) -> Tensor:
+def _flash_attn(
+    g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, max_bias: float, logit_softcap: float
+) -> Tensor:
     expect_dtype("flash_attn_ext", "q", q, (F32,), g.device)
     expect_dtype("flash_attn_ext", "k", k, (F16, F32), g.device)
     expect(v.dtype == k.dtype, "flash_attn_ext: k and v must have the same dtype")
@@ -231,8 +291,17 @@ def _flash_attn(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, 
     return g.op("permute", [out], ints=[0, 2, 1, 3], shape=(b, h, nq, dv), contiguous_srcs=False)
 
 
-def flash_attn_ext(q, k, v, mask=None, scale: float | None = None, max_bias: float = 0.0, logit_softcap: float = 0.0,
-                   *, backend: str | None = None):
+def flash_attn_ext(
+    q,
+    k,
+    v,
+    mask=None,
+    scale: float | None = None,
+    max_bias: float = 0.0,
+    logit_softcap: float = 0.0,
+    *,
+    backend: str | None = None,
+):
     """Attention ``softmax(scale * q k^T + mask) v`` in one fused op (wraps ggml_flash_attn_ext,
     F32 accumulation).
 
@@ -244,9 +313,16 @@ def flash_attn_ext(q, k, v, mask=None, scale: float | None = None, max_bias: flo
     if scale is None:
         d = np.shape(q)[-1] if not isinstance(q, Tensor) else q.shape[-1]
         scale = 1.0 / float(np.sqrt(d))
-    return apply(_flash_attn, (q, k, v, mask), {"scale": as_float(scale, "scale"),
-                                               "max_bias": as_float(max_bias, "max_bias"),
-                                               "logit_softcap": as_float(logit_softcap, "logit_softcap")}, backend)
+    return apply(
+        _flash_attn,
+        (q, k, v, mask),
+        {
+            "scale": as_float(scale, "scale"),
+            "max_bias": as_float(max_bias, "max_bias"),
+            "logit_softcap": as_float(logit_softcap, "logit_softcap"),
+        },
+        backend,
+    )
 
 
 # ---- sorting, generators
@@ -307,10 +383,29 @@ def timestep_embedding(timesteps, dim: int, max_period: int = 10000, *, backend:
     """Sinusoidal embeddings of diffusion timesteps: float32 (n, dim) with
     ``[cos(t f_j), sin(t f_j)]``, f_j = max_period^(-j / (dim // 2)) (wraps ggml_timestep_embedding).
     timesteps: float32 (n,)."""
-    return apply(_timestep_embedding, (timesteps,), {"dim": as_int(dim, "dim", 1, 1 << 20),
-                                                     "max_period": as_int(max_period, "max_period", 1)}, backend)
+    return apply(
+        _timestep_embedding,
+        (timesteps,),
+        {"dim": as_int(dim, "dim", 1, 1 << 20), "max_period": as_int(max_period, "max_period", 1)},
+        backend,
+    )
 
 
-__all__ = ["norm", "rms_norm", "l2_norm", "rms_norm_back", "group_norm", "soft_max", "soft_max_back", "rope",
-           "rope_back", "flash_attn_ext", "argsort", "top_k", "arange", "timestep_embedding", "ROPE_MODES"]
+__all__ = [
+    "norm",
+    "rms_norm",
+    "l2_norm",
+    "rms_norm_back",
+    "group_norm",
+    "soft_max",
+    "soft_max_back",
+    "rope",
+    "rope_back",
+    "flash_attn_ext",
+    "argsort",
+    "top_k",
+    "arange",
+    "timestep_embedding",
+    "ROPE_MODES",
+]
 _ = resolve_device  # re-exported through ops for convenience

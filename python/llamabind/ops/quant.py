@@ -1,12 +1,15 @@
 """Quantize and dequantize rows in ggml's block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)."""
+
 from __future__ import annotations
 
 import numpy as np
 
 from .. import _core
-from ._engine import _TYPES, F32, Graph, Tensor, _Compiled, as_array, expect, resolve_device, shape_to_ne
+from .graph import _TYPES, F32, Blocks, Graph, Tensor, apply, as_array, expect
 
 QUANT_TYPES = ("q4_0", "q4_1", "q8_0", "q4_K", "q6_K")
+
+__all__ = ["quantize", "dequantize", "row_size", "QUANT_TYPES"]
 
 
 def _qtype(type: str) -> tuple[int, int, int]:
@@ -39,33 +42,24 @@ def quantize(x, type: str) -> np.ndarray:
     return out
 
 
-_cache: dict[tuple, _Compiled] = {}
+def _dequantize(g: Graph, q: Tensor, idx: Tensor) -> Tensor:
+    return g.op("get_rows", [q, idx], shape=q.shape)
 
 
 def dequantize(q, type: str, n: int | None = None, *, backend: str | None = None) -> np.ndarray:
     """float32 (rows, n) values of quantized rows (wraps ggml_get_rows on a ``type`` tensor, on
     ``backend``). q: uint8 (rows, row_size) as returned by :func:`quantize`; n defaults to what
     the row size implies."""
-    tid, blck, size = _qtype(type)
+    _, blck, size = _qtype(type)
     if not isinstance(q, np.ndarray) or q.dtype != np.uint8 or q.ndim != 2:
         raise TypeError("dequantize: q must be a uint8 array (rows, row_size), as quantize() returns")
     rows, nbytes = q.shape
-    expect(rows >= 1 and nbytes % size == 0, f"dequantize: rows of {nbytes} bytes are not whole {type} blocks ({size} bytes)")
+    expect(
+        rows >= 1 and nbytes % size == 0,
+        f"dequantize: rows of {nbytes} bytes are not whole {type} blocks ({size} bytes)",
+    )
     n_implied = nbytes // size * blck
     n = n_implied if n is None else int(n)
     expect(n == n_implied, f"dequantize: rows of {nbytes} bytes hold {n_implied} values, not {n}")
-    device = resolve_device(backend)
-    key = (tid, rows, n, device)
-    exe = _cache.get(key)
-    if exe is None:
-        g = Graph(device)
-        nid = g._g.input(tid, shape_to_ne((rows, n)))
-        qt = Tensor(g, nid, (rows, n), np.dtype(np.uint8))
-        g._inputs[nid] = qt
-        idx = g.input(shape=(rows,), dtype=np.int32)
-        out = g.op("get_rows", [qt, idx], shape=(rows, n))
-        exe = _cache[key] = _Compiled(g, [qt, idx], [out])
-    return exe.run([np.ascontiguousarray(q), np.arange(rows, dtype=np.int32)])[0]
-
-
-__all__ = ["quantize", "dequantize", "row_size", "QUANT_TYPES"]
+    blocks = Blocks(np.ascontiguousarray(q), type, (rows, n))
+    return apply(_dequantize, (blocks, np.arange(rows, dtype=np.int32)), {}, backend)

@@ -1,14 +1,39 @@
 """Shape and data-movement ops: concat, rows, casts, views, repeat, pad."""
+
 from __future__ import annotations
 
 import numpy as np
 
-from ._engine import (ALL, BF16, F16, F32, FLOATS, I16, I32, I64, MAX_DIMS, Graph, Tensor, apply, as_int, axis_index,
-                      check_dtype, check_shape, dtype_name, expect, expect_dtype, shape_to_ne, type_id)
+from .graph import (
+    ALL,
+    BF16,
+    F16,
+    F32,
+    FLOATS,
+    I16,
+    I32,
+    I64,
+    MAX_DIMS,
+    Graph,
+    Tensor,
+    apply,
+    as_int,
+    axis_index,
+    check_dtype,
+    check_shape,
+    dtype_name,
+    expect,
+    expect_dtype,
+    shape_to_ne,
+    type_id,
+)
 
 
 def _concat(g: Graph, a: Tensor, b: Tensor, axis: int) -> Tensor:
-    expect(a.dtype == b.dtype, f"concat: a and b must have the same dtype; got {dtype_name(a.dtype)} and {dtype_name(b.dtype)}")
+    expect(
+        a.dtype == b.dtype,
+        f"concat: a and b must have the same dtype; got {dtype_name(a.dtype)} and {dtype_name(b.dtype)}",
+    )
     expect(a.ndim == b.ndim, f"concat: a {a.shape} and b {b.shape} must have the same number of axes")
     ax = axis_index(axis, a.ndim)
     for i in range(a.ndim):
@@ -27,7 +52,9 @@ def _get_rows(g: Graph, a: Tensor, idx: Tensor) -> Tensor:
     expect_dtype("get_rows", "a", a, FLOATS + (I32,), g.device)
     expect_dtype("get_rows", "idx", idx, (I32,), g.device)
     expect(a.ndim in (2, 3), f"get_rows: a must be (rows, cols) or (batch, rows, cols); got {a.shape}")
-    expect(idx.ndim == a.ndim - 1, f"get_rows: idx must be int32 ({'batch, ' if a.ndim == 3 else ''}n); got {idx.shape}")
+    expect(
+        idx.ndim == a.ndim - 1, f"get_rows: idx must be int32 ({'batch, ' if a.ndim == 3 else ''}n); got {idx.shape}"
+    )
     if a.ndim == 3:
         expect(idx.shape[0] == a.shape[0], f"get_rows: idx batch ({idx.shape[0]}) must equal a's ({a.shape[0]})")
     g.bound_check(idx, a.shape[-2], "get_rows: idx")
@@ -47,9 +74,14 @@ def _set_rows(g: Graph, dst: Tensor, idx: Tensor, src: Tensor) -> Tensor:
     expect_dtype("set_rows", "dst", dst, (F32, F16), g.device)
     expect_dtype("set_rows", "src", src, (F32, F16), g.device)
     expect_dtype("set_rows", "idx", idx, (I64, I32), g.device)
-    expect(dst.ndim == 2 and src.ndim == 2 and idx.ndim == 1,
-           f"set_rows: dst (rows, cols), idx (n,), src (n, cols); got {dst.shape}, {idx.shape}, {src.shape}")
-    expect(src.shape == (idx.shape[0], dst.shape[1]), f"set_rows: src must be ({idx.shape[0]}, {dst.shape[1]}); got {src.shape}")
+    expect(
+        dst.ndim == 2 and src.ndim == 2 and idx.ndim == 1,
+        f"set_rows: dst (rows, cols), idx (n,), src (n, cols); got {dst.shape}, {idx.shape}, {src.shape}",
+    )
+    expect(
+        src.shape == (idx.shape[0], dst.shape[1]),
+        f"set_rows: src must be ({idx.shape[0]}, {dst.shape[1]}); got {src.shape}",
+    )
     g.bound_check(idx, dst.shape[0], "set_rows: idx")
     return g.op("set_rows", [dst, src, idx], shape=dst.shape)
 
@@ -68,8 +100,10 @@ _CASTS = {(x, y) for x in FLOATS for y in FLOATS} | {(F32, I32), (I32, F32)}
 def _cast(g: Graph, a: Tensor, dtype: str) -> Tensor:
     to = np.dtype(dtype) if dtype != "bfloat16" else BF16
     if (a.dtype, to) not in _CASTS:
-        raise TypeError(f"cast: ggml cannot convert {dtype_name(a.dtype)} to {dtype_name(to)} on backend {g.device}; "
-                        "supported: between float32/float16/bfloat16, and float32 <-> int32")
+        raise TypeError(
+            f"cast: ggml cannot convert {dtype_name(a.dtype)} to {dtype_name(to)} on backend {g.device}; "
+            "supported: between float32/float16/bfloat16, and float32 <-> int32"
+        )
     return g.op("cast", [a], ints=[type_id(to)], shape=a.shape)
 
 

@@ -1,0 +1,71 @@
+"""The face of the package: :class:`Model` and :class:`Context` as users meet them, the
+native-facing classes (:mod:`.model`, :mod:`.context`) plus the methods of the feature modules
+(generation, chat, batches, embeddings). This is the only module besides ``__init__`` and
+``__main__`` that imports the feature modules; nothing below imports it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import batch, chat, context, embeddings, generation, model
+from .chat import ChatResult
+from .generation import GenerationResult, Stream
+
+__all__ = ["Model", "Context"]
+
+_DEFAULT_CONTEXT = "api.context"  # Model.attachments key of generate()/chat()'s context
+
+
+class Context(context.Context):
+    __doc__ = context.Context.__doc__
+
+    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult | Stream[GenerationResult]:
+        """Generate a continuation of ``prompt`` in this context; see :func:`llamabind.generation.generate`
+        for the arguments (max_tokens, stop, stream, json_schema, logprobs, draft_model,
+        lookup_ngram, and the sampling fields of :class:`~llamabind.SamplingParams`)."""
+        return generation.generate(self, prompt, **kwargs)
+
+    def chat(self, messages: Sequence[dict], **kwargs: Any) -> ChatResult | Stream[ChatResult]:
+        """Answer a conversation in this context; see :func:`llamabind.chat.chat`."""
+        return chat.chat(self, messages, **kwargs)
+
+
+class Model(model.Model):
+    __doc__ = model.Model.__doc__
+
+    def context(self, **params: Any) -> Context:
+        """A new :class:`Context` on this model; ``params`` (n_ctx, n_batch, n_ubatch, n_threads,
+        n_seq_max, kv_unified, embeddings, pooling, op_offload) override :attr:`context_params`."""
+        return Context(self, **{**self.context_params, **params})
+
+    def _default_context(self) -> Context:
+        ctx = self.attachments.get(_DEFAULT_CONTEXT)
+        if ctx is None or ctx.closed:
+            ctx = self.attachments[_DEFAULT_CONTEXT] = self.context()
+        return ctx
+
+    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult | Stream[GenerationResult]:
+        """Generate a continuation of ``prompt``; see :func:`llamabind.generation.generate` for the arguments.
+
+        Uses one context per model, created on first use with the model's n_ctx/n_batch/n_threads;
+        a prompt that shares a prefix with the previous call's tokens evaluates only the rest.
+        """
+        return generation.generate(self._default_context(), prompt, **kwargs)
+
+    def chat(self, messages: Sequence[dict], **kwargs: Any) -> ChatResult | Stream[ChatResult]:
+        """Answer a conversation (in the context generate() uses); see :func:`llamabind.chat.chat`."""
+        return chat.chat(self._default_context(), messages, **kwargs)
+
+    def embed(self, texts: str | Sequence[str], **kwargs: Any) -> np.ndarray | list[np.ndarray]:
+        """Embeddings of texts; see :func:`llamabind.embeddings.embed`."""
+        return embeddings.embed(self, texts, **kwargs)
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> list[GenerationResult]:
+        """Generate for several prompts at once in one context; see :func:`llamabind.batch.generate_batch`."""
+        return batch.generate_batch(self, prompts, **kwargs)
+
+    def __enter__(self) -> Model:
+        return self

@@ -1,0 +1,322 @@
+"""The native-facing layer, context side: :class:`Context`, a llama.cpp context (KV cache,
+compute buffers, threads) on a :class:`~llamabind.model.Model`, with what the feature modules
+build on: decode/eval, prompt-prefix reuse (:meth:`Context.prefill`, :meth:`Context.truncate`),
+the generation handle, batches of sequences, embeddings, state and LoRA."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import cast
+
+import numpy as np
+
+from . import _core, _log
+from ._validate import as_int, one_of
+from .build import default_threads
+from .model import LoraAdapter, Model
+
+__all__ = ["Context"]
+
+
+class Context:
+    """A llama.cpp context on a :class:`Model`: the KV cache, compute buffers and threads.
+
+    Args:
+        model: the Model.
+        n_ctx: context size in tokens (0: the model's n_ctx_train); >= 8. llama.cpp rounds it
+            up to a multiple of 256; :attr:`n_ctx` gives the size in effect.
+        n_batch: most tokens passed to one llama_decode (prompts are split into n_batch chunks).
+        n_ubatch: physical batch size (<= n_batch).
+        n_threads: CPU threads for generation and batch processing (None: all available cores).
+        n_seq_max: independent sequences the KV cache holds (batched generation), 1..256.
+        op_offload: with weights in host memory (n_gpu_layers below the layer count), let llama.cpp
+            run large batches' ops on the GPU anyway (llama_context_params.op_offload, default
+            True); False keeps every op of CPU-resident layers on the CPU.
+        kv_unified: one KV buffer shared by all sequences (each may use all of n_ctx); False
+            gives each sequence n_ctx / n_seq_max cells.
+        embeddings: output embeddings instead of logits (see :func:`llamabind.batch.embed`).
+        pooling: with embeddings, ``None`` (the model's), ``"none"``, ``"mean"``, ``"cls"``,
+            ``"last"`` or ``"rank"``.
+
+    Raises ValueError for out-of-range parameters, LlamaError if llama.cpp cannot create the
+    context (e.g. out of memory). One context must not be used by two threads at once: the
+    second gets a LlamaError. Use one context per thread.
+    """
+
+    POOLING = {None: -1, "none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int = 4096,
+        n_batch: int = 2048,
+        n_ubatch: int = 512,
+        n_threads: int | None = None,
+        n_seq_max: int = 1,
+        kv_unified: bool = True,
+        embeddings: bool = False,
+        pooling: str | None = None,
+        op_offload: bool = True,
+    ):
+        _log.sync_level()
+        if not isinstance(model, Model):
+            raise TypeError(f"model must be a llamabind.Model; got {type(model).__name__}")
+        n_ctx = as_int(n_ctx, "n_ctx", 0, 1 << 24, " (0: the model's n_ctx_train)")  # 0 and >= 8: checked natively
+        n_batch = as_int(n_batch, "n_batch", 1, 1 << 24)
+        n_ubatch = as_int(n_ubatch, "n_ubatch", 1, 1 << 24)
+        n_threads = default_threads() if n_threads is None else as_int(n_threads, "n_threads", 1, 512)
+        n_seq_max = as_int(n_seq_max, "n_seq_max", 1, 256)
+        one_of(pooling, "pooling", self.POOLING)
+        self.model = model
+        self._generation = 0  # bumped by start_generation(); an older generation then refuses to continue
+        self._tokens: list[int] = []  # the tokens of sequence 0 in the KV cache (prompt-prefix reuse)
+        self._loras: dict[LoraAdapter, float] = {}
+        self._llama_context = _core.Context(
+            model._llama_model,
+            n_ctx,
+            n_batch,
+            n_ubatch,
+            n_threads,
+            n_threads,
+            n_seq_max,
+            bool(embeddings),
+            self.POOLING[pooling],
+            bool(kv_unified),
+            bool(op_offload),
+        )
+
+    def close(self) -> None:
+        """Free the KV cache and compute buffers. Idempotent."""
+        self._llama_context.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._llama_context.closed
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    n_ctx = property(lambda self: self._llama_context.n_ctx, doc="Context size in tokens (all sequences).")
+    n_batch = property(lambda self: self._llama_context.n_batch, doc="Most tokens per llama_decode.")
+    n_ubatch = property(lambda self: self._llama_context.n_ubatch, doc="Physical batch size.")
+    n_threads = property(lambda self: self._llama_context.n_threads, doc="CPU threads.")
+    n_seq_max = property(lambda self: self._llama_context.n_seq_max, doc="Sequences the KV cache holds.")
+
+    @property
+    def n_past(self) -> int:
+        """Tokens of sequence 0 currently in the KV cache."""
+        return self._llama_context.pos(0)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids of sequence 0 in the KV cache (a copy)."""
+        return list(self._tokens)
+
+    def decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
+        """Evaluate token ids after the tokens already in sequence 0 of the KV cache (wraps
+        llama_decode, then llama_synchronize: the computation is finished when this returns).
+        Logits are kept for the last token, or with all_logits for every token (positions
+        0..len(tokens)-1 of :meth:`Sampler.sample`, e.g. to verify speculative drafts).
+
+        The GIL is released while llama.cpp computes; Ctrl-C raises KeyboardInterrupt and leaves
+        the cache as it was before the interrupted chunk. Raises ValueError for ids outside
+        [0, n_vocab), an empty list, or more tokens than n_ctx has room for.
+        """
+        tokens = [int(t) for t in tokens]
+        n0 = self._llama_context.pos(0)
+        try:
+            self._llama_context.decode(tokens, 0, bool(all_logits))
+        finally:
+            self._track(n0, tokens)  # after an error, earlier chunks may have been kept
+
+    def eval(self, tokens: Sequence[int], *, copy: bool = True) -> np.ndarray:
+        """Evaluate tokens after sequence 0's cache and return the logits of every one of them:
+        float32, shape (n_tokens, n_vocab); row i predicts the token after tokens[i].
+
+        copy=False returns a read-only view of llama.cpp's output buffer (no copy) when the tokens
+        fit in one batch (n_batch); while such a view is alive, decode/eval/clear/close on this
+        context raise LlamaError (delete the view, or ``.copy()`` it, first). Wraps llama_decode
+        with an output for every token, and llama_get_logits.
+        """
+        tokens = [int(t) for t in tokens]
+        n0 = self._llama_context.pos(0)
+        try:
+            return cast(np.ndarray, self._llama_context.eval(tokens, 0, bool(copy)))
+        finally:
+            self._track(n0, tokens)
+
+    def _track(self, n0: int, tokens: list[int]) -> None:
+        """Record tokens appended to sequence 0 at position n0 (while _tokens mirrors the cache)."""
+        if len(self._tokens) == n0:
+            self._tokens += tokens[: self._llama_context.pos(0) - n0]
+
+    def logits(self) -> np.ndarray:
+        """Logits of the last decoded token: float32 array of shape (n_vocab,)."""
+        return self._llama_context.logits(-1)
+
+    def clear(self) -> None:
+        """Empty the KV cache (all sequences)."""
+        self._llama_context.clear()
+        self._tokens = []
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens of sequence 0 in the KV cache (wraps llama_memory_seq_rm).
+        Raises RuntimeError (and empties the cache) where the model's memory cannot drop a tail
+        (recurrent models)."""
+        n = as_int(n, "n", 0)
+        if not self._llama_context.seq_rm(0, n, -1):
+            self.clear()
+            raise RuntimeError("llama.cpp could not truncate the KV cache; it was cleared")
+        self._tokens = self._tokens[:n]
+
+    def prefill(self, tokens: Sequence[int]) -> int:
+        """Bring sequence 0 of the KV cache to hold exactly ``tokens``, reusing the longest prefix
+        it already holds (at least the last token is evaluated, for its logits). Returns the
+        number of tokens reused. Raises as :meth:`decode`."""
+        tokens = [int(t) for t in tokens]
+        cached = self._tokens if len(self._tokens) == self.n_past else []
+        n = 0
+        limit = min(len(cached), len(tokens) - 1)
+        while n < limit and cached[n] == tokens[n]:
+            n += 1
+        if n == 0:
+            self.clear()
+        else:
+            self.truncate(n)
+        self.decode(tokens[n:])
+        return n
+
+    # --- the generation handle: one generation at a time owns sequence 0
+    @property
+    def generation(self) -> int:
+        """The id of the latest generation started on this context (:meth:`start_generation`)."""
+        return self._generation
+
+    def start_generation(self) -> int:
+        """Start a new generation on sequence 0 and return its id; a generation started earlier
+        (an abandoned stream) sees :attr:`generation` change and must stop."""
+        self._generation += 1
+        return self._generation
+
+    # --- batches of several sequences and embeddings
+    def pos(self, seq_id: int = 0) -> int:
+        """The next position of a sequence (the number of its tokens in the KV cache)."""
+        return self._llama_context.pos(seq_id)
+
+    def decode_sequence(self, tokens: Sequence[int], seq_id: int) -> None:
+        """Evaluate tokens after what sequence seq_id holds (sequence 0's token record is not
+        kept by this call: use :meth:`decode` for it). Wraps llama_decode."""
+        if seq_id == 0:
+            self._tokens = []  # no longer known: prefix reuse starts afresh
+        self._llama_context.decode([int(t) for t in tokens], seq_id)
+
+    def decode_batch(self, entries: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
+        """Evaluate [(seq_id, tokens), ...] in one llama_batch; returns, per entry, the batch
+        position of its last token (for :meth:`Sampler.sample` and :meth:`embedding`). Sequence
+        0's token record is not kept (prefix reuse starts afresh)."""
+        self._tokens = []
+        return self._llama_context.decode_batch([(s, [int(t) for t in toks]) for s, toks in entries])
+
+    @property
+    def pooling(self) -> int:
+        """The pooling in effect (llama_pooling_type: 0 none, 1 mean, 2 cls, 3 last, 4 rank)."""
+        return self._llama_context.pooling
+
+    def embedding(self, seq_id: int = 0, idx: int = -1) -> np.ndarray:
+        """float32 (n_embd,): the pooled embedding of seq_id, or with pooling "none" the
+        embedding at batch position idx (llama_get_embeddings_seq / _ith)."""
+        return self._llama_context.embedding(seq_id, idx)
+
+    def token_logprob(self, idx: int, token: int, n_top: int) -> tuple[float, list[int], list[float]]:
+        """(log-probability of token, the n_top most likely ids, their log-probabilities) from the
+        raw logits at batch position idx (-1: the last)."""
+        return self._llama_context.logprobs(idx, token, n_top)
+
+    # --- KV cache and state
+    def seq_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        """Remove positions [p0, p1) (p1 -1: to the end) of a sequence from the KV cache
+        (wraps llama_memory_seq_rm)."""
+        if not self._llama_context.seq_rm(seq_id, p0, p1):
+            raise ValueError(
+                f"llama.cpp cannot remove positions [{p0}, {p1}) of sequence {seq_id} (partial removal "
+                "is not supported by this model's memory)"
+            )
+        if seq_id in (0, -1):
+            # a hole leaves _tokens shorter than the cache: prefix reuse then starts afresh
+            self._tokens = self._tokens[:p0]
+
+    def seq_copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """Share positions [p0, p1) of sequence src with sequence dst (wraps llama_memory_seq_cp;
+        no copy of the data with a unified KV cache)."""
+        self._llama_context.seq_cp(src, dst, p0, p1)
+        if dst == 0:
+            self._tokens = []  # no longer known: prefix reuse starts afresh
+
+    def save_state(self) -> bytes:
+        """The context's state as bytes: the KV cache (llama_state_get_data; at this pin it holds
+        no logits) and sequence 0's tokens. Restore with :meth:`load_state` on a context of the
+        same model and parameters; generate() then re-evaluates only the last token."""
+        return self._llama_context.state_get() + _state_trailer(self._tokens)
+
+    def load_state(self, data: bytes) -> None:
+        """Restore :meth:`save_state` bytes. Raises ValueError (and empties the cache) for bytes
+        that are not a state of this context."""
+        if not isinstance(data, (bytes, bytearray)):
+            raise TypeError(f"data must be bytes; got {type(data).__name__}")
+        state, tokens = _split_state(bytes(data))
+        self._tokens = []
+        self._llama_context.state_set(state)
+        self._tokens = tokens
+
+    def save_state_file(self, path: str | os.PathLike) -> None:
+        """Write the state and sequence 0's tokens to a session file (llama_state_save_file)."""
+        self._llama_context.state_save_file(os.fspath(path), self._tokens)
+
+    def load_state_file(self, path: str | os.PathLike) -> list[int]:
+        """Restore a session file; returns its tokens (now sequence 0). Raises FileNotFoundError,
+        ValueError (not a session of this context: the cache is emptied)."""
+        self._tokens = []
+        self._tokens = list(self._llama_context.state_load_file(os.fspath(path)))
+        return list(self._tokens)
+
+    # --- LoRA
+    def set_lora(self, adapter: LoraAdapter, scale: float = 1.0) -> None:
+        """Apply a LoRA adapter with a scale (0 disables it, 1 is full strength; any finite
+        value). Wraps llama_set_adapters_lora. The KV cache is emptied (its entries were computed
+        without the adapter)."""
+        if not isinstance(adapter, LoraAdapter):
+            raise TypeError(f"adapter must be a LoraAdapter (Model.load_lora); got {type(adapter).__name__}")
+        loras = {**self._loras, adapter: float(scale)}
+        self._llama_context.set_loras([(a._llama_adapter, s) for a, s in loras.items()])
+        self._loras = loras
+        self.clear()
+
+    def remove_lora(self, adapter: LoraAdapter | None = None) -> None:
+        """Stop applying an adapter (None: all). The KV cache is emptied."""
+        loras = {} if adapter is None else {a: s for a, s in self._loras.items() if a is not adapter}
+        self._llama_context.set_loras([(a._llama_adapter, s) for a, s in loras.items()])
+        self._loras = loras
+        self.clear()
+
+
+_TRAILER = b"LBTOKENS"
+
+
+def _state_trailer(tokens: list[int]) -> bytes:
+    arr = np.asarray(tokens, dtype="<i4").tobytes()
+    return arr + len(tokens).to_bytes(8, "little") + _TRAILER
+
+
+def _split_state(data: bytes) -> tuple[bytes, list[int]]:
+    if len(data) < 16 or not data.endswith(_TRAILER):
+        raise ValueError("not a llamabind state (from Context.save_state)")
+    n = int.from_bytes(data[-16:-8], "little")
+    if n * 4 + 16 > len(data):
+        raise ValueError("not a llamabind state (from Context.save_state): bad token count")
+    tokens = np.frombuffer(data[-16 - 4 * n : -16], dtype="<i4").tolist()
+    return data[: -16 - 4 * n], tokens

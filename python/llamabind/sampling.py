@@ -1,0 +1,166 @@
+"""The sampler chain: :class:`SamplingParams` (validated, frozen) and :class:`Sampler`, llama.cpp
+common's sampler built from them (common_sampler_init: the chain llama-cli and llama-server use)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from . import _core
+from ._validate import as_float, as_int, sampling_kwargs
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .model import Model
+
+__all__ = ["SamplingParams", "Sampler"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Parameters of llama.cpp's sampler chain (common_sampler: logit_bias -> penalties -> DRY ->
+    top_n_sigma -> top_k -> typical_p -> top_p -> min_p -> XTC -> temperature -> dist; or
+    mirostat). Every probability is in [0, 1]; out-of-range values raise ValueError.
+
+    temperature: >= 0; 0 is greedy decoding (argmax). dynatemp_range >= 0 (0: off), dynatemp_exponent > 0.
+    top_k: >= 0 tokens, 0 disables. top_p: (0, 1], 1 disables. min_p: [0, 1], 0 disables.
+    typical_p: (0, 1], 1 disables. top_n_sigma: -1 disables, else > 0 (standard deviations).
+    xtc_probability: [0, 1], 0 disables; xtc_threshold: [0, 1] (> 0.5 disables).
+    repeat_penalty: > 0, 1 disables; frequency_penalty, presence_penalty: [-2, 2], 0 disables;
+    all three over the last repeat_last_n tokens (0 disables, -1: the whole context).
+    dry_multiplier: >= 0, 0 disables DRY; dry_base: >= 1; dry_allowed_length: >= 0 tokens;
+    dry_penalty_last_n: -1 (whole context), 0 (off) or a number of tokens; dry_sequence_breakers.
+    mirostat: 0 off, 1 (v1) or 2 (v2), with mirostat_tau (target surprise, > 0) and mirostat_eta
+    (learning rate, (0, 1]). logit_bias: {token id: additive bias}, ``-inf`` bans a token.
+    ignore_eos: never stop at an end-of-generation token. min_keep: >= 0 tokens every filter keeps.
+    grammar: a GBNF grammar that every generated token must follow (see also json_schema in
+    :meth:`Context.generate`). seed: 32-bit unsigned; None draws a random seed.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    logit_bias: dict[int, float] | None = None
+    ignore_eos: bool = False
+    min_keep: int = 0
+    grammar: str | None = None
+    seed: int | None = None
+
+    FIELDS: ClassVar[tuple[str, ...]] = ()  # set below
+
+    def __post_init__(self):
+        as_float(self.temperature, "temperature", 0.0, note=" (0: greedy)")
+        as_float(self.dynatemp_range, "dynatemp_range", 0.0)
+        as_float(self.dynatemp_exponent, "dynatemp_exponent", 0.0, lo_open=True)
+        as_int(self.top_k, "top_k", 0, note=" (0 disables)")
+        as_float(self.top_p, "top_p", 0.0, 1.0, lo_open=True, note=" (1 disables)")
+        as_float(self.min_p, "min_p", 0.0, 1.0, note=" (0 disables)")
+        as_float(self.typical_p, "typical_p", 0.0, 1.0, lo_open=True, note=" (1 disables)")
+        if as_float(self.top_n_sigma, "top_n_sigma") != -1.0 and self.top_n_sigma <= 0:
+            raise ValueError(f"top_n_sigma must be > 0, or -1 to disable; got {self.top_n_sigma}")
+        as_float(self.xtc_probability, "xtc_probability", 0.0, 1.0)
+        as_float(self.xtc_threshold, "xtc_threshold", 0.0, 1.0)
+        as_float(self.repeat_penalty, "repeat_penalty", 0.0, lo_open=True, note=" (1 disables)")
+        as_int(self.repeat_last_n, "repeat_last_n", -1, note=" (-1: whole context, 0 disables)")
+        as_float(self.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+        as_float(self.presence_penalty, "presence_penalty", -2.0, 2.0)
+        as_float(self.dry_multiplier, "dry_multiplier", 0.0, note=" (0 disables)")
+        as_float(self.dry_base, "dry_base", 1.0)
+        as_int(self.dry_allowed_length, "dry_allowed_length", 0)
+        as_int(self.dry_penalty_last_n, "dry_penalty_last_n", -1)
+        if isinstance(self.dry_sequence_breakers, str) or not all(
+            isinstance(b, str) and b for b in self.dry_sequence_breakers
+        ):
+            raise TypeError("dry_sequence_breakers must be a sequence of non-empty str")
+        as_int(self.mirostat, "mirostat", 0, 2, note=" (0 off, 1 or 2)")
+        as_float(self.mirostat_tau, "mirostat_tau", 0.0, lo_open=True)
+        as_float(self.mirostat_eta, "mirostat_eta", 0.0, 1.0, lo_open=True)
+        as_int(self.min_keep, "min_keep", 0)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError("logit_bias must be a dict {token id: bias}")
+            for k, v in self.logit_bias.items():
+                as_int(k, "logit_bias token", 0)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v == float("inf"):
+                    raise ValueError(f"logit_bias values must be finite numbers or -inf; got {v!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise TypeError(f"grammar must be a str (GBNF); got {type(self.grammar).__name__}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= 0xFFFFFFFF:
+                raise ValueError(f"seed must be an int in [0, 2**32 - 1] or None; got {self.seed!r}")
+
+    def build(self, model: Model, chat: Any = None) -> Sampler:
+        """The native sampler chain for ``model`` (common_sampler_init); ``chat``: a rendered chat
+        prompt (:meth:`ChatTemplates.apply`) whose grammar and triggers to apply. Raises ValueError
+        for a grammar that does not parse."""
+        d = {f: getattr(self, f) for f in SamplingParams.FIELDS}
+        d["dry_sequence_breakers"] = list(self.dry_sequence_breakers)
+        d["logit_bias"] = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        return Sampler(_core.Sampler(model._llama_model, d, chat))
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any], caller: str) -> SamplingParams:
+        """SamplingParams from keyword arguments; TypeError naming ``caller`` for an unknown name."""
+        return cls(**sampling_kwargs(cls.FIELDS, kwargs, caller))
+
+
+SamplingParams.FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+class Sampler:
+    """A sampler chain in use (:meth:`SamplingParams.build`): it keeps state (penalty history,
+    grammar position, mirostat, the RNG), so use one per generation and :meth:`close` it after."""
+
+    def __init__(self, native: _core.Sampler):
+        self._llama_sampler = native
+
+    def sample(self, ctx: Context, idx: int = -1) -> int:
+        """The next token id from the logits of ``ctx``'s last batch at position idx (-1: the last
+        output), accepted into the chain (common_sampler_sample + common_sampler_accept). Raises
+        ValueError when ctx has no logits or idx is not a position of its last batch."""
+        return self._llama_sampler.sample(ctx._llama_context, idx)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Feed tokens (e.g. the prompt) to the chain's state: penalties see them; the grammar does
+        not (common_sampler_accept with accept_grammar false). ValueError for an id out of range."""
+        self._llama_sampler.accept(list(tokens))
+
+    @property
+    def description(self) -> str:
+        """The chain, as common_sampler_print shows it (e.g. "logits -> ... -> dist")."""
+        return self._llama_sampler.description
+
+    @property
+    def seed(self) -> int:
+        """The RNG seed in use (drawn at random when SamplingParams.seed is None)."""
+        return self._llama_sampler.seed
+
+    def close(self) -> None:
+        """Free the chain (common_sampler_free). Idempotent."""
+        self._llama_sampler.close()
+
+    def __enter__(self) -> Sampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
