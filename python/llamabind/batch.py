@@ -12,7 +12,7 @@ from typing import Any
 from . import _log
 from ._validate import as_int, prompt_tokens, stop_strings
 from .context import Context
-from .generation import GenerationResult, Timings, _TextState
+from .generation import GenerationResult, TextState, Timings
 from .model import Model
 from .sampling import Sampler, SamplingParams
 
@@ -100,7 +100,7 @@ def _run_batch(
     n_batch, n_ctx = ctx.n_batch, ctx.n_ctx
     n = len(toks)
     timings = [Timings(prompt_tokens=len(t)) for t in toks]
-    states = [_TextState(model, stops) for _ in toks]
+    states = [TextState(model, stops) for _ in toks]
     generated: list[list[int]] = [[] for _ in toks]
     finish = ["length"] * n
     nxt: dict[int, int] = {}  # sequence -> sampled token, to evaluate in the next step

@@ -131,8 +131,11 @@ class Context:
         n0 = self._llama_context.pos(0)
         try:
             self._llama_context.decode(tokens, 0, bool(all_logits))
-        finally:
-            self._track(n0, tokens)  # after an error, earlier chunks may have been kept
+        except BaseException:
+            self._track(n0, tokens)  # earlier chunks may have been kept
+            raise
+        if len(self._tokens) == n0:  # the per-token path: no second call into llama.cpp
+            self._tokens += tokens
 
     def eval(self, tokens: Sequence[int], *, copy: bool = True) -> np.ndarray:
         """Evaluate tokens after sequence 0's cache and return the logits of every one of them:
@@ -176,9 +179,10 @@ class Context:
 
     def prefill(self, tokens: Sequence[int]) -> int:
         """Bring sequence 0 of the KV cache to hold exactly ``tokens``, reusing the longest prefix
-        it already holds (at least the last token is evaluated, for its logits). Returns the
-        number of tokens reused. Raises as :meth:`decode`."""
-        tokens = [int(t) for t in tokens]
+        it already holds (at least the last token is evaluated, for its logits): llama_memory_seq_rm
+        of the differing tail, then llama_decode of the rest. Returns the number of tokens reused.
+        Raises as :meth:`decode`."""
+        tokens = list(tokens)
         cached = self._tokens if len(self._tokens) == self.n_past else []
         n = 0
         limit = min(len(cached), len(tokens) - 1)
@@ -205,20 +209,25 @@ class Context:
 
     # --- batches of several sequences and embeddings
     def pos(self, seq_id: int = 0) -> int:
-        """The next position of a sequence (the number of its tokens in the KV cache)."""
+        """The next position of a sequence (the number of its tokens in the KV cache; wraps
+        llama_memory_seq_pos_max + 1). ValueError for a seq_id outside [0, n_seq_max)."""
         return self._llama_context.pos(seq_id)
 
     def decode_sequence(self, tokens: Sequence[int], seq_id: int) -> None:
-        """Evaluate tokens after what sequence seq_id holds (sequence 0's token record is not
-        kept by this call: use :meth:`decode` for it). Wraps llama_decode."""
+        """Evaluate token ids after what sequence seq_id holds, in n_batch chunks (wraps
+        llama_decode); logits are kept for the last one. Sequence 0's token record is not kept by
+        this call (use :meth:`decode` for it). Raises ValueError as :meth:`decode`, and for a
+        seq_id outside [0, n_seq_max)."""
         if seq_id == 0:
             self._tokens = []  # no longer known: prefix reuse starts afresh
         self._llama_context.decode([int(t) for t in tokens], seq_id)
 
     def decode_batch(self, entries: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
-        """Evaluate [(seq_id, tokens), ...] in one llama_batch; returns, per entry, the batch
-        position of its last token (for :meth:`Sampler.sample` and :meth:`embedding`). Sequence
-        0's token record is not kept (prefix reuse starts afresh)."""
+        """Evaluate [(seq_id, token ids), ...] in one llama_batch (wraps llama_decode, or
+        llama_encode for encoder-only models); returns, per entry, the batch position of its last
+        token (for :meth:`Sampler.sample` and :meth:`embedding`). Sequence 0's token record is not
+        kept (prefix reuse starts afresh). Raises ValueError for ids outside [0, n_vocab), a
+        seq_id outside [0, n_seq_max), or more tokens than n_batch or the cache has room for."""
         self._tokens = []
         return self._llama_context.decode_batch([(s, [int(t) for t in toks]) for s, toks in entries])
 

@@ -184,7 +184,7 @@ def run(
     return _loop(ctx, tokens, max_tokens, sampler, stops, logprobs, draft)
 
 
-class _TextState:
+class TextState:
     """Incremental detokenization of one sequence: whole UTF-8 characters only, stop strings
     matched across token boundaries and never emitted (nor a prefix of one that may still match)."""
 
@@ -250,7 +250,7 @@ def _loop(
     n_ctx = ctx.n_ctx
     timings = Timings(prompt_tokens=len(tokens))
 
-    out = _TextState(model, stops)
+    out = TextState(model, stops)
     generated: list[int] = []
     lps: list[TokenLogprob] | None = [] if n_logprobs is not None else None
     finish = "length"

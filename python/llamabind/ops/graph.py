@@ -200,13 +200,18 @@ OPERATORS: dict[str, Callable[..., Any]] = {}
 
 
 class Blocks:
-    """Quantized rows as a graph input: ``data`` uint8 (rows, row bytes) in ggml's ``type``
-    blocks, standing for values of numpy ``shape`` (rows, n). See :func:`llamabind.ops.dequantize`."""
+    """Quantized rows as an op argument: ``data`` uint8 (rows, row bytes) in the blocks of the
+    ggml type ``dtype`` (e.g. "q4_0"), standing for float values of numpy ``shape`` (rows, n). A
+    graph input made from it has that ggml type (:meth:`Graph.input`); its bytes are uploaded as
+    they are (``__array__`` gives ``data``). See :func:`llamabind.ops.dequantize`."""
 
-    __slots__ = ("data", "type", "shape")
+    __slots__ = ("data", "dtype", "shape")
 
-    def __init__(self, data: np.ndarray, type: str, shape: tuple[int, ...]):
-        self.data, self.type, self.shape = data, type, tuple(shape)
+    def __init__(self, data: np.ndarray, dtype: str, shape: tuple[int, ...]):
+        self.data, self.dtype, self.shape = data, dtype, tuple(shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return self.data
 
 
 _current_graph: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("llamabind_ops_graph", default=None)
@@ -249,31 +254,33 @@ class Graph:
     def input(
         self, value: Any = None, *, shape: Sequence[int] | None = None, dtype: Any = None, ggml_type: str | None = None
     ) -> Tensor:
-        """A graph input: bound to ``value`` (an array), or a placeholder of ``shape``/``dtype``.
-        ``ggml_type`` (with ``shape``): a placeholder of a quantized ggml type (e.g. "q4_0") whose
-        values are uploaded as raw blocks (:class:`Blocks`); ops see a tensor of that type."""
-        if ggml_type is not None:
-            if value is not None or shape is None or ggml_type not in _TYPES:
-                raise ValueError(f"ggml_type needs shape= and no value, and a ggml type name; got {ggml_type!r}")
-            shape = tuple(int(n) for n in shape)
-            check_shape(shape)
-            tid, blck = _TYPES[ggml_type][0], _TYPES[ggml_type][1]
-            expect(shape[-1] % blck == 0, f"{ggml_type}: the row length ({shape[-1]}) must be a multiple of {blck}")
-            nid = self._ggml_graph.input(tid, shape_to_ne(shape))
-            t = Tensor(self, nid, shape, np.dtype(np.uint8))
-            self._inputs[nid] = t
-            return t
-        if value is not None:
+        """A graph input: bound to ``value`` (an array, or :class:`Blocks` of quantized rows), or a
+        placeholder of ``shape`` (numpy order) with a numpy ``dtype`` or a ggml type name
+        ``ggml_type`` (e.g. "q4_0": the tensor has that type and takes raw blocks, its Tensor
+        dtype is uint8). Wraps ggml_new_tensor. TypeError for a missing shape/dtype or an
+        unsupported dtype, ValueError for a bad shape, an unknown ggml type or a row length that
+        is not a whole number of blocks."""
+        arr: Any = None
+        if isinstance(value, Blocks):
+            shape, ggml_type, arr = value.shape, value.dtype, value.data
+        elif value is not None:
             arr = as_array(value)
             shape, dtype = arr.shape, arr.dtype
-        else:
-            if shape is None or dtype is None:
-                raise TypeError("give either a value or both shape and dtype")
-            shape, dtype, arr = tuple(int(n) for n in shape), np.dtype(dtype), None
-            check_dtype(dtype)
+        elif shape is None or (dtype is None) == (ggml_type is None):
+            raise TypeError("give either a value, or shape and one of dtype and ggml_type")
+        shape = tuple(int(n) for n in shape)
         check_shape(shape)
-        nid = self._ggml_graph.input(type_id(dtype), shape_to_ne(shape))
-        t = Tensor(self, nid, tuple(shape), np.dtype(dtype))
+        if ggml_type is not None:
+            expect(ggml_type in _TYPES, f"ggml_type must be a ggml type name such as 'q4_0'; got {ggml_type!r}")
+            tid, blck = _TYPES[ggml_type][0], _TYPES[ggml_type][1]
+            expect(shape[-1] % blck == 0, f"{ggml_type}: the row length ({shape[-1]}) must be a multiple of {blck}")
+            np_dtype = np.dtype(np.uint8)
+        else:
+            np_dtype = np.dtype(dtype)
+            check_dtype(np_dtype)
+            tid = type_id(np_dtype)
+        nid = self._ggml_graph.input(tid, shape_to_ne(shape))
+        t = Tensor(self, nid, shape, np_dtype)
         self._inputs[nid] = t
         if arr is not None:
             self._values[nid] = arr
@@ -517,26 +524,25 @@ def apply(
         builder,
         device,
         tuple(sorted(params.items())),
-        tuple(None if a is None else (a.shape, a.type if isinstance(a, Blocks) else a.dtype) for a in arrays),
+        tuple(None if a is None else (a.shape, a.dtype) for a in arrays),
     )
     hit = _cache.get(key)
     if hit is None:
         g = Graph(device)
-        ins = [
-            None
-            if a is None
-            else g.input(shape=a.shape, ggml_type=a.type)
-            if isinstance(a, Blocks)
-            else g.input(shape=a.shape, dtype=a.dtype)
-            for a in arrays
-        ]
+        ins = [None if a is None else _placeholder(g, a) for a in arrays]
         out = builder(g, *ins, **params)
         exe = Executable(g, [t for t in ins if t is not None], [out])
         if len(_cache) >= _CACHE_MAX:
             _cache.pop(next(iter(_cache)))
         hit = _cache[key] = (exe, [i for i, a in enumerate(arrays) if a is not None])
     exe, idx = hit
-    return exe.run([a.data if isinstance(a, Blocks) else a for a in (arrays[i] for i in idx)])[0]
+    return exe.run([arrays[i] for i in idx])[0]  # Blocks upload their bytes through __array__
+
+
+def _placeholder(g: Graph, a: np.ndarray | Blocks) -> Tensor:
+    if isinstance(a, Blocks):
+        return g.input(shape=a.shape, ggml_type=a.dtype)
+    return g.input(shape=a.shape, dtype=a.dtype)
 
 
 def clear_cache() -> None:
