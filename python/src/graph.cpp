@@ -118,11 +118,16 @@ static int graph_op(Graph & g, const std::string & name, const std::vector<int64
     return g.add(t);
 }
 
-// (type, ne[4], contiguous) of a node
+// (type, ne[4], contiguous) of a node. Contiguous in the strict sense that every stride is the
+// packed one, size-1 axes included: ggml_is_contiguous skips the strides of size-1 axes, but the
+// CPU binary kernels assert nb00 == sizeof(src0_t) and ggml_scale asserts ggml_is_padded_1d, so a
+// transposed (n, 1) view that passes ggml_is_contiguous aborts there. Such views get a cont too.
 static nb::tuple graph_info(Graph & g, int64_t id) {
     ggml_tensor * t = g.node(id);
-    return nb::make_tuple((int) t->type, std::array<int64_t, 4>{ t->ne[0], t->ne[1], t->ne[2], t->ne[3] },
-                          ggml_is_contiguous(t));
+    const bool packed = (size_t) t->nb[0] == ggml_type_size(t->type) &&
+                        (size_t) t->nb[1] == ggml_row_size(t->type, t->ne[0]) && t->nb[2] == t->nb[1] * t->ne[1] &&
+                        t->nb[3] == t->nb[2] * t->ne[2];
+    return nb::make_tuple((int) t->type, std::array<int64_t, 4>{ t->ne[0], t->ne[1], t->ne[2], t->ne[3] }, packed);
 }
 
 static std::string op_desc(ggml_tensor * t) {
@@ -185,6 +190,7 @@ static void check_backward(ggml_cgraph * gf) {
             case GGML_OP_REPEAT:
             case GGML_OP_REPEAT_BACK:
             case GGML_OP_RMS_NORM:
+            case GGML_OP_NORM:  // patch 0015
             case GGML_OP_SCALE:
             case GGML_OP_CPY:
             case GGML_OP_CONT:
@@ -195,16 +201,19 @@ static void check_backward(ggml_cgraph * gf) {
             case GGML_OP_GET_ROWS:
             case GGML_OP_IM2COL:
             case GGML_OP_POOL_2D: ok = true; break;
-            case GGML_OP_MUL_MAT:  // no backward for batch-broadcast products
-                ok = n->src[0]->ne[2] == n->src[1]->ne[2] && n->src[0]->ne[3] == n->src[1]->ne[3];
+            case GGML_OP_MUL_MAT: {  // src0 broadcast over src1's batches: only along ne[2] (ggml's rule)
+                const ggml_tensor *a = n->src[0], *b = n->src[1];
+                ok = (a->ne[2] == b->ne[2] && a->ne[3] == b->ne[3]) || (b->ne[3] == 1 && b->ne[2] % a->ne[2] == 0);
                 break;
+            }
             case GGML_OP_SOFT_MAX: ok = !src_needs[1]; break;  // no gradient for the mask
             case GGML_OP_ROPE: ok = !src_needs[2]; break;      // nor for freq factors
             case GGML_OP_UNARY: {
                 const ggml_unary_op u = ggml_get_unary_op(n);
                 ok = u == GGML_UNARY_OP_ABS || u == GGML_UNARY_OP_SGN || u == GGML_UNARY_OP_NEG ||
                      u == GGML_UNARY_OP_STEP || u == GGML_UNARY_OP_RELU || u == GGML_UNARY_OP_SILU ||
-                     u == GGML_UNARY_OP_EXP || u == GGML_UNARY_OP_EXPM1 || u == GGML_UNARY_OP_SOFTPLUS;
+                     u == GGML_UNARY_OP_EXP || u == GGML_UNARY_OP_EXPM1 || u == GGML_UNARY_OP_SOFTPLUS ||
+                     u == GGML_UNARY_OP_TANH || u == GGML_UNARY_OP_SIGMOID || u == GGML_UNARY_OP_GELU;  // 0015
                 break;
             }
             default: ok = false;
