@@ -12,7 +12,7 @@ from typing import cast
 import numpy as np
 
 from . import _core, _log
-from ._validate import as_int, one_of
+from ._validate import as_float, as_int, one_of
 from .build import default_threads
 from .model import LoraAdapter, Model
 
@@ -38,6 +38,8 @@ class Context:
         embeddings: output embeddings instead of logits (see :func:`llamabind.batch.embed`).
         pooling: with embeddings, ``None`` (the model's), ``"none"``, ``"mean"``, ``"cls"``,
             ``"last"`` or ``"rank"``.
+        training: a context for :meth:`opt_init` (llamabind.train): F32 KV cache, no flash
+            attention, n_ctx == n_batch == n_ubatch, a multiple of 256. Not for generation.
 
     Raises ValueError for out-of-range parameters, LlamaError if llama.cpp cannot create the
     context (e.g. out of memory). One context must not be used by two threads at once: the
@@ -59,6 +61,7 @@ class Context:
         embeddings: bool = False,
         pooling: str | None = None,
         op_offload: bool = True,
+        training: bool = False,
     ):
         _log.sync_level()
         if not isinstance(model, Model):
@@ -85,6 +88,7 @@ class Context:
             self.POOLING[pooling],
             bool(kv_unified),
             bool(op_offload),
+            bool(training),
         )
 
     def close(self) -> None:
@@ -311,6 +315,39 @@ class Context:
         self._llama_context.set_loras([(a._llama_adapter, s) for a, s in loras.items()])
         self._loras = loras
         self.clear()
+
+    # --- training (llama_opt_*; the loop is llamabind.train's)
+    def opt_init(self, optimizer: str = "adamw", lr: float = 1e-5, weight_decay: float = 0.0) -> None:
+        """Make every weight of the model trainable with ggml-opt's ``"adamw"`` or ``"sgd"``
+        (wraps llama_opt_init; token embeddings are excluded by llama.cpp). Needs a context made
+        with ``training=True``; once per context. Raises ValueError."""
+        _core.opt_init(self._llama_context, optimizer, as_float(lr, "lr"), as_float(weight_decay, "weight_decay"))
+
+    def opt_step(self, window: Sequence[int] | np.ndarray, train: bool = True) -> None:
+        """One window of n_ctx + 1 token ids: next-token cross-entropy of window[:-1] against
+        window[1:]; ``train`` adds the backward pass and an optimizer step (wraps llama_opt_epoch
+        on a one-window ggml_opt_dataset). Raises ValueError for a wrong length or token ids."""
+        w = np.asarray(window)
+        if w.ndim != 1 or not (np.issubdtype(w.dtype, np.integer) or w.size == 0):
+            raise TypeError(f"window must be a 1-D sequence of token ids; got {w.dtype} of shape {w.shape}")
+        if w.size and (w.min() < 0 or w.max() >= 2**31):
+            raise ValueError("window: token ids must be in [0, n_vocab)")
+        self._tokens = []
+        _core.opt_step(self._llama_context, np.ascontiguousarray(w, dtype=np.int32), bool(train))
+
+    def opt_result(self, train: bool = True) -> tuple[float, float, int]:
+        """(mean loss per token, next-token accuracy, tokens) of the train or validation steps
+        since :meth:`opt_reset` (ggml_opt_result_loss / _accuracy / _ndata)."""
+        loss, _, acc, n = _core.opt_result(self._llama_context, bool(train))
+        return loss, acc, n
+
+    def opt_reset(self) -> None:
+        """Zero the accumulated losses (ggml_opt_result_reset)."""
+        _core.opt_reset(self._llama_context)
+
+    def opt_set_lr(self, lr: float) -> None:
+        """The learning rate of the next optimizer steps."""
+        _core.opt_set_lr(self._llama_context, as_float(lr, "lr"))
 
 
 _TRAILER = b"LBTOKENS"

@@ -124,6 +124,8 @@ class Model:
         finally:
             if bar is not None:
                 bar.close()
+        self.use_mmap = bool(use_mmap)
+        """Whether the weights are mapped from the file (read-only pages: no fine-tuning)."""
         self._context_params = dict(
             n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads, op_offload=op_offload
         )
@@ -260,12 +262,32 @@ class Model:
             self._templates = ChatTemplates(self)
         return self._templates
 
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the weights as they are now (e.g. after :func:`llamabind.train.finetune`) and the
+        model's metadata to a GGUF file. Wraps llama_model_save_to_file. Raises ValueError if the
+        path cannot be written."""
+        _core.model_save(self._llama_model, str(path))
+
     def load_lora(self, path: str | os.PathLike) -> LoraAdapter:
         """Load a LoRA adapter (GGUF) made for this model; apply it with :meth:`Context.set_lora`.
 
         Raises FileNotFoundError, ValueError (not an adapter for this model). Wraps llama_adapter_lora_init.
         """
         return LoraAdapter(self, path)
+
+
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32}
+"""Target types of :func:`quantize` (llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q4_0, ...)."""
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, type: str, *, n_threads: int | None = None) -> None:
+    """Convert the GGUF model ``src`` to ``dst`` with weights of ``type`` (a key of FILE_TYPES),
+    dequantizing first where src is quantized (``"F32"`` makes a quantized model trainable).
+    Wraps llama_model_quantize (allow_requantize). Raises FileNotFoundError, ValueError for an
+    unknown type, LlamaError if llama.cpp fails."""
+    one_of(type, "type", FILE_TYPES)
+    src = models.resolve(src)
+    _core.quantize_model(str(src), str(dst), FILE_TYPES[type], n_threads or 0)
 
 
 class LoraAdapter:

@@ -36,6 +36,7 @@ void register_backends(nb::module_ & m);
 // ---- each area's bindings (module.cpp calls them in this order); the file is the area's name
 void register_model(nb::module_ & m);
 void register_lora(nb::module_ & m);
+void register_train(nb::module_ & m);
 void register_context(nb::module_ & m);
 void register_sampling(nb::module_ & m);
 void register_chat(nb::module_ & m);

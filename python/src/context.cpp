@@ -58,11 +58,12 @@ void Context::release() {
         owner = nullptr;
     }
     loras.clear();
+    train.reset();
 }
 
 static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch,
                          int n_threads, int n_threads_batch, uint32_t n_seq_max, bool embeddings, int pooling,
-                         bool kv_unified, bool op_offload) {
+                         bool kv_unified, bool op_offload, bool training) {
     new (self) Context();
     llama_model * m = model.get();
     if (model.vocab_only)
@@ -98,6 +99,18 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
     p.embeddings = embeddings;
     p.pooling_type = (enum llama_pooling_type) pooling;
     p.no_perf = false;
+    if (training) {  // what llama_opt_* needs (upstream's finetune): OUT_PROD has no f16, FA no backward
+        if (n_ctx % 256 != 0)
+            raise_value("a training context's n_ctx must be a multiple of 256 (llama.cpp pads n_ctx to 256, and "
+                        "n_batch == n_ubatch == n_ctx); got " + std::to_string(n_ctx));
+        if (n_ubatch != n_ctx || n_batch != n_ctx)
+            raise_value("a training context needs n_ctx == n_batch == n_ubatch (gradients do not flow through "
+                        "the KV cache); got " + std::to_string(n_ctx) + ", " + std::to_string(n_batch) + ", " +
+                        std::to_string(n_ubatch));
+        p.type_k = GGML_TYPE_F32;
+        p.type_v = GGML_TYPE_F32;
+        p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    }
     llama_context * c;
     {
         nb::gil_scoped_release release;
@@ -537,8 +550,10 @@ void register_context(nb::module_ & m) {
         .def("__init__", &context_init, nb::arg("model"), nb::arg("n_ctx") = 4096, nb::arg("n_batch") = 2048,
              nb::arg("n_ubatch") = 512, nb::arg("n_threads") = 0, nb::arg("n_threads_batch") = 0,
              nb::arg("n_seq_max") = 1, nb::arg("embeddings") = false, nb::arg("pooling") = -1,
-             nb::arg("kv_unified") = true, nb::arg("op_offload") = true, nb::keep_alive<1, 2>(),
-             "Wraps llama_init_from_model. n_threads=0: all cores.")
+             nb::arg("kv_unified") = true, nb::arg("op_offload") = true, nb::arg("training") = false,
+             nb::keep_alive<1, 2>(),
+             "Wraps llama_init_from_model. n_threads=0: all cores. training: F32 KV cache, no flash "
+             "attention, n_ctx == n_batch == n_ubatch (for llama_opt_init).")
         .def("close", &Context::close)
         .def_prop_ro("closed", [](const Context & s) { return s.ctx == nullptr; })
         .def_prop_ro("n_ctx", [](const Context & s) { return llama_n_ctx(s.get()); })

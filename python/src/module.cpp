@@ -51,6 +51,7 @@ NB_MODULE(_core, m) {
     lb::register_backends(m);
     lb::register_model(m);
     lb::register_lora(m);
+    lb::register_train(m);
     lb::register_context(m);
     lb::register_sampling(m);
     lb::register_chat(m);

@@ -9,6 +9,7 @@
 #include <llama.h>
 
 #include <atomic>
+#include <memory>
 #include <set>
 
 namespace lb {
@@ -66,6 +67,7 @@ struct Context {
     int views = 0;              // live zero-copy logits arrays (eval(copy=False)) into llama.cpp's buffer
     bool encoder_only = false;  // e.g. BERT: llama_encode, no KV cache
     std::vector<std::pair<Lora *, float>> loras;  // adapters applied (set_loras)
+    std::shared_ptr<struct TrainState> train;     // llama_opt_* state once opt_init ran (train.cpp)
     BatchBuf batch;
 
     ~Context() { release(); }

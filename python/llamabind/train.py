@@ -1,0 +1,201 @@
+"""Fine-tuning a GGUF model on text, through llama.cpp's optimizer API (llama_opt_init /
+llama_opt_epoch: ggml's backward graph, ggml-opt's AdamW or SGD).
+
+    >>> import llamabind
+    >>> from llamabind import train
+    >>> train.to_f32("smollm2-135m-instruct", "smol-f32.gguf")        # dequantize: trainable weights
+    >>> model = llamabind.Model("smol-f32.gguf", use_mmap=False)
+    >>> result = train.finetune(model, open("notes.txt").read(), ctx_size=256, epochs=2, lr=1e-5)
+    >>> model.save("smol-tuned.gguf")
+
+The data is cut into windows of ``ctx_size + 1`` tokens every ``ctx_size // 2`` tokens (as
+upstream's ``common_opt_dataset_init``); the last ``val_split`` of them are held out for the
+validation loss. One optimizer step per window (next-token cross-entropy over its ctx_size
+positions). The model's weights change in place: generate with it afterwards, or save it.
+
+Full fine-tuning needs F32 weights (ggml-opt updates them in place; quantized weights have no
+gradient): convert a quantized model with :func:`to_f32`. LoRA training is not available yet.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._validate import as_float, as_int, expect, one_of
+from .context import Context
+from .model import Model, quantize
+
+__all__ = ["EpochStats", "TrainResult", "finetune", "to_f32", "windows"]
+
+
+@dataclass
+class EpochStats:
+    """One epoch: mean next-token cross-entropy per token (nats) on the train and validation
+    windows, next-token accuracy, training throughput (tokens/s), wall time (s)."""
+
+    epoch: int
+    train_loss: float
+    val_loss: float
+    train_accuracy: float
+    val_accuracy: float
+    tokens_per_s: float
+    seconds: float
+
+
+@dataclass
+class TrainResult:
+    """What :func:`finetune` did: per-epoch stats, optimizer steps taken, the per-step train
+    losses, and whether Ctrl-C stopped it early (the weights then hold the steps taken)."""
+
+    epochs: list[EpochStats] = field(default_factory=list)
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    interrupted: bool = False
+
+
+def to_f32(src: str | os.PathLike, dst: str | os.PathLike, *, n_threads: int | None = None) -> None:
+    """Write ``src`` (any GGUF llama.cpp loads, or a model name) with F32 weights to ``dst``, for
+    full fine-tuning. Wraps llama_model_quantize with ftype ALL_F32 (dequantizing)."""
+    quantize(src, dst, "F32", n_threads=n_threads)
+
+
+def windows(tokens: Sequence[int], ctx_size: int, stride: int | None = None) -> np.ndarray:
+    """The training windows of a token sequence: int32 array (n, ctx_size + 1), one every
+    ``stride`` tokens (default ctx_size // 2). ValueError if tokens are too few for one window."""
+    t = np.asarray(tokens, dtype=np.int64)
+    stride = ctx_size // 2 if stride is None else as_int(stride, "stride", 1)
+    if t.size < ctx_size + 1:
+        raise ValueError(
+            f"the data has {t.size} tokens; one training window needs ctx_size + 1 = {ctx_size + 1} "
+            "(give more text or a smaller ctx_size)"
+        )
+    n = (t.size - ctx_size - 1) // stride + 1
+    idx = np.arange(n)[:, None] * stride + np.arange(ctx_size + 1)[None, :]
+    return t[idx].astype(np.int32)
+
+
+def _check_model(model: Model) -> None:
+    if not isinstance(model, Model):
+        raise TypeError(f"model must be a llamabind.Model; got {type(model).__name__}")
+    if model.use_mmap:
+        raise ValueError("fine-tuning writes the weights: load the model with Model(path, use_mmap=False)")
+    if model.size != 4 * model.n_params:
+        raise ValueError(
+            f"full fine-tuning needs F32 weights; this model is {model.description!r}. Convert it with "
+            "llamabind.train.to_f32(src, dst) (or `python -m llamabind finetune`, which does). "
+            "LoRA over a quantized base is not available yet."
+        )
+
+
+def finetune(
+    model: Model,
+    data: str | Sequence[int],
+    *,
+    ctx_size: int = 256,
+    epochs: int = 1,
+    lr: float = 1e-5,
+    optimizer: str = "adamw",
+    weight_decay: float = 0.0,
+    val_split: float = 0.1,
+    seed: int = 0,
+    n_threads: int | None = None,
+    progress: bool = True,
+    on_step: Callable[[int, float], Any] | None = None,
+) -> TrainResult:
+    """Fine-tune every weight of ``model`` (F32, loaded with use_mmap=False) on ``data``.
+
+    Args:
+        data: text (tokenized with the model's tokenizer, BOS added) or token ids.
+        ctx_size: tokens per window (n_ctx = n_batch = n_ubatch of the training context); a
+            multiple of 256 (llama.cpp pads contexts to 256).
+        epochs: passes over the train windows (shuffled each epoch with ``seed``).
+        lr, optimizer, weight_decay: ggml-opt's ``"adamw"`` (beta1 0.9, beta2 0.999) or ``"sgd"``.
+        val_split: fraction of the windows (the last ones) held out for the validation loss;
+            0 for none.
+        progress: a tqdm bar with the loss and tokens/s.
+        on_step: called as on_step(step, loss) after each optimizer step.
+
+    Returns a :class:`TrainResult`. Ctrl-C stops between steps and returns what was trained
+    (``interrupted``: True); the model stays usable.
+
+    Raises TypeError/ValueError for bad arguments, data shorter than one window, a model that is
+    not F32 or is memory-mapped; FloatingPointError naming the step if the loss becomes NaN/inf.
+    """
+    _check_model(model)
+    ctx_size = as_int(ctx_size, "ctx_size", 256)
+    expect(ctx_size % 256 == 0, f"ctx_size must be a multiple of 256 (llama.cpp pads n_ctx to 256); got {ctx_size}")
+    epochs = as_int(epochs, "epochs", 1)
+    lr = as_float(lr, "lr")
+    expect(lr > 0, f"lr must be > 0; got {lr}")
+    one_of(optimizer, "optimizer", ("adamw", "sgd"))
+    val_split = as_float(val_split, "val_split", 0.0, 0.9)
+    tokens = model.tokenize(data, add_special=True) if isinstance(data, str) else list(data)
+    win = windows(tokens, ctx_size)
+    n_val = int(round(len(win) * val_split))
+    n_train = len(win) - n_val
+    if n_train < 1:
+        raise ValueError(f"{len(win)} window(s) leave none to train on with val_split={val_split}")
+    rng = np.random.default_rng(seed)
+    result = TrainResult()
+    ctx = Context(model, n_ctx=ctx_size, n_batch=ctx_size, n_ubatch=ctx_size, n_threads=n_threads, training=True)
+    try:
+        ctx.opt_init(optimizer, lr, weight_decay)
+        for epoch in range(epochs):
+            stats = _epoch(ctx, win[:n_train], win[n_train:], rng, epoch, epochs, progress, on_step, result)
+            if stats is not None:
+                result.epochs.append(stats)
+            if result.interrupted:
+                break
+    finally:
+        ctx.close()
+    return result
+
+
+def _epoch(ctx, train_w, val_w, rng, epoch, epochs, progress, on_step, result) -> EpochStats | None:
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(train_w), desc=f"epoch {epoch + 1}/{epochs}", unit="step", leave=False)
+    t0, n_tok, losses, accs = time.perf_counter(), 0, [], []
+    try:
+        for i in rng.permutation(len(train_w)):
+            ctx.opt_reset()
+            ctx.opt_step(train_w[i], train=True)
+            loss, acc, n = ctx.opt_result(train=True)
+            result.steps += 1
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"the training loss is {loss} at step {result.steps} (epoch {epoch + 1})")
+            losses.append(loss)
+            accs.append(acc)
+            result.losses.append(loss)
+            n_tok += train_w.shape[1] - 1
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}")
+                bar.update(1)
+            if on_step is not None:
+                on_step(result.steps, loss)
+    except KeyboardInterrupt:
+        result.interrupted = True
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    if not losses:
+        return None
+    val_loss = val_acc = math.nan
+    if len(val_w) and not result.interrupted:
+        ctx.opt_reset()
+        for w in val_w:
+            ctx.opt_step(w, train=False)
+        val_loss, val_acc, _ = ctx.opt_result(train=False)
+    return EpochStats(
+        epoch + 1, float(np.mean(losses)), val_loss, float(np.mean(accs)), val_acc, n_tok / seconds, seconds
+    )

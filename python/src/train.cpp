@@ -1,0 +1,165 @@
+// Fine-tuning through llama.cpp's optimizer API (llama_opt_init / llama_opt_epoch, ggml-opt's AdamW
+// and SGD), a model's GGUF export (llama_model_save_to_file) and conversion (llama_model_quantize).
+// The loop over batches is Python's (llamabind.train): each opt_step runs llama_opt_epoch on a
+// one-window dataset, so Ctrl-C, progress and NaN checks happen between optimizer steps.
+#include "objects.h"
+
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+
+namespace lb {
+
+struct TrainState {
+    ggml_opt_optimizer_type optimizer = GGML_OPT_OPTIMIZER_TYPE_ADAMW;
+    float lr = 1e-5f, wd = 0.0f, beta1 = 0.9f, beta2 = 0.999f;
+    ggml_opt_result_t result_train = ggml_opt_result_init();
+    ggml_opt_result_t result_eval = ggml_opt_result_init();
+    int64_t steps = 0;
+
+    ~TrainState() {
+        ggml_opt_result_free(result_train);
+        ggml_opt_result_free(result_eval);
+    }
+};
+
+// ggml-opt asks for the optimizer parameters before every step
+static ggml_opt_optimizer_params opt_pars(void * ud) {
+    const auto * s = (const TrainState *) ud;
+    ggml_opt_optimizer_params p = ggml_opt_get_default_optimizer_params(nullptr);
+    p.adamw.alpha = p.sgd.alpha = s->lr;
+    p.adamw.wd = p.sgd.wd = s->wd;
+    p.adamw.beta1 = s->beta1;
+    p.adamw.beta2 = s->beta2;
+    return p;
+}
+
+static void opt_init(Context & c, const std::string & optimizer, float lr, float wd) {
+    BusyGuard guard(c);
+    llama_context * ctx = c.get();
+    if (c.train) raise_value("opt_init was already called on this context (llama_opt_init runs once)");
+    const uint32_t n_ctx = llama_n_ctx(ctx);
+    if (llama_n_batch(ctx) != n_ctx || llama_n_ubatch(ctx) != n_ctx)
+        raise_value("opt_init needs a training context (n_ctx == n_batch == n_ubatch)");
+    if (!(lr > 0) || !std::isfinite(lr)) raise_value("lr must be a finite number > 0; got " + std::to_string(lr));
+    if (!(wd >= 0) || !std::isfinite(wd)) raise_value("weight_decay must be >= 0; got " + std::to_string(wd));
+    auto st = std::make_shared<TrainState>();
+    if (optimizer == "adamw") st->optimizer = GGML_OPT_OPTIMIZER_TYPE_ADAMW;
+    else if (optimizer == "sgd") st->optimizer = GGML_OPT_OPTIMIZER_TYPE_SGD;
+    else raise_value("optimizer must be 'adamw' or 'sgd'; got '" + optimizer + "'");
+    st->lr = lr;
+    st->wd = wd;
+    llama_opt_params p{};
+    p.n_ctx_train = 0;  // this context's n_ctx
+    p.param_filter = llama_opt_param_filter_all;
+    p.get_opt_pars = opt_pars;
+    p.get_opt_pars_ud = st.get();
+    p.optimizer_type = st->optimizer;
+    {
+        nb::gil_scoped_release release;
+        llama_opt_init(ctx, c.owner->get(), p);
+    }
+    c.train = st;
+}
+
+using Tokens = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// One window of n_ctx + 1 tokens: inputs tokens[:-1], labels tokens[1:]. train: forward, backward
+// and an optimizer step; else forward only (validation loss).
+static void opt_step(Context & c, Tokens tokens, bool train) {
+    BusyGuard guard(c);
+    llama_context * ctx = c.get();
+    if (!c.train) raise_value("call opt_init first");
+    const int64_t n_ctx = llama_n_ctx(ctx);
+    if ((int64_t) tokens.shape(0) != n_ctx + 1)
+        raise_value("a training window is n_ctx + 1 = " + std::to_string(n_ctx + 1) + " tokens; got " +
+                    std::to_string(tokens.shape(0)));
+    const int32_t n_vocab = c.owner->n_vocab();
+    for (size_t i = 0; i < tokens.shape(0); ++i) {
+        if (tokens(i) < 0 || tokens(i) >= n_vocab)
+            raise_value("token id " + std::to_string(tokens(i)) + " at " + std::to_string(i) + " is outside [0, " +
+                        std::to_string(n_vocab) + ")");
+    }
+    ggml_opt_dataset_t ds = ggml_opt_dataset_init(GGML_TYPE_I32, GGML_TYPE_I32, n_ctx, n_ctx, 1, 1);
+    std::memcpy(ggml_opt_dataset_data(ds)->data, tokens.data(), n_ctx * sizeof(int32_t));
+    std::memcpy(ggml_opt_dataset_labels(ds)->data, tokens.data() + 1, n_ctx * sizeof(int32_t));
+    TrainState & st = *c.train;
+    {
+        nb::gil_scoped_release release;
+        llama_opt_epoch(ctx, ds, st.result_train, st.result_eval, train ? 1 : 0, nullptr, nullptr);
+    }
+    ggml_opt_dataset_free(ds);
+    c.has_logits = false;
+    if (train) st.steps++;
+}
+
+// (loss per token, its uncertainty, accuracy, windows) accumulated since the last opt_reset
+static nb::tuple opt_result(Context & c, bool train) {
+    if (!c.train) raise_value("call opt_init first");
+    ggml_opt_result_t r = train ? c.train->result_train : c.train->result_eval;
+    double loss = NAN, loss_unc = NAN, acc = NAN, acc_unc = NAN;
+    int64_t n = 0;
+    ggml_opt_result_ndata(r, &n);
+    if (n > 0) {
+        ggml_opt_result_loss(r, &loss, &loss_unc);
+        ggml_opt_result_accuracy(r, &acc, &acc_unc);
+    }
+    return nb::make_tuple(loss, loss_unc, acc, n);
+}
+
+static void opt_reset(Context & c) {
+    if (!c.train) raise_value("call opt_init first");
+    ggml_opt_result_reset(c.train->result_train);
+    ggml_opt_result_reset(c.train->result_eval);
+}
+
+static void opt_set_lr(Context & c, float lr) {
+    if (!c.train) raise_value("call opt_init first");
+    if (!(lr > 0) || !std::isfinite(lr)) raise_value("lr must be a finite number > 0; got " + std::to_string(lr));
+    c.train->lr = lr;
+}
+
+static void model_save(Model & m, const std::string & path) {
+    llama_model * model = m.get();
+    if (m.vocab_only) raise_value("a vocab_only model has no weights to save");
+    FILE * f = std::fopen(path.c_str(), "wb");  // llama_model_save_to_file throws on this inside llama.cpp
+    if (!f) raise_value("cannot write '" + path + "': " + std::strerror(errno));
+    std::fclose(f);
+    nb::gil_scoped_release release;
+    llama_model_save_to_file(model, path.c_str());
+}
+
+static void quantize_model(const std::string & src, const std::string & dst, int ftype, int n_threads) {
+    llama_model_quantize_params p = llama_model_quantize_default_params();
+    p.ftype = (llama_ftype) ftype;
+    p.allow_requantize = true;
+    p.nthread = n_threads;
+    uint32_t rc;
+    {
+        nb::gil_scoped_release release;
+        clear_recent_errors();
+        rc = llama_model_quantize(src.c_str(), dst.c_str(), &p);
+    }
+    if (rc != 0) throw LlamaError("llama_model_quantize failed for '" + src + "'\n" + take_recent_errors());
+}
+
+void register_train(nb::module_ & m) {
+    m.def("opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
+          "llama_opt_init on a training context: every weight tensor of the model becomes a parameter "
+          "(llama_opt_param_filter_all; token embeddings excluded by llama.cpp), ggml-opt's AdamW or SGD.");
+    m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("tokens"), nb::arg("train"),
+          "llama_opt_epoch on one window of n_ctx + 1 int32 tokens (next-token cross-entropy): train=True "
+          "updates the weights, False only accumulates the validation loss.");
+    m.def("opt_result", &opt_result, nb::arg("context"), nb::arg("train"),
+          "(mean loss per token, its uncertainty, next-token accuracy, windows) since opt_reset.");
+    m.def("opt_reset", &opt_reset, nb::arg("context"));
+    m.def("opt_set_lr", &opt_set_lr, nb::arg("context"), nb::arg("lr"));
+    m.def("model_save", &model_save, nb::arg("model"), nb::arg("path"), "llama_model_save_to_file.");
+    m.def("quantize_model", &quantize_model, nb::arg("src"), nb::arg("dst"), nb::arg("ftype"), nb::arg("n_threads"),
+          "llama_model_quantize with allow_requantize (ftype: llama_ftype, e.g. 0 = ALL_F32, 1 = MOSTLY_F16).");
+}
+
+}  // namespace lb
