@@ -1,4 +1,4 @@
-"""Command line: ``python -m llamabind generate|chat|info``."""
+"""Command line: ``python -m llamabind generate|chat|finetune|info``."""
 
 from __future__ import annotations
 
@@ -134,6 +134,61 @@ def _info(args) -> int:
     return 0
 
 
+def _finetune(args) -> int:
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from . import Model, models, train
+
+    data = Path(args.data)
+    if not data.is_file():
+        raise FileNotFoundError(f"--data: no such file: {data}")
+    text = data.read_text(encoding="utf-8")
+    out = Path(args.output)
+    try:  # fail now, not after the training, if the output cannot be written
+        existed = out.exists()
+        with open(out, "ab"):
+            pass
+        if not existed:
+            out.unlink()
+    except OSError as err:
+        raise ValueError(f"-o: cannot write {out}: {err.strerror}") from None
+    src = models.resolve(args.model)
+    with tempfile.TemporaryDirectory(dir=out.resolve().parent) as tmp:
+        with Model(src, vocab_only=True) as probe:  # LLAMA_FTYPE_ALL_F32 (files from Model.save have no type)
+            f32 = probe.metadata.get("general.file_type", 0) == 0
+        if not f32:
+            print(f"converting {src.name} to F32 weights for full fine-tuning (llama_model_quantize)", file=sys.stderr)
+            train.to_f32(src, os.path.join(tmp, "f32.gguf"), n_threads=args.threads)
+            src = Path(tmp) / "f32.gguf"
+        with Model(src, use_mmap=False, repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads) as m:
+            res = train.finetune(
+                m,
+                text,
+                ctx_size=args.ctx_size,
+                epochs=args.epochs,
+                lr=args.lr,
+                optimizer=args.optimizer,
+                weight_decay=args.weight_decay,
+                val_split=args.val_split,
+                seed=args.seed,
+                n_threads=args.threads,
+                progress=not args.no_progress,
+            )
+            print(f"validation loss before: {res.val_loss_before:.4f}")
+            for e in res.epochs:
+                print(
+                    f"epoch {e.epoch}: train loss {e.train_loss:.4f}, validation loss {e.val_loss:.4f}, "
+                    f"{e.tokens_per_s:.1f} tokens/s, {e.seconds:.1f} s"
+                )
+            if res.interrupted:
+                print(f"interrupted after {res.steps} steps; saving what was trained", file=sys.stderr)
+            m.save(out)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     from . import models
 
@@ -198,6 +253,21 @@ def main(argv=None) -> int:
     c.add_argument("--system", default=None, help="system message (default: the template's)")
     c.add_argument("--no-progress", dest="progress", action="store_false", help="no loading progress bar")
     c.set_defaults(fn=_chat)
+    f = sub.add_parser("finetune", help="full fine-tune of a GGUF model on a text file (llama_opt_*), saved as GGUF")
+    f.add_argument("--model", "-m", default=models.DEFAULT, help="model name or GGUF path (converted to F32 if needed)")
+    f.add_argument("--data", required=True, help="UTF-8 text file to train on")
+    f.add_argument("--output", "-o", required=True, help="the tuned model's GGUF path")
+    f.add_argument("--epochs", type=int, default=1)
+    f.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
+    f.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    f.add_argument("--weight-decay", type=float, default=0.0)
+    f.add_argument("--ctx-size", "-c", type=int, default=256, help="tokens per window, a multiple of 256")
+    f.add_argument("--val-split", type=float, default=0.1, help="fraction of windows held out (default 0.1)")
+    f.add_argument("--seed", "-s", type=int, default=0, help="shuffling seed")
+    f.add_argument("--threads", type=int, default=None)
+    f.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
+    f.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    f.set_defaults(fn=_finetune)
     sub.add_parser("rpc-server", help="serve this host's devices over ggml RPC (see rpc-server --help)")
     i = sub.add_parser("info", help="print build_info()")
     i.add_argument("--json", action="store_true")

@@ -51,10 +51,12 @@ class EpochStats:
 
 @dataclass
 class TrainResult:
-    """What :func:`finetune` did: per-epoch stats, optimizer steps taken, the per-step train
-    losses, and whether Ctrl-C stopped it early (the weights then hold the steps taken)."""
+    """What :func:`finetune` did: per-epoch stats, the validation loss before training, optimizer
+    steps taken, the per-step train losses, and whether Ctrl-C stopped it early (the weights
+    then hold the steps taken)."""
 
     epochs: list[EpochStats] = field(default_factory=list)
+    val_loss_before: float = math.nan
     steps: int = 0
     losses: list[float] = field(default_factory=list)
     interrupted: bool = False
@@ -66,7 +68,7 @@ def to_f32(src: str | os.PathLike, dst: str | os.PathLike, *, n_threads: int | N
     quantize(src, dst, "F32", n_threads=n_threads)
 
 
-def windows(tokens: Sequence[int], ctx_size: int, stride: int | None = None) -> np.ndarray:
+def windows(tokens: Sequence[int] | np.ndarray, ctx_size: int, stride: int | None = None) -> np.ndarray:
     """The training windows of a token sequence: int32 array (n, ctx_size + 1), one every
     ``stride`` tokens (default ctx_size // 2). ValueError if tokens are too few for one window."""
     t = np.asarray(tokens, dtype=np.int64)
@@ -136,7 +138,14 @@ def finetune(
     expect(lr > 0, f"lr must be > 0; got {lr}")
     one_of(optimizer, "optimizer", ("adamw", "sgd"))
     val_split = as_float(val_split, "val_split", 0.0, 0.9)
-    tokens = model.tokenize(data, add_special=True) if isinstance(data, str) else list(data)
+    if isinstance(data, str):
+        tokens = np.asarray(model.tokenize(data, add_special=True), dtype=np.int64)
+    else:
+        tokens = np.asarray(data)
+        if tokens.ndim != 1 or not (np.issubdtype(tokens.dtype, np.integer) or tokens.size == 0):
+            raise TypeError(f"data must be a str or a 1-D sequence of token ids; got {tokens.dtype} {tokens.shape}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= model.n_vocab):
+            raise ValueError(f"data: token ids must be in [0, n_vocab = {model.n_vocab})")
     win = windows(tokens, ctx_size)
     n_val = int(round(len(win) * val_split))
     n_train = len(win) - n_val
@@ -147,6 +156,7 @@ def finetune(
     ctx = Context(model, n_ctx=ctx_size, n_batch=ctx_size, n_ubatch=ctx_size, n_threads=n_threads, training=True)
     try:
         ctx.opt_init(optimizer, lr, weight_decay)
+        result.val_loss_before = _validate(ctx, win[n_train:])[0]
         for epoch in range(epochs):
             stats = _epoch(ctx, win[:n_train], win[n_train:], rng, epoch, epochs, progress, on_step, result)
             if stats is not None:
@@ -190,12 +200,18 @@ def _epoch(ctx, train_w, val_w, rng, epoch, epochs, progress, on_step, result) -
     seconds = time.perf_counter() - t0
     if not losses:
         return None
-    val_loss = val_acc = math.nan
-    if len(val_w) and not result.interrupted:
-        ctx.opt_reset()
-        for w in val_w:
-            ctx.opt_step(w, train=False)
-        val_loss, val_acc, _ = ctx.opt_result(train=False)
+    val_loss, val_acc = _validate(ctx, val_w) if not result.interrupted else (math.nan, math.nan)
     return EpochStats(
         epoch + 1, float(np.mean(losses)), val_loss, float(np.mean(accs)), val_acc, n_tok / seconds, seconds
     )
+
+
+def _validate(ctx: Context, val_w: np.ndarray) -> tuple[float, float]:
+    """(mean loss per token, accuracy) on the validation windows (forward only); NaN if none."""
+    if not len(val_w):
+        return math.nan, math.nan
+    ctx.opt_reset()
+    for w in val_w:
+        ctx.opt_step(w, train=False)
+    loss, acc, _ = ctx.opt_result(train=False)
+    return loss, acc

@@ -47,9 +47,12 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     if (!(lr > 0) || !std::isfinite(lr)) raise_value("lr must be a finite number > 0; got " + std::to_string(lr));
     if (!(wd >= 0) || !std::isfinite(wd)) raise_value("weight_decay must be >= 0; got " + std::to_string(wd));
     auto st = std::make_shared<TrainState>();
-    if (optimizer == "adamw") st->optimizer = GGML_OPT_OPTIMIZER_TYPE_ADAMW;
-    else if (optimizer == "sgd") st->optimizer = GGML_OPT_OPTIMIZER_TYPE_SGD;
-    else raise_value("optimizer must be 'adamw' or 'sgd'; got '" + optimizer + "'");
+    if (optimizer == "adamw")
+        st->optimizer = GGML_OPT_OPTIMIZER_TYPE_ADAMW;
+    else if (optimizer == "sgd")
+        st->optimizer = GGML_OPT_OPTIMIZER_TYPE_SGD;
+    else
+        raise_value("optimizer must be 'adamw' or 'sgd'; got '" + optimizer + "'");
     st->lr = lr;
     st->wd = wd;
     llama_opt_params p{};

@@ -1,0 +1,148 @@
+"""Fine-tuning (llamabind.train, `python -m llamabind finetune`) on SmolLM2-135M with F32 weights, on
+real text from the pinned tree; the saved GGUF loads back in llamabind and in upstream's llama-simple.
+Bad input: a clear exception before anything is lost."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import require_tool
+
+import llamabind
+from llamabind import train
+
+PROMPT = "To build llama.cpp with CUDA,"
+
+
+@pytest.fixture(scope="module")
+def f32_path(model_path, tmp_path_factory):
+    p = tmp_path_factory.mktemp("train") / "smollm2-f32.gguf"
+    train.to_f32(model_path, p)
+    return p
+
+
+@pytest.fixture(scope="module")
+def text(vendor_dir):
+    """Real text that ships with the pinned tree: its build documentation (about 9,000 tokens)."""
+    return (vendor_dir / "docs" / "build.md").read_text(encoding="utf-8")
+
+
+def test_to_f32_dequantizes(model_path, f32_path):
+    with llamabind.Model(f32_path, vocab_only=True) as m:
+        assert m.metadata["general.file_type"] == 0  # LLAMA_FTYPE_ALL_F32
+    with llamabind.Model(f32_path, n_threads=2) as a, llamabind.Model(model_path, n_threads=2) as b:
+        assert a.size == 4 * a.n_params and a.n_params == b.n_params
+        # the same model up to Q4_1 rounding: the greedy continuation starts the same
+        assert (
+            a.generate(PROMPT, max_tokens=3, temperature=0).text == b.generate(PROMPT, max_tokens=3, temperature=0).text
+        )
+
+
+def test_finetune_lowers_held_out_loss_and_the_model_loads_back(f32_path, text, tmp_path):
+    data = text[:6000]  # ~1,500 tokens: 10 windows of 257 every 128, 3 held out
+    steps = []
+    with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
+        r = train.finetune(
+            m,
+            data,
+            ctx_size=256,
+            epochs=1,
+            lr=2e-5,
+            val_split=0.3,
+            progress=False,
+            on_step=lambda step, loss: steps.append(loss),
+        )
+        assert r.steps == len(steps) == len(r.losses) >= 5 and not r.interrupted
+        (e,) = r.epochs
+        print(f"validation loss {r.val_loss_before:.4f} -> {e.val_loss:.4f}; train {e.train_loss:.4f}")
+        # held-out windows of the same document: the perplexity falls
+        assert e.val_loss < r.val_loss_before - 0.05, (r.val_loss_before, e.val_loss)
+        assert all(math.isfinite(x) for x in steps) and 0 < e.val_accuracy <= 1
+        after = m.generate(PROMPT, max_tokens=16, temperature=0).text  # the model stays usable
+        out = tmp_path / "tuned.gguf"
+        m.save(out)
+    with llamabind.Model(out, n_threads=2) as t:
+        ours = t.generate(PROMPT, max_tokens=16, temperature=0)
+        assert ours.text == after
+    exe = require_tool("llama-simple")
+    p = subprocess.run([str(exe), "-m", str(out), "-n", "16", PROMPT], capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr.decode(errors="replace")[-2000:]
+    assert p.stdout.decode().strip().endswith(after.strip()), (p.stdout, after)
+
+
+def test_ctrl_c_between_steps_returns_what_was_trained(f32_path, text):
+    def interrupt(step, loss):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
+        r = train.finetune(m, text[:4000], ctx_size=256, val_split=0, progress=False, on_step=interrupt)
+        assert r.interrupted and r.steps == 2 and len(r.epochs) == 1
+        assert m.generate(PROMPT, max_tokens=4, temperature=0).tokens  # still usable
+
+
+def test_nan_loss_names_the_step(f32_path, text):
+    with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
+        with pytest.raises(FloatingPointError, match=r"at step \d"):
+            train.finetune(m, text[:4000], ctx_size=256, lr=1e30, optimizer="sgd", val_split=0, progress=False)
+
+
+def test_bad_input_is_a_clear_error(model_path, f32_path, text, tmp_path):
+    with llamabind.Model(model_path, use_mmap=False, n_threads=2) as q:
+        with pytest.raises(ValueError, match="F32 weights.*to_f32"):
+            train.finetune(q, text, progress=False)
+    with llamabind.Model(f32_path, n_threads=2) as mapped:
+        with pytest.raises(ValueError, match="use_mmap=False"):
+            train.finetune(mapped, text, progress=False)
+    with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
+        with pytest.raises(ValueError, match="ctx_size \\+ 1 = 257"):
+            train.finetune(m, "too short", progress=False)
+        with pytest.raises(ValueError, match="multiple of 256"):
+            train.finetune(m, text, ctx_size=300, progress=False)
+        with pytest.raises(ValueError, match="lr"):
+            train.finetune(m, text, lr=0, progress=False)
+        with pytest.raises(ValueError, match="optimizer"):
+            train.finetune(m, text, optimizer="adam", progress=False)
+        with pytest.raises(ValueError, match="none to train"):
+            train.finetune(m, text[:1500], val_split=0.9, progress=False)
+        with pytest.raises(TypeError):
+            train.finetune(m, [1.5, 2.5] * 200, progress=False)
+        with pytest.raises(ValueError, match="cannot write"):
+            m.save(tmp_path / "no-such-dir" / "x.gguf")
+        with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, training=True) as ctx:
+            with pytest.raises(ValueError, match="opt_init first"):
+                ctx.opt_step(np.zeros(257, np.int32))
+            ctx.opt_init()
+            with pytest.raises(ValueError, match="n_ctx \\+ 1 = 257"):
+                ctx.opt_step(np.zeros(10, np.int32))
+            with pytest.raises(ValueError, match="outside"):
+                ctx.opt_step(np.full(257, m.n_vocab, np.int32))
+            with pytest.raises(ValueError, match="already"):
+                ctx.opt_init()
+        with pytest.raises(ValueError, match="n_batch == n_ubatch"):
+            llamabind.Context(m, n_ctx=256, n_batch=128, n_ubatch=128, training=True)
+        assert m.generate(PROMPT, max_tokens=2, temperature=0).tokens  # nothing was lost
+
+
+def test_cli_finetune(model_path, text, tmp_path):
+    data = tmp_path / "data.txt"
+    data.write_text(text[:4000], encoding="utf-8")
+    out = tmp_path / "out.gguf"
+    cmd = [sys.executable, "-m", "llamabind", "finetune", "-m", str(model_path), "--data", str(data), "-o", str(out)]
+    p = subprocess.run(
+        [*cmd, "--val-split", "0.25", "--threads", "2", "--no-progress"], capture_output=True, text=True, timeout=900
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "converting" in p.stderr and "epoch 1: train loss" in p.stdout and "tokens/s" in p.stdout, p.stdout
+    import gguf
+
+    types = {t.tensor_type for t in gguf.GGUFReader(out).tensors}
+    assert types == {gguf.GGMLQuantizationType.F32}, types
+    bad = subprocess.run(
+        [*cmd[:-1], str(tmp_path / "missing-dir" / "x.gguf")], capture_output=True, text=True, timeout=300
+    )
+    assert bad.returncode == 2 and "cannot write" in bad.stderr, bad.stderr
