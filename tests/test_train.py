@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,3 +147,79 @@ def test_cli_finetune(model_path, text, tmp_path):
         [*cmd[:-1], str(tmp_path / "missing-dir" / "x.gguf")], capture_output=True, text=True, timeout=300
     )
     assert bad.returncode == 2 and "cannot write" in bad.stderr, bad.stderr
+
+
+def test_steps_in_one_context_equal_steps_in_fresh_contexts(f32_path, text, tmp_path):
+    """patch 0017: the second SGD step in a context uses only its own gradient (ggml-opt kept the
+    previous steps' gradients in the accumulators of graphs rebuilt per eval)."""
+    with llamabind.Model(f32_path, vocab_only=True) as v:
+        window = train.windows(v.tokenize(text[:3000], add_special=True), 256)[0]
+
+    def steps(path, n, save=None):
+        losses = []
+        with llamabind.Model(path, use_mmap=False, n_threads=2, repack=False) as m:
+            with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
+                ctx.opt_init("sgd", 0.01, 0.0)
+                for _ in range(n):
+                    ctx.opt_reset()
+                    ctx.opt_step(window, train=True)
+                    losses.append(ctx.opt_result(train=True)[0])
+            if save:
+                m.save(save)
+        return losses
+
+    one_context = steps(f32_path, 3)
+    fresh = steps(f32_path, 1, tmp_path / "a.gguf") + steps(tmp_path / "a.gguf", 1, tmp_path / "b.gguf")
+    fresh += steps(tmp_path / "b.gguf", 1)
+    print("one context", one_context, "fresh contexts", fresh)
+    np.testing.assert_allclose(one_context, fresh, rtol=1e-5)
+
+
+def test_matches_pytorch(f32_path, text, reference_python, tmp_path):
+    """The same F32 weights in PyTorch (transformers' LlamaForCausalLM from the GGUF), the same
+    window: loss, every trained tensor's gradient, and the weights after 5 AdamW steps. (llama.cpp
+    never trains token_embd.weight, SmolLM2's tied input/output matrix: frozen on both sides.)"""
+    import json
+
+    lr, wd, n_steps = 1e-4, 0.01, 5
+    with llamabind.Model(f32_path, vocab_only=True) as v:
+        window = train.windows(v.tokenize(text[:3000], add_special=True), 256)[0]
+
+    def run(optimizer, lr, wd, steps, out):
+        losses = []
+        with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
+            with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
+                ctx.opt_init(optimizer, lr, wd)
+                ctx.opt_step(window, train=False)
+                before = ctx.opt_result(train=False)[0]
+                for _ in range(steps):
+                    ctx.opt_reset()
+                    ctx.opt_step(window, train=True)
+                    losses.append(ctx.opt_result(train=True)[0])
+            m.save(out)
+        return before, losses
+
+    loss0, _ = run("sgd", 1.0, 0.0, 1, tmp_path / "sgd.gguf")
+    _, adamw_losses = run("adamw", lr, wd, n_steps, tmp_path / "adamw.gguf")
+    job = dict(f32=str(f32_path), sgd=str(tmp_path / "sgd.gguf"), adamw=str(tmp_path / "adamw.gguf"))
+    job.update(window=window.tolist(), adamw_steps=n_steps, lr=lr, weight_decay=wd)
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    p = subprocess.run(
+        [str(reference_python), str(Path(__file__).parent / "train_reference.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    ref = json.loads((tmp_path / "result.json").read_text())
+    print(f"loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
+    print("AdamW step losses:", [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw_losses, ref["adamw_losses"])])
+    cos = ref["grad_cosine"]
+    worst = sorted(cos, key=cos.get)[:3]
+    print("lowest gradient cosines:", {k: round(cos[k], 7) for k in worst})
+    rel = ref["adamw_rel"]
+    print("largest weight differences after AdamW:", {k: f"{rel[k]:.2e}" for k in sorted(rel, key=rel.get)[-3:]})
+    assert abs(loss0 - ref["loss"]) <= 1e-4 * ref["loss"]
+    np.testing.assert_allclose(adamw_losses, ref["adamw_losses"], rtol=5e-4)  # the losses on the way
+    assert len(cos) == 30 * 9 + 1 and min(cos.values()) >= 0.9999, worst  # 9 per layer + output_norm
+    assert max(rel.values()) <= 1e-4, rel

@@ -1,0 +1,79 @@
+"""PyTorch reference for tests/test_train.py::test_matches_pytorch (runs in the side venv).
+
+    python train_reference.py WORK
+
+WORK/job.json: {"f32": GGUF, "sgd": GGUF after one SGD step (lr 1, no weight decay) in llamabind,
+"adamw": GGUF after the AdamW steps in llamabind, "window": token ids, "adamw_steps": n, "lr": x,
+"weight_decay": w}. The token embeddings stay frozen, as llama.cpp keeps them. transformers loads each GGUF as LlamaForCausalLM in float32 (it undoes the
+converter's Q/K row permutation), PyTorch computes the loss and gradients of the same window and runs
+the same AdamW steps (torch.optim.AdamW, betas 0.9/0.999, eps 1e-8). Writes WORK/result.json: the
+loss, and per tensor the gradient cosine (llamabind's from its SGD step: w0 - w1) and the relative
+difference of the weights after the AdamW steps.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+
+def load(path: str):
+    p = Path(path)
+    return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).train()
+
+
+def loss_of(model, window: torch.Tensor) -> torch.Tensor:
+    logits = model(window[None, :-1]).logits[0]
+    return F.cross_entropy(logits, window[1:], reduction="mean")  # mean over the n_ctx positions
+
+
+def main(work: Path) -> None:
+    job = json.loads((work / "job.json").read_text())
+    window = torch.tensor(job["window"], dtype=torch.long)
+    torch.manual_seed(0)
+    model = load(job["f32"])
+    # llama.cpp at the pin never trains token_embd.weight (llama_set_param's FIXME), and SmolLM2's
+    # output matrix is that tensor (tied): freeze it here too
+    model.model.embed_tokens.weight.requires_grad_(False)
+    w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    loss = loss_of(model, window)
+    loss.backward()
+    grads = {k: v.grad.detach().clone() for k, v in model.named_parameters() if v.grad is not None}
+    out: dict = {"loss": loss.item(), "grad_cosine": {}, "adamw_rel": {}, "adamw_losses": []}
+    sgd = dict(load(job["sgd"]).named_parameters())
+    for k, g in grads.items():
+        ours = (w0[k] - sgd[k].detach()).double().flatten()  # lr 1: the gradient llamabind applied
+        ref = g.double().flatten()
+        out["grad_cosine"][k] = float(ours @ ref / (ours.norm() * ref.norm() + 1e-30))
+    model.zero_grad()
+    opt = torch.optim.AdamW(
+        [v for v in model.parameters() if v.requires_grad],
+        lr=job["lr"],
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=job["weight_decay"],
+    )
+    for _ in range(job["adamw_steps"]):
+        opt.zero_grad()
+        step_loss = loss_of(model, window)
+        step_loss.backward()
+        opt.step()
+        out["adamw_losses"].append(step_loss.item())
+    ours = dict(load(job["adamw"]).named_parameters())
+    for k, v in model.named_parameters():
+        a, b = ours[k].detach().double(), v.detach().double()
+        out["adamw_rel"][k] = float((a - b).norm() / b.norm())
+        out.setdefault("update_cosine", {})[k] = float(
+            ((a - w0[k].double()).flatten() @ (b - w0[k].double()).flatten())
+            / ((a - w0[k].double()).norm() * (b - w0[k].double()).norm() + 1e-30)
+        )
+    (work / "result.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
