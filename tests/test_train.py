@@ -108,6 +108,8 @@ def test_bad_input_is_a_clear_error(model_path, f32_path, text, tmp_path):
             train.finetune(m, text, lr=0, progress=False)
         with pytest.raises(ValueError, match="optimizer"):
             train.finetune(m, text, optimizer="adam", progress=False)
+        with pytest.raises(ValueError, match="weight_decay"):
+            train.finetune(m, text, weight_decay=2.0, progress=False)
         with pytest.raises(ValueError, match="none to train"):
             train.finetune(m, text[:1500], val_split=0.9, progress=False)
         with pytest.raises(TypeError):

@@ -4,7 +4,8 @@
 
 WORK/job.json: {"f32": GGUF, "sgd": GGUF after one SGD step (lr 1, no weight decay) in llamabind,
 "adamw": GGUF after the AdamW steps in llamabind, "window": token ids, "adamw_steps": n, "lr": x,
-"weight_decay": w}. The token embeddings stay frozen, as llama.cpp keeps them. transformers loads each GGUF as LlamaForCausalLM in float32 (it undoes the
+"weight_decay": w}. The token embeddings stay frozen, as llama.cpp keeps them. transformers loads
+each GGUF as LlamaForCausalLM in float32 (it undoes the
 converter's Q/K row permutation), PyTorch computes the loss and gradients of the same window and runs
 the same AdamW steps (torch.optim.AdamW, betas 0.9/0.999, eps 1e-8). Writes WORK/result.json: the
 loss, and per tensor the gradient cosine (llamabind's from its SGD step: w0 - w1) and the relative

@@ -45,7 +45,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     if (llama_n_batch(ctx) != n_ctx || llama_n_ubatch(ctx) != n_ctx)
         raise_value("opt_init needs a training context (n_ctx == n_batch == n_ubatch)");
     if (!(lr > 0) || !std::isfinite(lr)) raise_value("lr must be a finite number > 0; got " + std::to_string(lr));
-    if (!(wd >= 0) || !std::isfinite(wd)) raise_value("weight_decay must be >= 0; got " + std::to_string(wd));
+    if (!(wd >= 0 && wd <= 1))  // ggml-opt asserts it
+        raise_value("weight_decay must be in [0, 1]; got " + std::to_string(wd));
     auto st = std::make_shared<TrainState>();
     if (optimizer == "adamw")
         st->optimizer = GGML_OPT_OPTIMIZER_TYPE_ADAMW;
