@@ -317,11 +317,17 @@ class Context:
         self.clear()
 
     # --- training (llama_opt_*; the loop is llamabind.train's)
-    def opt_init(self, optimizer: str = "adamw", lr: float = 1e-5, weight_decay: float = 0.0) -> None:
-        """Make every weight of the model trainable with ggml-opt's ``"adamw"`` or ``"sgd"``
-        (wraps llama_opt_init; token embeddings are excluded by llama.cpp). Needs a context made
-        with ``training=True``; once per context. Raises ValueError."""
-        _core.opt_init(self._llama_context, optimizer, as_float(lr, "lr"), as_float(weight_decay, "weight_decay"))
+    def opt_init(
+        self, optimizer: str = "adamw", lr: float = 1e-5, weight_decay: float = 0.0, params: str = "model"
+    ) -> None:
+        """Prepare training with ggml-opt's ``"adamw"`` or ``"sgd"`` (wraps llama_opt_init).
+        params ``"model"``: every F32 weight of the model (token embeddings are excluded by
+        llama.cpp); ``"lora"``: only the A/B tensors of the LoRA adapters applied with
+        :meth:`set_lora` (F32), the model frozen (it may be quantized). Needs a context made with
+        ``training=True``; once per context. Raises ValueError/TypeError."""
+        lr = as_float(lr, "lr")
+        wd = as_float(weight_decay, "weight_decay")
+        _core.opt_init(self._llama_context, optimizer, lr, wd, params)
 
     def opt_step(self, window: Sequence[int] | np.ndarray, train: bool = True) -> None:
         """One window of n_ctx + 1 token ids: next-token cross-entropy of window[:-1] against

@@ -125,7 +125,9 @@ class Model:
             if bar is not None:
                 bar.close()
         self.use_mmap = bool(use_mmap)
-        """Whether the weights are mapped from the file (read-only pages: no fine-tuning)."""
+        """Whether the weights are mapped from the file (read-only pages: no full fine-tuning)."""
+        self.repack = bool(repack)
+        """Whether the CPU may keep weights in repacked layouts (the ``repack`` argument)."""
         self._context_params = dict(
             n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads, op_offload=op_offload
         )
@@ -262,6 +264,11 @@ class Model:
             self._templates = ChatTemplates(self)
         return self._templates
 
+    def tensor_info(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``(name, ggml type, numpy shape)`` of every tensor in the model's GGUF file, read from
+        its header (e.g. ``("blk.0.attn_q.weight", "q4_1", (576, 576))``)."""
+        return [(n, t, tuple(reversed(ne))) for n, t, ne in _core.read_tensor_info(str(self.path))]
+
     def save(self, path: str | os.PathLike) -> None:
         """Write the weights as they are now (e.g. after :func:`llamabind.train.finetune`) and the
         model's metadata to a GGUF file. Wraps llama_model_save_to_file. Raises ValueError if the
@@ -290,6 +297,15 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, type: str, *, n_thr
     _core.quantize_model(str(src), str(dst), FILE_TYPES[type], n_threads or 0)
 
 
+def write_lora_gguf(
+    path: str | os.PathLike, arch: str, alpha: float, tensors: Sequence[tuple[str, Any]]
+) -> None:
+    """Write a LoRA adapter GGUF (general.type "adapter", adapter.type "lora",
+    adapter.lora.alpha) with F32 tensors ``(name, array (rows, cols))``, names ending in
+    ``.lora_a`` / ``.lora_b``, as llama_adapter_lora_init reads them (ggml's gguf writer)."""
+    _core.lora_write(os.fspath(path), arch, float(alpha), list(tensors))
+
+
 class LoraAdapter:
     """A LoRA adapter loaded on a :class:`Model` (``Model.load_lora``). ``close()`` frees it
     (LlamaError while a context still applies it); otherwise it is freed with the model."""
@@ -303,6 +319,13 @@ class LoraAdapter:
     def metadata(self) -> dict[str, str]:
         """The adapter's GGUF key/values (scalars, as str)."""
         return self._llama_adapter.metadata()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the adapter's A/B tensors as they are now (e.g. trained by
+        :func:`llamabind.train.finetune`) as a LoRA adapter GGUF that ``Model.load_lora`` and
+        upstream's tools (``--lora``) load. F32 adapters only. Raises ValueError if the path
+        cannot be written."""
+        _core.lora_save(self._llama_adapter, str(path))
 
     def close(self) -> None:
         """Free the adapter (llama_adapter_lora_free). Raises LlamaError while a context applies it."""

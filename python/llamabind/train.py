@@ -14,13 +14,21 @@ validation loss. One optimizer step per window (next-token cross-entropy over it
 positions). The model's weights change in place: generate with it afterwards, or save it.
 
 Full fine-tuning needs F32 weights (ggml-opt updates them in place; quantized weights have no
-gradient): convert a quantized model with :func:`to_f32`. LoRA training is not available yet.
+gradient): convert a quantized model with :func:`to_f32`. LoRA (``lora_rank=``) trains F32
+adapter matrices A (rank x n_in) and B (n_out x rank), scaled by alpha / rank, beside frozen
+weights that may be quantized (QLoRA: the Q4_1 SmolLM2 as is); the trained adapter is
+``result.adapter`` (apply it with ``Context.set_lora``, save it with ``adapter.save(path)``).
+
+    >>> model = llamabind.Model("smollm2-135m-instruct", repack=False)
+    >>> r = train.finetune(model, text, lora_rank=8, lora_alpha=16, lr=1e-4)
+    >>> r.adapter.save("smol-lora.gguf")
 """
 
 from __future__ import annotations
 
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,9 +38,12 @@ import numpy as np
 
 from ._validate import as_float, as_int, expect, one_of
 from .context import Context
-from .model import Model, quantize
+from .model import LoraAdapter, Model, quantize, write_lora_gguf
 
-__all__ = ["EpochStats", "TrainResult", "finetune", "to_f32", "windows"]
+__all__ = ["LORA_TARGETS", "EpochStats", "TrainResult", "finetune", "lora_init", "to_f32", "windows"]
+
+LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+"""Names of the per-layer matrices a LoRA adapter can target (GGUF ``blk.N.NAME.weight``)."""
 
 
 @dataclass
@@ -51,11 +62,13 @@ class EpochStats:
 
 @dataclass
 class TrainResult:
-    """What :func:`finetune` did: per-epoch stats, the validation loss before training, optimizer
+    """What :func:`finetune` did: per-epoch stats, the trained LoRA adapter (None for a full
+    fine-tune), the validation loss before training, optimizer
     steps taken, the per-step train losses, and whether Ctrl-C stopped it early (the weights
     then hold the steps taken)."""
 
     epochs: list[EpochStats] = field(default_factory=list)
+    adapter: LoraAdapter | None = None
     val_loss_before: float = math.nan
     steps: int = 0
     losses: list[float] = field(default_factory=list)
@@ -66,6 +79,40 @@ def to_f32(src: str | os.PathLike, dst: str | os.PathLike, *, n_threads: int | N
     """Write ``src`` (any GGUF llama.cpp loads, or a model name) with F32 weights to ``dst``, for
     full fine-tuning. Wraps llama_model_quantize with ftype ALL_F32 (dequantizing)."""
     quantize(src, dst, "F32", n_threads=n_threads)
+
+
+def lora_init(
+    model: Model,
+    path: str | os.PathLike,
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets: Sequence[str] = ("attn_q", "attn_v"),
+    seed: int = 0,
+) -> None:
+    """Write a fresh LoRA adapter GGUF for ``model``: for each targeted matrix W (numpy shape
+    (n_out, n_in)) of every layer, A (rank, n_in) uniform in +-1/sqrt(n_in) (PEFT's default) and
+    B (n_out, rank) zero, so the adapted model starts equal to the base. F32, alpha stored as
+    ``adapter.lora.alpha`` (llama.cpp scales A/B by alpha / rank). Raises ValueError for an
+    unknown target or rank <= 0."""
+    rank = as_int(rank, "rank", 1)
+    alpha = as_float(alpha, "alpha")
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    for t in targets:
+        one_of(t, "lora target", LORA_TARGETS)
+    expect(len(targets) > 0, "lora targets: give at least one of " + ", ".join(LORA_TARGETS))
+    rng = np.random.default_rng(seed)
+    tensors = []
+    for name, _, shape in model.tensor_info():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in targets and parts[3] == "weight" and len(shape) == 2:
+            n_out, n_in = shape
+            expect(rank <= min(n_out, n_in), f"rank {rank} exceeds the size of {name} {shape}")
+            bound = 1 / math.sqrt(n_in)
+            tensors.append((name + ".lora_a", rng.uniform(-bound, bound, (rank, n_in)).astype(np.float32)))
+            tensors.append((name + ".lora_b", np.zeros((n_out, rank), np.float32)))
+    expect(bool(tensors), f"the model has no matrices named {targets}")
+    arch = str(model.metadata.get("general.architecture", ""))
+    write_lora_gguf(path, arch, alpha, tensors)
 
 
 def windows(tokens: Sequence[int] | np.ndarray, ctx_size: int, stride: int | None = None) -> np.ndarray:
@@ -83,16 +130,24 @@ def windows(tokens: Sequence[int] | np.ndarray, ctx_size: int, stride: int | Non
     return t[idx].astype(np.int32)
 
 
-def _check_model(model: Model) -> None:
+def _check_model(model: Model, lora: bool) -> None:
     if not isinstance(model, Model):
         raise TypeError(f"model must be a llamabind.Model; got {type(model).__name__}")
+    all_f32 = model.size == 4 * model.n_params
+    if lora:
+        if not all_f32 and model.repack:
+            raise ValueError(
+                "LoRA training over a quantized model needs its weights in the GGUF's layout: load it with "
+                "Model(path, repack=False) (the backward pass reads them with ggml's plain kernels)"
+            )
+        return
     if model.use_mmap:
         raise ValueError("fine-tuning writes the weights: load the model with Model(path, use_mmap=False)")
-    if model.size != 4 * model.n_params:
+    if not all_f32:
         raise ValueError(
             f"full fine-tuning needs F32 weights; this model is {model.description!r}. Convert it with "
-            "llamabind.train.to_f32(src, dst) (or `python -m llamabind finetune`, which does). "
-            "LoRA over a quantized base is not available yet."
+            "llamabind.train.to_f32(src, dst) (or `python -m llamabind finetune`, which does), or train a "
+            "LoRA adapter over it as it is (lora_rank=...)."
         )
 
 
@@ -110,8 +165,12 @@ def finetune(
     n_threads: int | None = None,
     progress: bool = True,
     on_step: Callable[[int, float], Any] | None = None,
+    lora_rank: int | None = None,
+    lora_alpha: float | None = None,
+    lora_targets: Sequence[str] = ("attn_q", "attn_v"),
 ) -> TrainResult:
-    """Fine-tune every weight of ``model`` (F32, loaded with use_mmap=False) on ``data``.
+    """Fine-tune ``model`` on ``data``: every weight (F32, loaded with use_mmap=False), or with
+    ``lora_rank`` a new LoRA adapter over the frozen model (any weight type; repack=False).
 
     Args:
         data: text (tokenized with the model's tokenizer, BOS added) or token ids.
@@ -123,14 +182,19 @@ def finetune(
             0 for none.
         progress: a tqdm bar with the loss and tokens/s.
         on_step: called as on_step(step, loss) after each optimizer step.
+        lora_rank, lora_alpha, lora_targets: train a LoRA adapter of this rank (alpha default
+            2 * rank) on these matrices of every layer (see :data:`LORA_TARGETS`), made by
+            :func:`lora_init` with ``seed``; returned as ``result.adapter``.
 
     Returns a :class:`TrainResult`. Ctrl-C stops between steps and returns what was trained
     (``interrupted``: True); the model stays usable.
 
-    Raises TypeError/ValueError for bad arguments, data shorter than one window, a model that is
-    not F32 or is memory-mapped; FloatingPointError naming the step if the loss becomes NaN/inf.
+    Raises TypeError/ValueError for bad arguments (rank <= 0, an unknown target), data shorter
+    than one window, a full fine-tune of a model that is not F32 or is memory-mapped;
+    FloatingPointError naming the step if the loss becomes NaN/inf.
     """
-    _check_model(model)
+    lora = lora_rank is not None
+    _check_model(model, lora)
     ctx_size = as_int(ctx_size, "ctx_size", 256)
     expect(ctx_size % 256 == 0, f"ctx_size must be a multiple of 256 (llama.cpp pads n_ctx to 256); got {ctx_size}")
     epochs = as_int(epochs, "epochs", 1)
@@ -153,9 +217,17 @@ def finetune(
         raise ValueError(f"{len(win)} window(s) leave none to train on with val_split={val_split}")
     rng = np.random.default_rng(seed)
     result = TrainResult()
+    if lora:
+        rank = as_int(lora_rank, "lora_rank", 1)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "lora-init.gguf")
+            lora_init(model, path, rank, 2.0 * rank if lora_alpha is None else lora_alpha, lora_targets, seed)
+            result.adapter = model.load_lora(path)
     ctx = Context(model, n_ctx=ctx_size, n_batch=ctx_size, n_ubatch=ctx_size, n_threads=n_threads, training=True)
     try:
-        ctx.opt_init(optimizer, lr, weight_decay)
+        if result.adapter is not None:
+            ctx.set_lora(result.adapter, 1.0)
+        ctx.opt_init(optimizer, lr, weight_decay, "lora" if lora else "model")
         result.val_loss_before = _validate(ctx, win[n_train:])[0]
         for epoch in range(epochs):
             stats = _epoch(ctx, win[:n_train], win[n_train:], rng, epoch, epochs, progress, on_step, result)

@@ -117,6 +117,30 @@ static nb::dict read_metadata(const std::string & path) {
     return out;
 }
 
+// [(name, ggml type name, ne[0..n_dims))] of a GGUF's tensors (numpy order is ne reversed).
+static nb::list read_tensor_info(const std::string & path) {
+    check_gguf_file(path);
+    gguf_init_params params = { /*no_alloc =*/true, /*ctx =*/nullptr };
+    ggml_context * meta = nullptr;
+    params.ctx = &meta;
+    gguf_context * g;
+    {
+        nb::gil_scoped_release release;
+        clear_recent_errors();
+        g = gguf_init_from_file(path.c_str(), params);
+    }
+    if (!g) raise_value("cannot read the GGUF header of '" + path + "'\n" + take_recent_errors());
+    nb::list out;
+    for (ggml_tensor * t = ggml_get_first_tensor(meta); t; t = ggml_get_next_tensor(meta, t)) {
+        nb::list ne;
+        for (int i = 0; i < ggml_n_dims(t); ++i) ne.append(t->ne[i]);
+        out.append(nb::make_tuple(std::string(t->name), std::string(ggml_type_name(t->type)), ne));
+    }
+    gguf_free(g);
+    ggml_free(meta);
+    return out;
+}
+
 // Load progress -> a Python callable(progress: float in [0, 1]) -> bool | None (False cancels).
 struct Progress {
     nb::object fn;
@@ -342,6 +366,8 @@ void register_model(nb::module_ & m) {
              "Token ids -> str (invalid UTF-8 replaced by U+FFFD). Wraps llama_detokenize.")
         .def("token_to_piece", &token_to_piece, nb::arg("token"), nb::arg("special") = false,
              "One token id -> its UTF-8 bytes (possibly part of a character). Wraps llama_token_to_piece.");
+    m.def("read_tensor_info", &read_tensor_info, nb::arg("path"),
+          "[(name, ggml type name, ne list)] of a GGUF file's tensors (ggml order: ne[0] first).");
     m.def("read_metadata", &read_metadata, nb::arg("path"),
           "GGUF key/values of a file as a dict (typed: int, float, bool, str, list). Wraps gguf_init_from_file.");
 }

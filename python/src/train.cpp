@@ -4,9 +4,16 @@
 // one-window dataset, so Ctrl-C, progress and NaN checks happen between optimizer steps.
 #include "objects.h"
 
+// llama.cpp's internal adapter struct (ab_map: the A/B tensors), for LoRA training and saving;
+// this file alone sees src/ (CMakeLists.txt), and the pin fixes its layout
+#include <llama-adapter.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -19,8 +26,10 @@ struct TrainState {
     ggml_opt_result_t result_train = ggml_opt_result_init();
     ggml_opt_result_t result_eval = ggml_opt_result_init();
     int64_t steps = 0;
+    std::vector<ggml_tensor *> lora_params;  // adapter tensors flagged as parameters (unflagged after)
 
     ~TrainState() {
+        for (ggml_tensor * t : lora_params) t->flags &= ~GGML_TENSOR_FLAG_PARAM;
         ggml_opt_result_free(result_train);
         ggml_opt_result_free(result_eval);
     }
@@ -37,7 +46,13 @@ static ggml_opt_optimizer_params opt_pars(void * ud) {
     return p;
 }
 
-static void opt_init(Context & c, const std::string & optimizer, float lr, float wd) {
+static bool no_model_params(const ggml_tensor *, void *) { return false; }
+
+// params: "model" (every F32 weight of the model, as llama-finetune) or "lora" (only the A/B
+// tensors of the LoRA adapters applied to this context; the base model stays frozen and may be
+// quantized). llama_opt_init marks only model tensors, through param_filter; the adapters' are
+// flagged here (ggml_set_param) before it, which is all ggml's backward pass looks at.
+static void opt_init(Context & c, const std::string & optimizer, float lr, float wd, const std::string & params) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (c.train) raise_value("opt_init was already called on this context (llama_opt_init runs once)");
@@ -56,9 +71,30 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
         raise_value("optimizer must be 'adamw' or 'sgd'; got '" + optimizer + "'");
     st->lr = lr;
     st->wd = wd;
+    if (params != "model" && params != "lora") raise_value("params must be 'model' or 'lora'; got '" + params + "'");
+    if (params == "lora") {
+        if (c.loras.empty()) raise_value("params='lora' needs a LoRA adapter applied to the context (set_lora)");
+        for (auto & [lora, scale] : c.loras) {
+            for (auto & [name, w] : lora->adapter->ab_map) {
+                for (ggml_tensor * t : { w.a, w.b }) {
+                    if (t->type != GGML_TYPE_F32)
+                        raise_type("LoRA tensor '" + std::string(t->name) + "' is " + ggml_type_name(t->type) +
+                                   "; training needs F32 adapters");
+                }
+            }
+        }
+        for (auto & [lora, scale] : c.loras) {
+            for (auto & [name, w] : lora->adapter->ab_map) {
+                for (ggml_tensor * t : { w.a, w.b }) {
+                    ggml_set_param(t);
+                    st->lora_params.push_back(t);
+                }
+            }
+        }
+    }
     llama_opt_params p{};
     p.n_ctx_train = 0;  // this context's n_ctx
-    p.param_filter = llama_opt_param_filter_all;
+    p.param_filter = params == "lora" ? no_model_params : llama_opt_param_filter_all;
     p.get_opt_pars = opt_pars;
     p.get_opt_pars_ud = st.get();
     p.optimizer_type = st->optimizer;
@@ -126,6 +162,70 @@ static void opt_set_lr(Context & c, float lr) {
     c.train->lr = lr;
 }
 
+using F32Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+// A LoRA adapter GGUF as llama_adapter_lora_init reads it: general.type "adapter",
+// general.architecture, adapter.type "lora", adapter.lora.alpha, F32 tensors NAME.lora_a/.lora_b.
+// tensors: (name, data); numpy (rows, cols) is ggml ne = [cols, rows].
+static void write_lora(const std::string & path, const std::string & arch, float alpha,
+                       const std::vector<std::pair<std::string, std::vector<float>>> & data,
+                       const std::vector<std::pair<int64_t, int64_t>> & shapes) {
+    size_t bytes = 0;
+    for (auto & d : data) bytes += d.second.size() * sizeof(float) + ggml_tensor_overhead();
+    ggml_init_params ip = { bytes + ggml_tensor_overhead(), nullptr, false };
+    ggml_context * ctx = ggml_init(ip);
+    gguf_context * g = gguf_init_empty();
+    gguf_set_val_str(g, "general.type", "adapter");
+    gguf_set_val_str(g, "general.architecture", arch.c_str());
+    gguf_set_val_str(g, "adapter.type", "lora");
+    gguf_set_val_f32(g, "adapter.lora.alpha", alpha);
+    for (size_t i = 0; i < data.size(); ++i) {
+        ggml_tensor * t = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, shapes[i].second, shapes[i].first);
+        ggml_set_name(t, data[i].first.c_str());
+        std::memcpy(t->data, data[i].second.data(), ggml_nbytes(t));
+        gguf_add_tensor(g, t);
+    }
+    const bool ok = gguf_write_to_file(g, path.c_str(), false);
+    gguf_free(g);
+    ggml_free(ctx);
+    if (!ok) raise_value("cannot write '" + path + "'");
+}
+
+static void lora_write(const std::string & path, const std::string & arch, float alpha,
+                       const std::vector<std::pair<std::string, F32Matrix>> & tensors) {
+    std::vector<std::pair<std::string, std::vector<float>>> data;
+    std::vector<std::pair<int64_t, int64_t>> shapes;
+    for (auto & [name, a] : tensors) {
+        if (name.size() >= GGML_MAX_NAME) raise_value("tensor name too long: " + name);
+        data.emplace_back(name, std::vector<float>(a.data(), a.data() + a.size()));
+        shapes.emplace_back((int64_t) a.shape(0), (int64_t) a.shape(1));
+    }
+    write_lora(path, arch, alpha, data, shapes);
+}
+
+// The adapter's A/B tensors as they are now (after training), read back from their buffers.
+static void lora_save(Lora & l, const std::string & path) {
+    if (!l.adapter) raise_value("the LoRA adapter is closed");
+    char arch[128] = { 0 };
+    llama_model_meta_val_str(l.owner->get(), "general.architecture", arch, sizeof(arch));
+    std::vector<std::pair<std::string, std::vector<float>>> data;
+    std::vector<std::pair<int64_t, int64_t>> shapes;
+    std::vector<std::string> names;
+    for (auto & [name, w] : l.adapter->ab_map) names.push_back(name);
+    std::sort(names.begin(), names.end());
+    for (auto & name : names) {
+        const auto & w = l.adapter->ab_map.at(name);
+        for (ggml_tensor * t : { w.a, w.b }) {
+            if (t->type != GGML_TYPE_F32) raise_type("only F32 adapters can be saved; '" + name + "' is not");
+            std::vector<float> v(ggml_nelements(t));
+            ggml_backend_tensor_get(t, v.data(), 0, ggml_nbytes(t));
+            data.emplace_back(t->name, std::move(v));
+            shapes.emplace_back(t->ne[1], t->ne[0]);
+        }
+    }
+    write_lora(path, arch, l.adapter->alpha, data, shapes);
+}
+
 static void model_save(Model & m, const std::string & path) {
     llama_model * model = m.get();
     if (m.vocab_only) raise_value("a vocab_only model has no weights to save");
@@ -152,8 +252,14 @@ static void quantize_model(const std::string & src, const std::string & dst, int
 
 void register_train(nb::module_ & m) {
     m.def("opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
-          "llama_opt_init on a training context: every weight tensor of the model becomes a parameter "
-          "(llama_opt_param_filter_all; token embeddings excluded by llama.cpp), ggml-opt's AdamW or SGD.");
+          nb::arg("params") = "model",
+          "llama_opt_init on a training context, ggml-opt's AdamW or SGD. params 'model': every F32 weight "
+          "(llama_opt_param_filter_all; token embeddings excluded by llama.cpp); 'lora': only the A/B tensors "
+          "of the adapters applied to the context.");
+    m.def("lora_write", &lora_write, nb::arg("path"), nb::arg("arch"), nb::arg("alpha"), nb::arg("tensors"),
+          "Write a LoRA adapter GGUF: [(name, float32 (rows, cols))], names ending .lora_a / .lora_b.");
+    m.def("lora_save", &lora_save, nb::arg("adapter"), nb::arg("path"),
+          "Write a loaded adapter's current A/B tensors (e.g. after training) as a LoRA adapter GGUF.");
     m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("tokens"), nb::arg("train"),
           "llama_opt_epoch on one window of n_ctx + 1 int32 tokens (next-token cross-entropy): train=True "
           "updates the weights, False only accumulates the validation loss.");
