@@ -297,9 +297,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, type: str, *, n_thr
     _core.quantize_model(str(src), str(dst), FILE_TYPES[type], n_threads or 0)
 
 
-def write_lora_gguf(
-    path: str | os.PathLike, arch: str, alpha: float, tensors: Sequence[tuple[str, Any]]
-) -> None:
+def write_lora_gguf(path: str | os.PathLike, arch: str, alpha: float, tensors: Sequence[tuple[str, Any]]) -> None:
     """Write a LoRA adapter GGUF (general.type "adapter", adapter.type "lora",
     adapter.lora.alpha) with F32 tensors ``(name, array (rows, cols))``, names ending in
     ``.lora_a`` / ``.lora_b``, as llama_adapter_lora_init reads them (ggml's gguf writer)."""
