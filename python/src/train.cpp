@@ -46,7 +46,9 @@ static ggml_opt_optimizer_params opt_pars(void * ud) {
     return p;
 }
 
-static bool no_model_params(const ggml_tensor *, void *) { return false; }
+static bool no_model_params(const ggml_tensor *, void *) {
+    return false;
+}
 
 // params: "model" (every F32 weight of the model, as llama-finetune) or "lora" (only the A/B
 // tensors of the LoRA adapters applied to this context; the base model stays frozen and may be
