@@ -149,6 +149,18 @@ def test_cli_finetune(model_path, text, tmp_path):
         [*cmd[:-1], str(tmp_path / "missing-dir" / "x.gguf")], capture_output=True, text=True, timeout=300
     )
     assert bad.returncode == 2 and "cannot write" in bad.stderr, bad.stderr
+    lora = tmp_path / "lora.gguf"
+    p = subprocess.run(
+        [*cmd[:-1], str(lora), "--lora-rank", "4", "--lora-targets", "attn_v", "--val-split", "0.25", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert p.returncode == 0 and "a LoRA adapter" in p.stdout, p.stderr[-3000:]
+    with llamabind.Model(model_path, n_threads=2) as m:
+        m.load_lora(lora)  # loads as an adapter of this model
+    bad = subprocess.run([*cmd, "--lora-rank", "0"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "lora_rank" in bad.stderr, bad.stderr
 
 
 def test_steps_in_one_context_equal_steps_in_fresh_contexts(f32_path, text, tmp_path):

@@ -155,14 +155,16 @@ def _finetune(args) -> int:
     except OSError as err:
         raise ValueError(f"-o: cannot write {out}: {err.strerror}") from None
     src = models.resolve(args.model)
+    lora = args.lora_rank is not None
     with tempfile.TemporaryDirectory(dir=out.resolve().parent) as tmp:
         with Model(src, vocab_only=True) as probe:  # LLAMA_FTYPE_ALL_F32 (files from Model.save have no type)
             f32 = probe.metadata.get("general.file_type", 0) == 0
-        if not f32:
+        if not f32 and not lora:
             print(f"converting {src.name} to F32 weights for full fine-tuning (llama_model_quantize)", file=sys.stderr)
             train.to_f32(src, os.path.join(tmp, "f32.gguf"), n_threads=args.threads)
             src = Path(tmp) / "f32.gguf"
-        with Model(src, use_mmap=False, repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads) as m:
+        kw = dict(use_mmap=lora, repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
+        with Model(src, **kw) as m:
             res = train.finetune(
                 m,
                 text,
@@ -175,6 +177,9 @@ def _finetune(args) -> int:
                 seed=args.seed,
                 n_threads=args.threads,
                 progress=not args.no_progress,
+                lora_rank=args.lora_rank,
+                lora_alpha=args.lora_alpha,
+                lora_targets=args.lora_targets.split(","),
             )
             print(f"validation loss before: {res.val_loss_before:.4f}")
             for e in res.epochs:
@@ -184,8 +189,11 @@ def _finetune(args) -> int:
                 )
             if res.interrupted:
                 print(f"interrupted after {res.steps} steps; saving what was trained", file=sys.stderr)
-            m.save(out)
-    print(f"wrote {out}")
+            if res.adapter is not None:
+                res.adapter.save(out)
+            else:
+                m.save(out)
+    print(f"wrote {out}" + (" (a LoRA adapter: load it with --lora / Model.load_lora)" if lora else ""))
     return 0
 
 
@@ -253,10 +261,17 @@ def main(argv=None) -> int:
     c.add_argument("--system", default=None, help="system message (default: the template's)")
     c.add_argument("--no-progress", dest="progress", action="store_false", help="no loading progress bar")
     c.set_defaults(fn=_chat)
-    f = sub.add_parser("finetune", help="full fine-tune of a GGUF model on a text file (llama_opt_*), saved as GGUF")
-    f.add_argument("--model", "-m", default=models.DEFAULT, help="model name or GGUF path (converted to F32 if needed)")
+    f = sub.add_parser("finetune", help="fine-tune a GGUF model (full, or LoRA) on a text file (llama_opt_*)")
+    f.add_argument(
+        "--model", "-m", default=models.DEFAULT, help="model name or GGUF path (full: converted to F32 if needed)"
+    )
     f.add_argument("--data", required=True, help="UTF-8 text file to train on")
-    f.add_argument("--output", "-o", required=True, help="the tuned model's GGUF path")
+    f.add_argument("--output", "-o", required=True, help="the tuned model's GGUF path (the adapter's, with LoRA)")
+    f.add_argument("--lora-rank", type=int, default=None, help="train a LoRA adapter of this rank instead")
+    f.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
+    f.add_argument(
+        "--lora-targets", default="attn_q,attn_v", help="comma-separated matrices (attn_q,attn_k,attn_v,...)"
+    )
     f.add_argument("--epochs", type=int, default=1)
     f.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
     f.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
