@@ -74,7 +74,8 @@ def test_gelu_grad_is_the_tanh_form_derivative():
     c, a, xd = np.sqrt(2 / np.pi), 0.044715, x.astype(np.float64)
     t = np.tanh(c * (xd + a * xd**3))
     want = W3 * 0.5 * ((1 + t) + xd * (1 - t * t) * c * (1 + 3 * a * xd * xd))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    tol = 1e-4 if TEST_BACKEND not in (None, "cpu") else 1e-5  # CUDA's tanhf/expf differ in the last bits
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
 W3 = rnd(4, 9, seed=12)

@@ -49,7 +49,8 @@ LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up
 @dataclass
 class EpochStats:
     """One epoch: mean next-token cross-entropy per token (nats) on the train and validation
-    windows, next-token accuracy, training throughput (tokens/s), wall time (s)."""
+    windows, next-token accuracy, training throughput (tokens/s), wall time of the training
+    steps and of the validation (s)."""
 
     epoch: int
     train_loss: float
@@ -58,6 +59,7 @@ class EpochStats:
     val_accuracy: float
     tokens_per_s: float
     seconds: float
+    val_seconds: float = 0.0
 
 
 @dataclass
@@ -125,7 +127,7 @@ def windows(tokens: Sequence[int] | np.ndarray, ctx_size: int, stride: int | Non
             f"the data has {t.size} tokens; one training window needs ctx_size + 1 = {ctx_size + 1} "
             "(give more text or a smaller ctx_size)"
         )
-    n = (t.size - ctx_size - 1) // stride + 1
+    n = max(1, (t.size - ctx_size - 1) // stride)  # as common_opt_dataset_init (at least one)
     idx = np.arange(n)[:, None] * stride + np.arange(ctx_size + 1)[None, :]
     return t[idx].astype(np.int32)
 
@@ -162,6 +164,7 @@ def finetune(
     weight_decay: float = 0.0,
     val_split: float = 0.1,
     seed: int = 0,
+    shuffle: bool = True,
     n_threads: int | None = None,
     progress: bool = True,
     on_step: Callable[[int, float], Any] | None = None,
@@ -176,7 +179,8 @@ def finetune(
         data: text (tokenized with the model's tokenizer, BOS added) or token ids.
         ctx_size: tokens per window (n_ctx = n_batch = n_ubatch of the training context); a
             multiple of 256 (llama.cpp pads contexts to 256).
-        epochs: passes over the train windows (shuffled each epoch with ``seed``).
+        epochs: passes over the train windows (shuffled each epoch with ``seed`` unless
+            ``shuffle`` is False: then in order, as llama-finetune).
         lr, optimizer, weight_decay: ggml-opt's ``"adamw"`` (beta1 0.9, beta2 0.999) or ``"sgd"``.
         val_split: fraction of the windows (the last ones) held out for the validation loss;
             0 for none.
@@ -211,8 +215,7 @@ def finetune(
         if tokens.size and (tokens.min() < 0 or tokens.max() >= model.n_vocab):
             raise ValueError(f"data: token ids must be in [0, n_vocab = {model.n_vocab})")
     win = windows(tokens, ctx_size)
-    n_val = int(round(len(win) * val_split))
-    n_train = len(win) - n_val
+    n_train = int(len(win) * (1.0 - val_split))  # as llama-finetune's idata_split
     if n_train < 1:
         raise ValueError(f"{len(win)} window(s) leave none to train on with val_split={val_split}")
     rng = np.random.default_rng(seed)
@@ -230,7 +233,8 @@ def finetune(
         ctx.opt_init(optimizer, lr, weight_decay, "lora" if lora else "model")
         result.val_loss_before = _validate(ctx, win[n_train:])[0]
         for epoch in range(epochs):
-            stats = _epoch(ctx, win[:n_train], win[n_train:], rng, epoch, epochs, progress, on_step, result)
+            order = rng.permutation(n_train) if shuffle else np.arange(n_train)
+            stats = _epoch(ctx, win[:n_train], win[n_train:], order, epoch, epochs, progress, on_step, result)
             if stats is not None:
                 result.epochs.append(stats)
             if result.interrupted:
@@ -240,7 +244,7 @@ def finetune(
     return result
 
 
-def _epoch(ctx, train_w, val_w, rng, epoch, epochs, progress, on_step, result) -> EpochStats | None:
+def _epoch(ctx, train_w, val_w, order, epoch, epochs, progress, on_step, result) -> EpochStats | None:
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -248,7 +252,7 @@ def _epoch(ctx, train_w, val_w, rng, epoch, epochs, progress, on_step, result) -
         bar = tqdm(total=len(train_w), desc=f"epoch {epoch + 1}/{epochs}", unit="step", leave=False)
     t0, n_tok, losses, accs = time.perf_counter(), 0, [], []
     try:
-        for i in rng.permutation(len(train_w)):
+        for i in order:
             ctx.opt_reset()
             ctx.opt_step(train_w[i], train=True)
             loss, acc, n = ctx.opt_result(train=True)
@@ -272,9 +276,17 @@ def _epoch(ctx, train_w, val_w, rng, epoch, epochs, progress, on_step, result) -
     seconds = time.perf_counter() - t0
     if not losses:
         return None
+    t1 = time.perf_counter()
     val_loss, val_acc = _validate(ctx, val_w) if not result.interrupted else (math.nan, math.nan)
     return EpochStats(
-        epoch + 1, float(np.mean(losses)), val_loss, float(np.mean(accs)), val_acc, n_tok / seconds, seconds
+        epoch + 1,
+        float(np.mean(losses)),
+        val_loss,
+        float(np.mean(accs)),
+        val_acc,
+        n_tok / seconds,
+        seconds,
+        time.perf_counter() - t1,
     )
 
 

@@ -18,6 +18,8 @@
 #         CPU wheels, sdists or notebooks, which need PyPI or other Pythons: they run in CI here).
 #         Then tests/device/rss_probe.py: host memory over 200 CUDA load/generate/close cycles,
 #         through llamabind and through llama.h alone (tests/device/load_cycles.cpp).
+# train:  (carry .device-b on a machine that ran ops) tests/test_train.py on CUDA, then trainbench.
+# trainbench: bench/train.py -ngl 99 (llama-finetune beside llamabind full and LoRA).
 # rss:    the RSS probe alone (models runs it after the suite).
 # cost:   tests/device/decode_cost.py on the micro model: per-call cost of a one-token decode in
 #         llama-bench, in llama.h alone with each of llamabind's context settings, and in llamabind.
@@ -30,7 +32,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: ops, models, rss, cost, leak or bench}
+phase=${1:?phase: ops, models, train, trainbench, rss, cost, leak or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -40,7 +42,8 @@ PYTEST_ARGS="-q -p no:cacheprovider -p _hypothesis_pytestplugin -rs"
 # left out of the suite here: test_embeddings (builds a side venv from PyPI), the sdist, vendor and
 # wheel-building tests (PyPI, other Pythons, the untrimmed upstream tree), upstream's vocab GGUFs and
 # chat templates (not carried), the notebook (nbformat is not in the image); the op tests run in "ops"
-SUITE_EXCLUDES=(--ignore=tests/test_embeddings.py --ignore=tests/test_ops.py --ignore=tests/test_ops_grad.py --ignore=tests/test_vendor.py --deselect tests/test_packaging.py::test_sdist_carries_the_patched_tree_and_needs_no_registry --deselect tests/test_packaging.py::test_ops_notebook_executes --deselect tests/test_chat.py::test_tool_call_parsing_with_a_tool_template --ignore=tests/test_portable.py --deselect tests/test_packaging.py::test_sdist_builds_a_wheel_offline --deselect tests/test_packaging.py::test_wheel_installs_into_a_fresh_venv_and_generates -k "not upstream_tokenizer_vectors and not four_named_vocabularies and not duplicate_token_texts")
+# (and the fine-tuning parity with PyTorch: transformers is not in the image; the "train" phase runs the rest)
+SUITE_EXCLUDES=(--deselect tests/test_train.py::test_matches_pytorch --deselect tests/test_train.py::test_lora_matches_pytorch --deselect tests/test_train.py::test_finetune_notebook_executes --ignore=tests/test_embeddings.py --ignore=tests/test_ops.py --ignore=tests/test_ops_grad.py --ignore=tests/test_vendor.py --deselect tests/test_packaging.py::test_sdist_carries_the_patched_tree_and_needs_no_registry --deselect tests/test_packaging.py::test_ops_notebook_executes --deselect tests/test_chat.py::test_tool_call_parsing_with_a_tool_template --ignore=tests/test_portable.py --deselect tests/test_packaging.py::test_sdist_builds_a_wheel_offline --deselect tests/test_packaging.py::test_wheel_installs_into_a_fresh_venv_and_generates -k "not upstream_tokenizer_vectors and not four_named_vocabularies and not duplicate_token_texts")
 {
 nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
 source tests/device/setup.sh
@@ -57,8 +60,9 @@ ops)
   cp "$OUT/bandwidth.json" /tmp/bandwidth.json
   t0=$SECONDS
   LLAMABIND_TEST_BACKEND=cuda LLAMABIND_OPS_CHECK_OUT="$OUT/ops-check.json" LLAMABIND_REQUIRE_GPU=1 \
-    python3 -m pytest tests/test_ops.py tests/test_ops_grad.py tests/test_ops_errors.py tests/test_ops_backends.py \
-    tests/test_patches.py $PYTEST_ARGS 2>&1 | tee "$OUT/ops-tests.log" | tail -60
+    LLAMABIND_REFERENCE_PYTHON=python3 python3 -m pytest tests/test_ops.py tests/test_ops_grad.py tests/test_ops_errors.py \
+    tests/test_ops_backends.py tests/test_patches.py tests/test_grad_compositions.py $PYTEST_ARGS \
+    --deselect tests/test_patches.py::test_prompt_batch_on_the_cpu_amx_path 2>&1 | tee "$OUT/ops-tests.log" | tail -60
   echo "op tests in $((SECONDS - t0)) s"
   ;;
 models)
@@ -76,6 +80,27 @@ rss)
   t0=$SECONDS
   python3 tests/device/rss_probe.py $f --cycles 200 --build-dir $(ls -d build/cp3*-linux_x86_64 | head -1) --out "$OUT/rss-probe.json"
   echo "RSS probe in $((SECONDS - t0)) s"
+  ;;
+train)
+  # fine-tuning on CUDA (full offload): tests/test_train.py without the PyTorch parity and the notebook
+  # (transformers and nbformat are not in the image), then bench/train.py with -ngl 99 (no PyTorch row)
+  f=$LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+  mkdir -p "$(dirname $f)"
+  cat /tmp/smollm2.part-a .device-b/smollm2.part-b > $f
+  sha256sum $f | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 && echo "SmolLM2 sha256 ok"
+  t0=$SECONDS
+  LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests/test_train.py $PYTEST_ARGS -s --durations=10 \
+    --deselect tests/test_train.py::test_matches_pytorch --deselect tests/test_train.py::test_lora_matches_pytorch \
+    --deselect tests/test_train.py::test_finetune_notebook_executes 2>&1 | tee "$OUT/train-tests.log" | tail -40
+  echo "train tests in $((SECONDS - t0)) s"
+  ;&
+trainbench)
+  # llama-finetune times its epoch in whole seconds: on the GPU the text must be long (default 1.2 M
+  # characters, the build docs repeated: ~40 s per runner); QLoRA's OUT_PROD of Q4_1 runs on the CPU
+  # there (no CUDA kernel), so it is left out unless LB_TRAIN_RUNNERS asks for it
+  python3 bench/train.py -ngl 99 --threads 8 --chars ${LB_TRAIN_CHARS:-1200000} --runners ${LB_TRAIN_RUNNERS:-full,lora} \
+    2>&1 | tee "$OUT/bench-train.log" | tail -12
+  cp bench/results/train-*.json "$OUT/" 2>/dev/null
   ;;
 cost)
   # per-call cost of a single-token decode: llama-bench, llama.h alone (settings one at a time), llamabind

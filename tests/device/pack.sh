@@ -12,7 +12,7 @@ for d in /.device/ /.device-b/; do grep -qxF "$d" .git/info/exclude || echo "$d"
 rm -rf .device .device-b && mkdir -p .device/whl .device-b
 python3 vendor/vendor.py status >/dev/null
 tar cJf .device/llama.cpp.tar.xz -C vendor/llama.cpp CMakeLists.txt cmake include licenses LICENSE .llamabind-stamp.json \
-  src ggml common vendor tools/llama-bench tools/completion tools/rpc examples/simple
+  src ggml common vendor tools/llama-bench tools/completion tools/rpc examples/simple examples/training docs/build.md
 python3 -m pip download -q --no-deps --only-binary=:all: -d .device/whl "gguf==$(./dev python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 model=$(./dev python -c 'from llamabind import models; print(models.resolve(models.DEFAULT))')
 ./dev python - "$model" .device/tokenizer.gguf <<'PY'
