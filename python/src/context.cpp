@@ -99,19 +99,7 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
     p.embeddings = embeddings;
     p.pooling_type = (enum llama_pooling_type) pooling;
     p.no_perf = false;
-    if (training) {  // what llama_opt_* needs (upstream's finetune): OUT_PROD has no f16, FA no backward
-        if (n_ctx % 256 != 0)
-            raise_value("a training context's n_ctx must be a multiple of 256 (llama.cpp pads n_ctx to 256, and "
-                        "n_batch == n_ubatch == n_ctx); got " +
-                        std::to_string(n_ctx));
-        if (n_ubatch != n_ctx || n_batch != n_ctx)
-            raise_value("a training context needs n_ctx == n_batch == n_ubatch (gradients do not flow through "
-                        "the KV cache); got " +
-                        std::to_string(n_ctx) + ", " + std::to_string(n_batch) + ", " + std::to_string(n_ubatch));
-        p.type_k = GGML_TYPE_F32;
-        p.type_v = GGML_TYPE_F32;
-        p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
-    }
+    if (training) training_context_params(p);  // train.cpp
     llama_context * c;
     {
         nb::gil_scoped_release release;

@@ -88,6 +88,10 @@ struct Lora {
     void close();  // frees the adapter (LlamaError while a context applies it)
 };
 
+// train.cpp: what llama_opt_* needs of a context (F32 KV cache, no flash attention, n_ctx ==
+// n_batch == n_ubatch, a multiple of 256); raises ValueError otherwise
+void training_context_params(llama_context_params & p);
+
 // lora.cpp: [(adapter, scale)] applied to a context (llama_set_adapters_lora)
 void set_loras(Context & self, const std::vector<std::pair<Lora *, double>> & loras);
 
