@@ -39,11 +39,12 @@ void training_context_params(llama_context_params & p) {
     // upstream's finetune does the same: OUT_PROD has no f16 (KV cache), FLASH_ATTN_EXT no backward
     if (p.n_ctx % 256 != 0)
         raise_value("a training context's n_ctx must be a multiple of 256 (llama.cpp pads n_ctx to 256, and "
-                    "n_batch == n_ubatch == n_ctx); got " + std::to_string(p.n_ctx));
+                    "n_batch == n_ubatch == n_ctx); got " +
+                    std::to_string(p.n_ctx));
     if (p.n_ubatch != p.n_ctx || p.n_batch != p.n_ctx)
         raise_value("a training context needs n_ctx == n_batch == n_ubatch (gradients do not flow through the KV "
-                    "cache); got " + std::to_string(p.n_ctx) + ", " + std::to_string(p.n_batch) + ", " +
-                    std::to_string(p.n_ubatch));
+                    "cache); got " +
+                    std::to_string(p.n_ctx) + ", " + std::to_string(p.n_batch) + ", " + std::to_string(p.n_ubatch));
     p.type_k = GGML_TYPE_F32;
     p.type_v = GGML_TYPE_F32;
     p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
