@@ -39,20 +39,6 @@ def _norm(x):
     return c / np.sqrt((c * c).mean(-1, keepdims=True) + EPS)
 
 
-def _rope(x, n_dims, mode, pos):
-    theta = pos[:, None] * 10000.0 ** (-np.arange(0, n_dims, 2) / n_dims)
-    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
-    x = x.copy()
-    if mode == "normal":
-        x0, x1 = x[..., 0:n_dims:2].copy(), x[..., 1:n_dims:2].copy()
-        x[..., 0:n_dims:2], x[..., 1:n_dims:2] = x0 * c - x1 * s, x0 * s + x1 * c
-    else:
-        h = n_dims // 2
-        x0, x1 = x[..., :h].copy(), x[..., h:n_dims].copy()
-        x[..., :h], x[..., h:n_dims] = x0 * c - x1 * s, x0 * s + x1 * c
-    return x
-
-
 def const(shape, seed, lo=-1.0, hi=1.0):
     """A constant operand of a step (float32, away from zero)."""
     rng = np.random.default_rng(seed)
@@ -64,6 +50,8 @@ def const(shape, seed, lo=-1.0, hi=1.0):
 # name -> (numpy float64 function, llamabind function); each takes (v, params, x) where x is the
 # program's input (for steps that use it a second time)
 def _steps():
+    from test_ops import rope_ref  # the op tests' float64 RoPE (tests/ is on sys.path for the worker too)
+
     from llamabind import ops
 
     def binary(name, npf):
@@ -135,7 +123,7 @@ def _steps():
             lambda v, p, x: ops.get_rows(v, np.array(p["idx"], np.int32)),
         ),
         "rope": (
-            lambda v, p, x: _rope(v, v.shape[-1], p["mode"], np.arange(v.shape[0], dtype=np.float64) * 3 + 1),
+            lambda v, p, x: rope_ref(v, np.arange(v.shape[0], dtype=np.float64) * 3 + 1, v.shape[-1], p["mode"]),
             lambda v, p, x: ops.rope(v, np.arange(v.shape[0], dtype=np.int32) * 3 + 1, v.shape[-1], p["mode"]),
         ),
         "f16_round_trip": (  # float32 -> float16 -> float32 (ggml_cpy both ways): d = 1 up to f16 rounding

@@ -206,8 +206,13 @@ def test_random_compositions_give_right_gradients_or_errors(worker, pr, seed):
     ],
 )
 def test_transposed_gradients_reach_cont_mul_and_accumulation(worker, program, x_shape):
-    x = const(x_shape, 7, -1.5, 1.5)
-    w = const(numpy_forward(program, x).shape, 8)
+    check_against_finite_differences(worker, program, x_shape)
+
+
+def check_against_finite_differences(worker, program, x_shape, seed=7):
+    """ops.grad of the program (in the worker) equals central finite differences of its float64 twin."""
+    x = const(x_shape, seed, -1.5, 1.5)
+    w = const(numpy_forward(program, x).shape, seed + 1)
     out = worker.ask(program, x, w)
     assert "grad" in out, out
     ref = fd_grad(program, x, w)
@@ -220,12 +225,7 @@ def test_mean_gradient_accumulates(worker):
         ([["mean", {}], ["sqr", {}], ["add", {"with": "x", "shape": [1, 1], "seed": 0}]], (2, 1)),
         ([["mean", {}], ["sqr", {}], ["repeat", {"reps": [1, 4], "shape": [3, 4]}], ["add", {"with": "x"}]], (3, 4)),
     ]:
-        x = const(x_shape, 5, -1.5, 1.5)
-        w = const(numpy_forward(program, x).shape, 6)
-        out = worker.ask(program, x, w)
-        assert "grad" in out, out
-        ref = fd_grad(program, x, w)
-        np.testing.assert_allclose(np.asarray(out["grad"]), ref, rtol=TOL, atol=TOL * np.abs(ref).max())
+        check_against_finite_differences(worker, program, x_shape, seed=5)
 
 
 # ---- named compositions against PyTorch float64 autograd (tests/grad_reference.py, side venv)

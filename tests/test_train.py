@@ -193,7 +193,6 @@ def test_matches_pytorch(f32_path, text, reference_python, tmp_path):
     """The same F32 weights in PyTorch (transformers' LlamaForCausalLM from the GGUF), the same
     window: loss, every trained tensor's gradient, and the weights after 5 AdamW steps. (llama.cpp
     never trains token_embd.weight, SmolLM2's tied input/output matrix: frozen on both sides.)"""
-    import json
 
     lr, wd, n_steps = 1e-4, 0.01, 5
     with llamabind.Model(f32_path, vocab_only=True) as v:
@@ -217,15 +216,7 @@ def test_matches_pytorch(f32_path, text, reference_python, tmp_path):
     _, adamw_losses = run("adamw", lr, wd, n_steps, tmp_path / "adamw.gguf")
     job = dict(f32=str(f32_path), sgd=str(tmp_path / "sgd.gguf"), adamw=str(tmp_path / "adamw.gguf"))
     job.update(window=window.tolist(), adamw_steps=n_steps, lr=lr, weight_decay=wd)
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    p = subprocess.run(
-        [str(reference_python), str(Path(__file__).parent / "train_reference.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    ref = json.loads((tmp_path / "result.json").read_text())
+    ref = _reference(reference_python, "train_reference.py", tmp_path, job)
     print(f"loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
     print("AdamW step losses:", [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw_losses, ref["adamw_losses"])])
     cos = ref["grad_cosine"]
@@ -272,7 +263,6 @@ def test_lora_over_the_quantized_model(model_path, text, tmp_path):
 def test_lora_matches_pytorch(f32_path, text, reference_python, tmp_path):
     """A LoRA on attn_v/attn_output over the F32 weights, against a hand-written LoRA in PyTorch:
     loss, the gradient of every adapter tensor, the adapter after 5 AdamW steps."""
-    import json
 
     rank, alpha, lr, wd, n_steps = 4, 8.0, 1e-4, 0.01, 5
     with llamabind.Model(f32_path, vocab_only=True) as v:
@@ -310,15 +300,7 @@ def test_lora_matches_pytorch(f32_path, text, reference_python, tmp_path):
     job = dict(f32=str(f32_path), init=str(tmp_path / "init.gguf"), sgd=str(tmp_path / "sgd.gguf"))
     job.update(adamw=str(tmp_path / "adamw.gguf"), window=window.tolist(), adamw_steps=n_steps, lr=lr)
     job.update(weight_decay=wd, scale=alpha / rank)
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    p = subprocess.run(
-        [str(reference_python), str(Path(__file__).parent / "lora_reference.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    ref = json.loads((tmp_path / "result.json").read_text())
+    ref = _reference(reference_python, "lora_reference.py", tmp_path, job)
     cos, rel = ref["grad_cosine"], ref["adamw_rel"]
     print(f"LoRA loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
     print("AdamW step losses:", [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw_losses, ref["adamw_losses"])])
@@ -332,6 +314,18 @@ def test_lora_matches_pytorch(f32_path, text, reference_python, tmp_path):
     # takes the sign float32 rounding gives it, on either side
     assert np.median(list(rel.values())) <= 1e-4, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
     assert max(rel.values()) <= 1e-3, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
+
+
+def _reference(python, script: str, work: Path, job: dict) -> dict:
+    """Run a PyTorch reference script (tests/*_reference.py) in the side venv on job; its result."""
+    import json
+
+    (work / "job.json").write_text(json.dumps(job))
+    p = subprocess.run(
+        [str(python), str(Path(__file__).parent / script), str(work)], capture_output=True, text=True, timeout=1200
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads((work / "result.json").read_text())
 
 
 def _read_lora(path):
