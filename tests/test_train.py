@@ -163,21 +163,36 @@ def test_cli_finetune(model_path, text, tmp_path):
     assert bad.returncode == 2 and "lora_rank" in bad.stderr, bad.stderr
 
 
+def _window(f32_path, text) -> np.ndarray:
+    """The first 257-token training window of the text (int32)."""
+    with llamabind.Model(f32_path, vocab_only=True) as v:
+        return train.windows(v.tokenize(text[:3000], add_special=True), 256)[0]
+
+
+def _opt_steps(m, window, optimizer, lr, wd, steps, params="model", adapter=None):
+    """(loss before, [loss of each step]) of `steps` optimizer steps on one window in a training context."""
+    with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
+        if adapter is not None:
+            ctx.set_lora(adapter)
+        ctx.opt_init(optimizer, lr, wd, params=params)
+        ctx.opt_step(window, train=False)
+        before = ctx.opt_result(train=False)[0]
+        losses = []
+        for _ in range(steps):
+            ctx.opt_reset()
+            ctx.opt_step(window, train=True)
+            losses.append(ctx.opt_result(train=True)[0])
+    return before, losses
+
+
 def test_steps_in_one_context_equal_steps_in_fresh_contexts(f32_path, text, tmp_path):
     """patch 0017: the second SGD step in a context uses only its own gradient (ggml-opt kept the
     previous steps' gradients in the accumulators of graphs rebuilt per eval)."""
-    with llamabind.Model(f32_path, vocab_only=True) as v:
-        window = train.windows(v.tokenize(text[:3000], add_special=True), 256)[0]
+    window = _window(f32_path, text)
 
     def steps(path, n, save=None):
-        losses = []
         with llamabind.Model(path, use_mmap=False, n_threads=2, repack=False) as m:
-            with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
-                ctx.opt_init("sgd", 0.01, 0.0)
-                for _ in range(n):
-                    ctx.opt_reset()
-                    ctx.opt_step(window, train=True)
-                    losses.append(ctx.opt_result(train=True)[0])
+            _, losses = _opt_steps(m, window, "sgd", 0.01, 0.0, n)
             if save:
                 m.save(save)
         return losses
@@ -195,22 +210,13 @@ def test_matches_pytorch(f32_path, text, reference_python, tmp_path):
     never trains token_embd.weight, SmolLM2's tied input/output matrix: frozen on both sides.)"""
 
     lr, wd, n_steps = 1e-4, 0.01, 5
-    with llamabind.Model(f32_path, vocab_only=True) as v:
-        window = train.windows(v.tokenize(text[:3000], add_special=True), 256)[0]
+    window = _window(f32_path, text)
 
     def run(optimizer, lr, wd, steps, out):
-        losses = []
         with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
-            with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
-                ctx.opt_init(optimizer, lr, wd)
-                ctx.opt_step(window, train=False)
-                before = ctx.opt_result(train=False)[0]
-                for _ in range(steps):
-                    ctx.opt_reset()
-                    ctx.opt_step(window, train=True)
-                    losses.append(ctx.opt_result(train=True)[0])
+            result = _opt_steps(m, window, optimizer, lr, wd, steps)
             m.save(out)
-        return before, losses
+        return result
 
     loss0, _ = run("sgd", 1.0, 0.0, 1, tmp_path / "sgd.gguf")
     _, adamw_losses = run("adamw", lr, wd, n_steps, tmp_path / "adamw.gguf")
@@ -265,8 +271,7 @@ def test_lora_matches_pytorch(f32_path, text, reference_python, tmp_path):
     loss, the gradient of every adapter tensor, the adapter after 5 AdamW steps."""
 
     rank, alpha, lr, wd, n_steps = 4, 8.0, 1e-4, 0.01, 5
-    with llamabind.Model(f32_path, vocab_only=True) as v:
-        window = train.windows(v.tokenize(text[:3000], add_special=True), 256)[0]
+    window = _window(f32_path, text)
     with llamabind.Model(f32_path, n_threads=2, repack=False) as m:
         train.lora_init(m, tmp_path / "init.gguf", rank, alpha, ["attn_v", "attn_output"], seed=1)
         # B = 0 gives A no gradient at the first step: start from a B with values for the test
@@ -280,20 +285,11 @@ def test_lora_matches_pytorch(f32_path, text, reference_python, tmp_path):
         write_lora_gguf(tmp_path / "init.gguf", "llama", alpha, sorted(init.items()))
 
         def run(optimizer, lr, wd, steps, out):
-            losses = []
             adapter = m.load_lora(tmp_path / "init.gguf")
-            with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
-                ctx.set_lora(adapter)
-                ctx.opt_init(optimizer, lr, wd, params="lora")
-                ctx.opt_step(window, train=False)
-                before = ctx.opt_result(train=False)[0]
-                for _ in range(steps):
-                    ctx.opt_reset()
-                    ctx.opt_step(window, train=True)
-                    losses.append(ctx.opt_result(train=True)[0])
+            result = _opt_steps(m, window, optimizer, lr, wd, steps, params="lora", adapter=adapter)
             adapter.save(out)
             adapter.close()
-            return before, losses
+            return result
 
         loss0, _ = run("sgd", 1.0, 0.0, 1, tmp_path / "sgd.gguf")
         _, adamw_losses = run("adamw", lr, wd, n_steps, tmp_path / "adamw.gguf")

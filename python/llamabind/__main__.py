@@ -157,8 +157,8 @@ def _finetune(args) -> int:
     src = models.resolve(args.model)
     lora = args.lora_rank is not None
     with tempfile.TemporaryDirectory(dir=out.resolve().parent) as tmp:
-        with Model(src, vocab_only=True) as probe:  # LLAMA_FTYPE_ALL_F32 (files from Model.save have no type)
-            f32 = probe.metadata.get("general.file_type", 0) == 0
+        with Model(src, vocab_only=True) as probe:
+            f32 = all(t == "f32" for _, t, _ in probe.tensor_info())
         if not f32 and not lora:
             print(f"converting {src.name} to F32 weights for full fine-tuning (llama_model_quantize)", file=sys.stderr)
             train.to_f32(src, os.path.join(tmp, "f32.gguf"), n_threads=args.threads)

@@ -330,9 +330,11 @@ class Context:
         _core.opt_init(self._llama_context, optimizer, lr, wd, params)
 
     def opt_step(self, window: Sequence[int] | np.ndarray, train: bool = True) -> None:
-        """One window of n_ctx + 1 token ids: next-token cross-entropy of window[:-1] against
-        window[1:]; ``train`` adds the backward pass and an optimizer step (wraps llama_opt_epoch
-        on a one-window ggml_opt_dataset). Raises ValueError for a wrong length or token ids."""
+        """One window: token ids, shape (n_ctx + 1,), any integer dtype. Next-token cross-entropy of
+        window[:-1] against window[1:] (accumulated for :meth:`opt_result`); ``train`` adds the
+        backward pass and an optimizer step (wraps llama_opt_epoch on a one-window
+        ggml_opt_dataset). Raises TypeError for a non-integer or non-1-D window, ValueError for a
+        wrong length or an id outside [0, n_vocab), or before :meth:`opt_init`."""
         w = np.asarray(window)
         if w.ndim != 1 or not (np.issubdtype(w.dtype, np.integer) or w.size == 0):
             raise TypeError(f"window must be a 1-D sequence of token ids; got {w.dtype} of shape {w.shape}")
@@ -342,17 +344,19 @@ class Context:
         _core.opt_step(self._llama_context, np.ascontiguousarray(w, dtype=np.int32), bool(train))
 
     def opt_result(self, train: bool = True) -> tuple[float, float, int]:
-        """(mean loss per token, next-token accuracy, tokens) of the train or validation steps
-        since :meth:`opt_reset` (ggml_opt_result_loss / _accuracy / _ndata)."""
+        """(mean cross-entropy per token in nats, next-token accuracy in [0, 1], tokens counted) of
+        the train (``train=True``) or validation steps since :meth:`opt_reset`; NaN, NaN, 0 for
+        none. Wraps ggml_opt_result_loss / _accuracy / _ndata. ValueError before :meth:`opt_init`."""
         loss, _, acc, n = _core.opt_result(self._llama_context, bool(train))
         return loss, acc, n
 
     def opt_reset(self) -> None:
-        """Zero the accumulated losses (ggml_opt_result_reset)."""
+        """Zero the accumulated losses (ggml_opt_result_reset). ValueError before :meth:`opt_init`."""
         _core.opt_reset(self._llama_context)
 
     def opt_set_lr(self, lr: float) -> None:
-        """The learning rate of the next optimizer steps."""
+        """The learning rate (> 0) of the next optimizer steps, read by ggml-opt at each step.
+        ValueError for lr <= 0 or before :meth:`opt_init`."""
         _core.opt_set_lr(self._llama_context, as_float(lr, "lr"))
 
 

@@ -265,8 +265,9 @@ class Model:
         return self._templates
 
     def tensor_info(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """``(name, ggml type, numpy shape)`` of every tensor in the model's GGUF file, read from
-        its header (e.g. ``("blk.0.attn_q.weight", "q4_1", (576, 576))``)."""
+        """``(name, ggml type name, numpy shape)`` of every tensor in the model's GGUF file, read
+        from its header with gguf_init_from_file (e.g. ``("blk.0.attn_q.weight", "q4_1", (576,
+        576))``). Raises ValueError if the header cannot be read."""
         return [(n, t, tuple(reversed(ne))) for n, t, ne in _core.read_tensor_info(str(self.path))]
 
     def save(self, path: str | os.PathLike) -> None:
@@ -321,8 +322,9 @@ class LoraAdapter:
     def save(self, path: str | os.PathLike) -> None:
         """Write the adapter's A/B tensors as they are now (e.g. trained by
         :func:`llamabind.train.finetune`) as a LoRA adapter GGUF that ``Model.load_lora`` and
-        upstream's tools (``--lora``) load. F32 adapters only. Raises ValueError if the path
-        cannot be written."""
+        upstream's tools (``--lora``) load (ggml_backend_tensor_get, gguf_write_to_file). F32
+        adapters only (TypeError otherwise). Raises ValueError if the path cannot be written or
+        the adapter is closed."""
         _core.lora_save(self._llama_adapter, str(path))
 
     def close(self) -> None:

@@ -79,7 +79,8 @@ class TrainResult:
 
 def to_f32(src: str | os.PathLike, dst: str | os.PathLike, *, n_threads: int | None = None) -> None:
     """Write ``src`` (any GGUF llama.cpp loads, or a model name) with F32 weights to ``dst``, for
-    full fine-tuning. Wraps llama_model_quantize with ftype ALL_F32 (dequantizing)."""
+    full fine-tuning (about 4 bytes per parameter). Wraps llama_model_quantize with ftype ALL_F32
+    (dequantizing). Raises FileNotFoundError, LlamaError if llama.cpp fails."""
     quantize(src, dst, "F32", n_threads=n_threads)
 
 
@@ -176,7 +177,8 @@ def finetune(
     ``lora_rank`` a new LoRA adapter over the frozen model (any weight type; repack=False).
 
     Args:
-        data: text (tokenized with the model's tokenizer, BOS added) or token ids.
+        data: text (tokenized with the model's tokenizer, BOS added) or token ids, shape (n,),
+            any integer dtype, each in [0, n_vocab).
         ctx_size: tokens per window (n_ctx = n_batch = n_ubatch of the training context); a
             multiple of 256 (llama.cpp pads contexts to 256).
         epochs: passes over the train windows (shuffled each epoch with ``seed`` unless

@@ -84,10 +84,10 @@ static nb::object gguf_value(const gguf_context * g, int64_t id, enum gguf_type 
     }
 }
 
-// GGUF key/values with their types (ints, floats, bools, strings, lists), read by ggml's gguf.
-static nb::dict read_metadata(const std::string & path) {
+// A GGUF file's header (gguf_init_from_file, no tensor data); meta: the tensors' shapes, if asked.
+static gguf_context * open_gguf_header(const std::string & path, ggml_context ** meta = nullptr) {
     check_gguf_file(path);
-    gguf_init_params params = { /*no_alloc =*/true, /*ctx =*/nullptr };
+    gguf_init_params params = { /*no_alloc =*/true, /*ctx =*/meta };
     gguf_context * g;
     {
         nb::gil_scoped_release release;
@@ -95,6 +95,12 @@ static nb::dict read_metadata(const std::string & path) {
         g = gguf_init_from_file(path.c_str(), params);
     }
     if (!g) raise_value("cannot read the GGUF header of '" + path + "'\n" + take_recent_errors());
+    return g;
+}
+
+// GGUF key/values with their types (ints, floats, bools, strings, lists), read by ggml's gguf.
+static nb::dict read_metadata(const std::string & path) {
+    gguf_context * g = open_gguf_header(path);
     nb::dict out;
     const int64_t n = gguf_get_n_kv(g);
     for (int64_t id = 0; id < n; ++id) {
@@ -119,17 +125,8 @@ static nb::dict read_metadata(const std::string & path) {
 
 // [(name, ggml type name, ne[0..n_dims))] of a GGUF's tensors (numpy order is ne reversed).
 static nb::list read_tensor_info(const std::string & path) {
-    check_gguf_file(path);
-    gguf_init_params params = { /*no_alloc =*/true, /*ctx =*/nullptr };
     ggml_context * meta = nullptr;
-    params.ctx = &meta;
-    gguf_context * g;
-    {
-        nb::gil_scoped_release release;
-        clear_recent_errors();
-        g = gguf_init_from_file(path.c_str(), params);
-    }
-    if (!g) raise_value("cannot read the GGUF header of '" + path + "'\n" + take_recent_errors());
+    gguf_context * g = open_gguf_header(path, &meta);
     nb::list out;
     for (ggml_tensor * t = ggml_get_first_tensor(meta); t; t = ggml_get_next_tensor(meta, t)) {
         nb::list ne;

@@ -22,10 +22,9 @@ namespace lb {
 
 struct TrainState {
     ggml_opt_optimizer_type optimizer = GGML_OPT_OPTIMIZER_TYPE_ADAMW;
-    float lr = 1e-5f, wd = 0.0f, beta1 = 0.9f, beta2 = 0.999f;
+    float lr = 1e-5f, wd = 0.0f;
     ggml_opt_result_t result_train = ggml_opt_result_init();
     ggml_opt_result_t result_eval = ggml_opt_result_init();
-    int64_t steps = 0;
     std::vector<ggml_tensor *> lora_params;  // adapter tensors flagged as parameters (unflagged after)
 
     ~TrainState() {
@@ -50,14 +49,13 @@ void training_context_params(llama_context_params & p) {
     p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
 }
 
-// ggml-opt asks for the optimizer parameters before every step
+// ggml-opt asks for the optimizer parameters before every step (betas, eps: ggml-opt's defaults
+// 0.9, 0.999, 1e-8, those of torch.optim.AdamW)
 static ggml_opt_optimizer_params opt_pars(void * ud) {
     const auto * s = (const TrainState *) ud;
     ggml_opt_optimizer_params p = ggml_opt_get_default_optimizer_params(nullptr);
     p.adamw.alpha = p.sgd.alpha = s->lr;
     p.adamw.wd = p.sgd.wd = s->wd;
-    p.adamw.beta1 = s->beta1;
-    p.adamw.beta2 = s->beta2;
     return p;
 }
 
@@ -93,21 +91,16 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
         if (c.loras.empty()) raise_value("params='lora' needs a LoRA adapter applied to the context (set_lora)");
         for (auto & [lora, scale] : c.loras) {
             for (auto & [name, w] : lora->adapter->ab_map) {
-                for (ggml_tensor * t : { w.a, w.b }) {
-                    if (t->type != GGML_TYPE_F32)
-                        raise_type("LoRA tensor '" + std::string(t->name) + "' is " + ggml_type_name(t->type) +
-                                   "; training needs F32 adapters");
-                }
+                st->lora_params.push_back(w.a);
+                st->lora_params.push_back(w.b);
             }
         }
-        for (auto & [lora, scale] : c.loras) {
-            for (auto & [name, w] : lora->adapter->ab_map) {
-                for (ggml_tensor * t : { w.a, w.b }) {
-                    ggml_set_param(t);
-                    st->lora_params.push_back(t);
-                }
-            }
+        for (ggml_tensor * t : st->lora_params) {
+            if (t->type != GGML_TYPE_F32)
+                raise_type("LoRA tensor '" + std::string(t->name) + "' is " + ggml_type_name(t->type) +
+                           "; training needs F32 adapters");
         }
+        for (ggml_tensor * t : st->lora_params) ggml_set_param(t);
     }
     llama_opt_params p{};
     p.n_ctx_train = 0;  // this context's n_ctx
@@ -150,7 +143,6 @@ static void opt_step(Context & c, Tokens tokens, bool train) {
     }
     ggml_opt_dataset_free(ds);
     c.has_logits = false;
-    if (train) st.steps++;
 }
 
 // (loss per token, its uncertainty, accuracy, windows) accumulated since the last opt_reset
@@ -181,25 +173,33 @@ static void opt_set_lr(Context & c, float lr) {
 
 using F32Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
+struct F32Tensor {
+    std::string name;
+    const float * data;
+    int64_t rows, cols;  // numpy (rows, cols) is ggml ne = [cols, rows]
+};
+
 // A LoRA adapter GGUF as llama_adapter_lora_init reads it: general.type "adapter",
 // general.architecture, adapter.type "lora", adapter.lora.alpha, F32 tensors NAME.lora_a/.lora_b.
-// tensors: (name, data); numpy (rows, cols) is ggml ne = [cols, rows].
+// gguf_write_to_file reads the data where it lies (no copy).
 static void write_lora(const std::string & path, const std::string & arch, float alpha,
-                       const std::vector<std::pair<std::string, std::vector<float>>> & data,
-                       const std::vector<std::pair<int64_t, int64_t>> & shapes) {
-    size_t bytes = 0;
-    for (auto & d : data) bytes += d.second.size() * sizeof(float) + ggml_tensor_overhead();
-    ggml_init_params ip = { bytes + ggml_tensor_overhead(), nullptr, false };
+                       const std::vector<F32Tensor> & tensors) {
+    ggml_init_params ip = { (tensors.size() + 1) * ggml_tensor_overhead(), nullptr, /*no_alloc =*/true };
     ggml_context * ctx = ggml_init(ip);
     gguf_context * g = gguf_init_empty();
     gguf_set_val_str(g, "general.type", "adapter");
     gguf_set_val_str(g, "general.architecture", arch.c_str());
     gguf_set_val_str(g, "adapter.type", "lora");
     gguf_set_val_f32(g, "adapter.lora.alpha", alpha);
-    for (size_t i = 0; i < data.size(); ++i) {
-        ggml_tensor * t = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, shapes[i].second, shapes[i].first);
-        ggml_set_name(t, data[i].first.c_str());
-        std::memcpy(t->data, data[i].second.data(), ggml_nbytes(t));
+    for (const auto & d : tensors) {
+        if (d.name.size() >= GGML_MAX_NAME) {
+            gguf_free(g);
+            ggml_free(ctx);
+            raise_value("tensor name too long: " + d.name);
+        }
+        ggml_tensor * t = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, d.cols, d.rows);
+        ggml_set_name(t, d.name.c_str());
+        t->data = (void *) d.data;
         gguf_add_tensor(g, t);
     }
     const bool ok = gguf_write_to_file(g, path.c_str(), false);
@@ -208,16 +208,13 @@ static void write_lora(const std::string & path, const std::string & arch, float
     if (!ok) raise_value("cannot write '" + path + "'");
 }
 
+using F32Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
 static void lora_write(const std::string & path, const std::string & arch, float alpha,
                        const std::vector<std::pair<std::string, F32Matrix>> & tensors) {
-    std::vector<std::pair<std::string, std::vector<float>>> data;
-    std::vector<std::pair<int64_t, int64_t>> shapes;
-    for (auto & [name, a] : tensors) {
-        if (name.size() >= GGML_MAX_NAME) raise_value("tensor name too long: " + name);
-        data.emplace_back(name, std::vector<float>(a.data(), a.data() + a.size()));
-        shapes.emplace_back((int64_t) a.shape(0), (int64_t) a.shape(1));
-    }
-    write_lora(path, arch, alpha, data, shapes);
+    std::vector<F32Tensor> views;
+    for (auto & [name, a] : tensors) views.push_back({ name, a.data(), (int64_t) a.shape(0), (int64_t) a.shape(1) });
+    write_lora(path, arch, alpha, views);
 }
 
 // The adapter's A/B tensors as they are now (after training), read back from their buffers.
@@ -225,22 +222,22 @@ static void lora_save(Lora & l, const std::string & path) {
     if (!l.adapter) raise_value("the LoRA adapter is closed");
     char arch[128] = { 0 };
     llama_model_meta_val_str(l.owner->get(), "general.architecture", arch, sizeof(arch));
-    std::vector<std::pair<std::string, std::vector<float>>> data;
-    std::vector<std::pair<int64_t, int64_t>> shapes;
     std::vector<std::string> names;
     for (auto & [name, w] : l.adapter->ab_map) names.push_back(name);
     std::sort(names.begin(), names.end());
+    std::vector<std::vector<float>> data;  // host copies of the (possibly device) tensors
+    std::vector<F32Tensor> views;
+    data.reserve(2 * names.size());
     for (auto & name : names) {
         const auto & w = l.adapter->ab_map.at(name);
         for (ggml_tensor * t : { w.a, w.b }) {
             if (t->type != GGML_TYPE_F32) raise_type("only F32 adapters can be saved; '" + name + "' is not");
-            std::vector<float> v(ggml_nelements(t));
-            ggml_backend_tensor_get(t, v.data(), 0, ggml_nbytes(t));
-            data.emplace_back(t->name, std::move(v));
-            shapes.emplace_back(t->ne[1], t->ne[0]);
+            data.emplace_back(ggml_nelements(t));
+            ggml_backend_tensor_get(t, data.back().data(), 0, ggml_nbytes(t));
+            views.push_back({ t->name, data.back().data(), t->ne[1], t->ne[0] });
         }
     }
-    write_lora(path, arch, l.adapter->alpha, data, shapes);
+    write_lora(path, arch, l.adapter->alpha, views);
 }
 
 static void model_save(Model & m, const std::string & path) {

@@ -48,6 +48,13 @@ SUITE_EXCLUDES=(--deselect tests/test_train.py::test_matches_pytorch --deselect 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
 source tests/device/setup.sh
 python3 -m llamabind info
+# SmolLM2 from its two carried parts (.device's part-a, copied to /tmp by "ops", and .device-b's), checked
+join_model() {
+  local f=$LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+  mkdir -p "$(dirname $f)"
+  cat /tmp/smollm2.part-a .device-b/smollm2.part-b > $f
+  sha256sum $f | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 && echo "SmolLM2 sha256 ok"
+}
 case $phase in
 ops)
   cp .device/smollm2.part-a .device/tokenizer.gguf /tmp/
@@ -66,10 +73,7 @@ ops)
   echo "op tests in $((SECONDS - t0)) s"
   ;;
 models)
-  f=$LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
-  mkdir -p "$(dirname $f)"
-  cat /tmp/smollm2.part-a .device-b/smollm2.part-b > $f
-  sha256sum $f | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 && echo "SmolLM2 sha256 ok"
+  join_model
   t0=$SECONDS
   LLAMABIND_REQUIRE_GPU=1 LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests $PYTEST_ARGS "${SUITE_EXCLUDES[@]}" --durations=10 2>&1 | tee "$OUT/tests.log" | tail -80
   echo "test suite in $((SECONDS - t0)) s"
@@ -84,10 +88,7 @@ rss)
 train)
   # fine-tuning on CUDA (full offload): tests/test_train.py without the PyTorch parity and the notebook
   # (transformers and nbformat are not in the image), then bench/train.py with -ngl 99 (no PyTorch row)
-  f=$LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
-  mkdir -p "$(dirname $f)"
-  cat /tmp/smollm2.part-a .device-b/smollm2.part-b > $f
-  sha256sum $f | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 && echo "SmolLM2 sha256 ok"
+  join_model
   t0=$SECONDS
   LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests/test_train.py $PYTEST_ARGS -s --durations=10 \
     --deselect tests/test_train.py::test_matches_pytorch --deselect tests/test_train.py::test_lora_matches_pytorch \
