@@ -9,7 +9,8 @@ use; a path to any GGUF file works wherever a name does.
 
 The package imports in one direction (checked by import-linter, see pyproject.toml): ``_core``
 (native) and leaf helpers -> the native-facing layer (``model``, ``context``, ``sampling``) ->
-feature modules (``generation``, ``chat``, ``batch``, ``embeddings``, ``speculative``) -> the face
+feature modules (``generation``, ``chat``, ``batch``, ``embeddings``, ``speculative``, ``train``,
+``server``) -> the face
 (``api``, this module, ``__main__``).
 """
 
@@ -26,6 +27,7 @@ from .chat import ChatResult
 from .generation import GenerationResult, Stream, Timings, TokenLogprob
 from .model import ChatTemplates, LoraAdapter, json_schema_to_grammar
 from .sampling import Sampler, SamplingParams
+from .server import serve
 
 __version__ = _core.build_info()["version"]
 
@@ -48,5 +50,6 @@ __all__ = [
     "tool_path",
     "models",
     "rpc",
+    "serve",
     "__version__",
 ]

@@ -8,13 +8,25 @@ ValueError: the right kind, out of range (or empty where something is needed).
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["as_int", "as_float", "one_of", "expect", "stop_strings", "sampling_kwargs", "prompt_tokens", "endpoint"]
+__all__ = [
+    "as_int",
+    "as_float",
+    "one_of",
+    "expect",
+    "stop_strings",
+    "sampling_kwargs",
+    "prompt_tokens",
+    "endpoint",
+    "is_loopback",
+    "tool_choice",
+]
 
 T = TypeVar("T")
 
@@ -128,3 +140,36 @@ def endpoint(value: Any) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"an RPC endpoint must be 'host:port' with a port in 1..65535; got {value!r}")
     return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """True when a server bound to ``host`` is reachable from this machine only."""
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def tool_choice(tools: Sequence[dict] | None, choice: Any) -> tuple[list[dict] | None, str]:
+    """(tools, choice) as llama.cpp common takes them: ``choice`` "auto", "none" or "required", or
+    OpenAI's named form ``{"type": "function", "function": {"name": NAME}}``, which becomes the
+    one tool NAME and "required" (the model must call it). TypeError/ValueError for a malformed
+    choice or a NAME that is not among ``tools``."""
+    if isinstance(choice, str):
+        one_of(choice, "tool_choice", ("auto", "none", "required"))
+        return (list(tools) if tools else None), choice
+    if not isinstance(choice, Mapping):
+        raise TypeError(f"tool_choice must be 'auto', 'none', 'required' or a dict; got {type(choice).__name__}")
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise ValueError("a named tool_choice must be {'type': 'function', 'function': {'name': ...}}")
+    named = [
+        t for t in tools or [] if isinstance(t, Mapping) and isinstance(t.get("function"), Mapping)
+        and t["function"].get("name") == name
+    ]
+    if not named:
+        raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
+    return named[:1], "required"

@@ -72,7 +72,7 @@ def chat(
     messages: Sequence[dict],
     *,
     tools: Sequence[dict] | None = None,
-    tool_choice: str = "auto",
+    tool_choice: str | dict = "auto",
     parallel_tool_calls: bool = False,
     response_format: dict | None = None,
     template: str | None = None,

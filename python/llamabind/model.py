@@ -13,6 +13,7 @@ from typing import Any, cast
 
 from . import _core, _log, models
 from ._validate import as_int, endpoint, one_of
+from ._validate import tool_choice as _tool_choice
 
 __all__ = ["Model", "LoraAdapter", "ChatTemplates", "json_schema_to_grammar"]
 
@@ -360,7 +361,7 @@ class ChatTemplates:
         messages: Sequence[dict],
         *,
         tools: Sequence[dict] | None = None,
-        tool_choice: str = "auto",
+        tool_choice: str | dict = "auto",
         parallel_tool_calls: bool = False,
         json_schema: dict | str | None = None,
         add_generation_prompt: bool = True,
@@ -374,7 +375,8 @@ class ChatTemplates:
         messages: OpenAI-style dicts with ``role`` and ``content`` (str or a list of
         {"type": "text", "text"} parts), optionally ``tool_calls``/``tool_call_id``/``name``.
         tools: OpenAI-style [{"type": "function", "function": {"name", "description",
-        "parameters"}}]. tool_choice: "auto", "none" or "required". json_schema: constrain the
+        "parameters"}}]. tool_choice: "auto", "none", "required", or OpenAI's named form
+        ``{"type": "function", "function": {"name": ...}}`` (that tool must be called). json_schema: constrain the
         reply to JSON valid for this schema. template_kwargs: extra jinja variables (JSON values).
         Raises TypeError/ValueError for malformed messages, tools or schema. Wraps
         common_chat_templates_apply.
@@ -384,7 +386,7 @@ class ChatTemplates:
         for i, m in enumerate(messages):
             if not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] has no 'role' (str)")
-        one_of(tool_choice, "tool_choice", ("auto", "none", "required"))
+        tools, tool_choice = _tool_choice(tools, tool_choice)
         schema = (
             None if json_schema is None else (json_schema if isinstance(json_schema, str) else json.dumps(json_schema))
         )

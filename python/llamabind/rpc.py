@@ -20,7 +20,6 @@ them on the server's disk by hash, so a second load sends only hashes).
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import subprocess
@@ -30,12 +29,12 @@ import warnings
 
 from . import _core
 from ._validate import endpoint as _endpoint
+from ._validate import is_loopback
 from .build import default_threads, devices
 
 __all__ = ["Server", "connect", "serve", "DEFAULT_PORT"]
 
 DEFAULT_PORT = 50052  # upstream rpc-server's default
-_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 NO_AUTH_WARNING = (
     "the ggml RPC server has no authentication and no encryption: anyone who can reach "
     "{endpoint} can run computations on this host and read what it holds. Bind it to "
@@ -106,13 +105,7 @@ class Server:
 
 def check_host(host: str) -> None:
     """Warn (UserWarning) when a server would listen beyond this machine."""
-    loopback = host in _LOOPBACK
-    if not loopback:
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-    if not loopback:
+    if not is_loopback(host):
         warnings.warn(NO_AUTH_WARNING.format(endpoint=host), UserWarning, stacklevel=3)
 
 

@@ -44,5 +44,6 @@ void register_testing(nb::module_ & m);
 void register_graph(nb::module_ & m);
 void register_ops(nb::module_ & m);
 void register_rpc(nb::module_ & m);
+void register_server(nb::module_ & m);
 
 }  // namespace lb

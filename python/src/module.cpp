@@ -59,4 +59,5 @@ NB_MODULE(_core, m) {
     lb::register_graph(m);
     lb::register_ops(m);
     lb::register_rpc(m);
+    lb::register_server(m);
 }

@@ -1,0 +1,318 @@
+"""An OpenAI-compatible HTTP server with continuous batching.
+
+From a shell::
+
+    python -m llamabind serve smollm2-135m-instruct --port 8080 --parallel 4
+
+From Python::
+
+    with llamabind.serve("model.gguf", port=0) as srv:     # port 0: any free port
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+        client.chat.completions.create(model=srv.model_id, messages=[...])
+
+The scheduler, the slots and the OpenAI layer are llama.cpp's own (``tools/server``'s
+server_context and server_routes, from the same patched tree: :mod:`llamabind.server_context`);
+this module is the HTTP front: an ASGI application (Starlette) served by uvicorn, which checks API
+keys, body sizes, JSON and the model name, maps the named ``tool_choice`` that llama-server ignores,
+bounds the requests in flight (503 beyond), and frees a slot when its client goes away.
+
+Endpoints (llama-server's): ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``
+(with ``embedding=True``), ``/v1/responses``, ``/tokenize``, ``/detokenize``, ``/apply-template``,
+``/completion``, ``/infill``, ``/rerank``; ``GET /v1/models``, ``/health``, ``/metrics`` (Prometheus
+text), ``/slots``, ``/props``. Errors have OpenAI's shape ``{"error": {"message", "type", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from ._validate import as_int, is_loopback, tool_choice
+from .server_context import ServerContext
+
+__all__ = ["Server", "serve", "create_app", "DEFAULT_PORT", "MAX_BODY"]
+
+DEFAULT_PORT = 8080  # llama-server's
+MAX_BODY = 16 * 2**20  # bytes of a request body (413 beyond)
+PUBLIC = frozenset({"/health", "/v1/health"})  # answered without an API key, as llama-server does
+NO_KEY_WARNING = (
+    "llamabind.serve on {host} without an API key: anyone who can reach it can use the model. "
+    "Give api_key (--api-key) or bind it to 127.0.0.1 (the default)."
+)
+log = logging.getLogger("llamabind.server")
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", code: Any = None) -> Any:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+
+
+def _authorized(headers: Any, api_key: str) -> bool:
+    given = headers.get("authorization", "")
+    given = given[7:] if given[:7].lower() == "bearer " else headers.get("x-api-key", "")
+    return hmac.compare_digest(given.encode(), api_key.encode())
+
+
+def _prepare(path: str, body: bytes, model_names: frozenset[str], model_id: str) -> tuple[bytes, Any]:
+    """(body, None) to hand to llama.cpp, or (b"", an error response): the body must be a JSON
+    object, name a model this server has (OpenAI routes), ask for at least one token, and a named
+    tool_choice becomes that one tool, required (llama-server reads tool_choice as a string only)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        return b"", _error(400, f"the request body is not valid JSON: {e}")
+    if not isinstance(data, dict):
+        return b"", _error(400, "the request body must be a JSON object")
+    if path.startswith("/v1/") and "model" in data:
+        model = data["model"]
+        if not isinstance(model, str):
+            return b"", _error(400, "'model' must be a string")
+        if model not in model_names:
+            msg = f"the model {model!r} does not exist; this server has {model_id!r}"
+            return b"", _error(404, msg, code="model_not_found")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = data.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            return b"", _error(400, f"'{key}' must be an integer >= 1; got {v!r}")
+    if isinstance(data.get("tool_choice"), dict):
+        try:
+            data["tools"], data["tool_choice"] = tool_choice(data.get("tools"), data["tool_choice"])
+        except (TypeError, ValueError) as e:
+            return b"", _error(400, str(e))
+        body = json.dumps(data).encode()
+    return body, None
+
+
+def create_app(core: ServerContext, *, api_key: str | None = None, max_body: int = MAX_BODY, max_pending: int = 256):
+    """The ASGI application (Starlette) in front of ``core``: llama-server's routes, API-key check
+    (``Authorization: Bearer KEY`` or ``X-Api-Key``; /health is public), bodies up to ``max_body``
+    bytes (413), at most ``max_pending`` requests in flight (503), OpenAI-shaped errors (404 for an
+    unknown route or model, 405, 400 for malformed JSON). Streams are SSE (``text/event-stream``)."""
+    import anyio
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
+
+    state = {"pending": 0, "limiter": None}
+
+    def limiter() -> anyio.CapacityLimiter:
+        if state["limiter"] is None:  # created in the event loop; one worker thread per request in flight
+            state["limiter"] = anyio.CapacityLimiter(max_pending + 8)
+        return state["limiter"]
+
+    async def run(r: Any, request: Any) -> None:
+        """r.run() on a worker thread; if the client goes away meanwhile, close r (frees its slot)."""
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while True:
+                    await anyio.sleep(0.25)
+                    if await request.is_disconnected():
+                        r.close()
+                        return
+
+            tg.start_soon(watch)
+            await anyio.to_thread.run_sync(r.run, limiter=limiter())
+            tg.cancel_scope.cancel()
+
+    async def endpoint(request: Any) -> Any:
+        path, method = request.url.path, request.method
+        if api_key is not None and path not in PUBLIC and not _authorized(request.headers, api_key):
+            return _error(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
+        body = b""
+        if method == "POST":
+            length = request.headers.get("content-length", "")
+            if length.isdigit() and int(length) > max_body:
+                return _error(413, f"the request body is larger than {max_body} bytes")
+            chunks, n = [], 0
+            async for c in request.stream():
+                n += len(c)
+                if n > max_body:
+                    return _error(413, f"the request body is larger than {max_body} bytes")
+                chunks.append(c)
+            body, err = _prepare(path, b"".join(chunks), core.model_names, core.model_id)
+            if err is not None:
+                return err
+        if state["pending"] >= max_pending:
+            return _error(503, f"the server is overloaded ({max_pending} requests in flight); retry later", "server_error")
+        state["pending"] += 1
+        streaming = False
+        try:
+            r = core.request(method, path, body, dict(request.query_params))
+            await run(r, request)
+            headers = dict(r.headers)
+            if not r.is_stream:
+                return Response(r.body, r.status, headers, media_type=r.content_type or None)
+            streaming = True
+
+            async def chunks_of(r: Any = r) -> Any:
+                try:
+                    while (chunk := await anyio.to_thread.run_sync(r.next, limiter=limiter())) is not None:
+                        if chunk:
+                            yield chunk
+                finally:
+                    r.close()  # a client that went away: its tasks are cancelled, its slot freed
+                    state["pending"] -= 1
+
+            headers["Cache-Control"] = "no-cache"
+            return StreamingResponse(chunks_of(), r.status, headers, media_type=r.content_type)
+        finally:
+            if not streaming:
+                state["pending"] -= 1
+
+    async def http_error(request: Any, exc: Any) -> Any:
+        if exc.status_code == 405:
+            return _error(405, f"{request.method} is not allowed on {request.url.path}")
+        return _error(exc.status_code, f"no route {request.method} {request.url.path}", code="not_found")
+
+    by_path: dict[str, list[str]] = {}
+    for route in sorted(core.routes):
+        m, p = route.split(" ", 1)
+        by_path.setdefault(p, []).append(m)
+    routes = [Route(p, endpoint, methods=ms) for p, ms in by_path.items()]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+
+
+class Server:
+    """A running server (uvicorn on a thread of this process); a context manager that stops it.
+
+    url: ``"http://HOST:PORT"`` (the OpenAI base URL is ``url + "/v1"``). model_id: the model name
+    clients send. context: the :class:`~llamabind.server_context.ServerContext` behind it.
+    """
+
+    def __init__(self, uv: Any, thread: threading.Thread, context: ServerContext, host: str, port: int):
+        self._uv, self._thread = uv, thread
+        self.context = context
+        self.host, self.port = host, port
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        self.model_id = context.model_id
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the server stops (Ctrl-C raises KeyboardInterrupt here)."""
+        while self._thread.is_alive():
+            self._thread.join(0.5)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop accepting requests, end open streams, stop the scheduler. Idempotent."""
+        self._uv.should_exit = True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._uv.force_exit = True
+            self._thread.join(timeout)
+        self.context.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<llamabind.Server {self.url} {self.model_id!r} {'running' if self.running else 'stopped'}>"
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    return sock
+
+
+def serve(
+    model: str | os.PathLike = "smollm2-135m-instruct",
+    *,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    parallel: int = 4,
+    ctx_size: int | None = None,
+    api_key: str | None = None,
+    embedding: bool = False,
+    n_gpu_layers: int | None = None,
+    n_threads: int | None = None,
+    n_batch: int | None = None,
+    n_ubatch: int | None = None,
+    rpc: Sequence[str] | None = None,
+    alias: str | None = None,
+    chat_template: str | None = None,
+    flash_attn: str | None = None,
+    lora: Sequence[tuple[str, float]] | None = None,
+    max_body: int = MAX_BODY,
+    max_pending: int = 256,
+    access_log: bool = False,
+) -> Server:
+    """Start an OpenAI-compatible server for ``model`` (a name or GGUF path) and return once it
+    answers; :meth:`Server.stop` (or leaving the ``with`` block) ends it.
+
+    host/port: where to listen (port 0: any free port; a host other than loopback without
+    ``api_key`` warns). parallel: slots decoded together (continuous batching). ctx_size: KV cache
+    tokens for all slots (None: the model's training context, fitted to free memory); any slot may
+    use all of it. embedding: serve /v1/embeddings. n_gpu_layers, n_threads, n_batch, n_ubatch,
+    rpc, alias, chat_template, flash_attn, lora: as :class:`~llamabind.server_context.ServerContext`.
+    max_body: request body limit in bytes (413). max_pending: requests in flight before 503.
+
+    Raises FileNotFoundError, TypeError/ValueError (bad argument), OSError (the port is taken),
+    LlamaError (the model failed to load).
+    """
+    as_int(port, "port", 0, 65535)
+    as_int(max_body, "max_body", 1)
+    as_int(max_pending, "max_pending", 1)
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty str")
+    if not is_loopback(host) and api_key is None:
+        warnings.warn(NO_KEY_WARNING.format(host=host), UserWarning, stacklevel=2)
+    import uvicorn
+
+    sock = _bind(host, port)  # before loading: a taken port fails at once
+    try:
+        core = ServerContext(
+            model,
+            n_parallel=parallel,
+            n_ctx=ctx_size,
+            n_batch=n_batch,
+            n_ubatch=n_ubatch,
+            n_gpu_layers=n_gpu_layers,
+            n_threads=n_threads,
+            embedding=embedding,
+            alias=alias,
+            chat_template=chat_template,
+            flash_attn=flash_attn,
+            lora=lora,
+            rpc_servers=rpc,
+        )
+    except BaseException:
+        sock.close()
+        raise
+    app = create_app(core, api_key=api_key, max_body=max_body, max_pending=max_pending)
+    config = uvicorn.Config(app, log_level="info" if access_log else "warning", access_log=access_log, lifespan="off")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="llamabind-server", daemon=True)
+    thread.start()
+    while not uv.started and thread.is_alive():
+        time.sleep(0.01)
+    sock_port = sock.getsockname()[1]
+    srv = Server(uv, thread, core, host, sock_port)
+    if not thread.is_alive():
+        core.close()
+        raise OSError(f"the HTTP server on {host}:{sock_port} stopped while starting")
+    log.info("serving %s at %s", core.model_id, srv.url)
+    return srv

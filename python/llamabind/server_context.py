@@ -1,0 +1,129 @@
+"""The serving core: llama.cpp's tools/server built from the same patched tree. ``server_context``
+holds ``n_parallel`` slots in one llama_context and KV cache and schedules them with continuous
+batching (a request joins the running batch at the next step, finishes on its own, frees its slot;
+each slot reuses the KV cache of a shared prompt prefix); ``server_routes`` are llama-server's HTTP
+handlers with its OpenAI layer (chat templates through common's jinja engine, tool calls, JSON
+schemas, logprobs, embeddings). The native-facing layer of :mod:`llamabind.serve`, which puts an HTTP
+server in front of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+
+from . import _core, models, rpc
+from ._validate import as_int, one_of
+
+__all__ = ["ServerContext"]
+
+
+class ServerContext:
+    """llama.cpp's server core over one GGUF model.
+
+    model: a model name (:mod:`llamabind.models`) or a GGUF path. n_parallel: slots (concurrent
+    sequences). n_ctx: KV cache size in tokens for all slots together (None: the model's training
+    context, fitted to free device memory, as llama-server does); with ``kv_unified`` (default) any
+    slot may use all of it, else each gets n_ctx / n_parallel. n_batch/n_ubatch: logical/physical
+    batch sizes. n_gpu_layers: layers to offload (None: llama-server's default, all that fit).
+    embedding: serve /v1/embeddings (pooled embeddings) instead of generation. alias: the model id
+    clients name (default: the model's name, or the file name without .gguf). chat_template: a jinja template replacing the model's.
+    flash_attn: "on", "off" or "auto". lora: [(path, scale)] adapters. rpc: ["host:port"] servers
+    whose devices join this process's (:func:`llamabind.rpc.connect`).
+
+    Raises FileNotFoundError (no such model), TypeError/ValueError (bad option), LlamaError (the model
+    failed to load). Wraps server_context::load_model and server_context::start_loop (on a thread of its
+    own); :meth:`close` stops it.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        n_parallel: int = 4,
+        n_ctx: int | None = None,
+        n_batch: int | None = None,
+        n_ubatch: int | None = None,
+        n_gpu_layers: int | None = None,
+        n_threads: int | None = None,
+        embedding: bool = False,
+        kv_unified: bool = True,
+        alias: str | None = None,
+        chat_template: str | None = None,
+        flash_attn: str | None = None,
+        seed: int | None = None,
+        lora: Sequence[tuple[str, float]] | None = None,
+        rpc_servers: Sequence[str] | None = None,
+    ):
+        path = models.resolve(os.fspath(model))
+        if alias is None:  # the name the user gave (a known model), else the file's name without .gguf
+            alias = os.fspath(model) if os.fspath(model).lower() in models.KNOWN else path.stem
+        opts: dict = {"model": str(path), "n_parallel": as_int(n_parallel, "n_parallel", 1, 256)}
+        for name, value, lo in (
+            ("n_ctx", n_ctx, 0),
+            ("n_batch", n_batch, 1),
+            ("n_ubatch", n_ubatch, 1),
+            ("n_gpu_layers", n_gpu_layers, -2),
+            ("n_threads", n_threads, 1),
+            ("seed", seed, 0),
+        ):
+            if value is not None:
+                opts[name] = as_int(value, name, lo)
+        if flash_attn is not None:
+            opts["flash_attn"] = one_of(flash_attn, "flash_attn", ("on", "off", "auto"))
+        for name, value in (("alias", alias), ("chat_template", chat_template)):
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise TypeError(f"{name} must be a non-empty str")
+                opts[name] = value
+        opts["embedding"] = bool(embedding)
+        opts["kv_unified"] = bool(kv_unified)
+        if lora:
+            opts["lora"] = [(os.fspath(p), float(s)) for p, s in lora]
+            for p, _ in opts["lora"]:
+                if not os.path.exists(p):
+                    raise FileNotFoundError(f"LoRA adapter not found: {p}")
+        for endpoint in rpc_servers or ():
+            rpc.connect(endpoint)
+        self.path = path
+        self._core = _core.ServerCore(opts)
+        self._core.load()
+        self.routes = frozenset(self._core.routes)
+        models_json = json.loads(self.handle("GET", "/v1/models").body)
+        first = models_json["data"][0]
+        #: the model id clients send as "model", and the other names it answers to
+        self.model_id: str = first["id"]
+        self.model_names = frozenset([first["id"], *first.get("aliases", []), path.name, path.stem, str(path)])
+        self.n_parallel: int = self._core.n_parallel
+
+    def request(
+        self, method: str, path: str, body: bytes = b"", query: Mapping[str, str] | None = None
+    ) -> _core.ServerResponse:
+        """A request to llama-server's handler for ``method path`` (one of :attr:`routes`) with
+        ``body`` (the request's JSON, bytes), not yet run: ``run()`` runs it (without the GIL) and
+        returns when a non-streamed response is complete; a streamed one (``is_stream``) then yields its
+        SSE chunks from ``next()``. ``close()``, from any thread, cancels it and frees its slot. Raises
+        ValueError for an unknown route."""
+        return self._core.request(method, path, body, dict(query or {}))
+
+    def handle(
+        self, method: str, path: str, body: bytes = b"", query: Mapping[str, str] | None = None
+    ) -> _core.ServerResponse:
+        """:meth:`request` and run it."""
+        r = self.request(method, path, body, query)
+        r.run()
+        return r
+
+    def close(self) -> None:
+        """Stop the scheduler thread (server_context::terminate). Idempotent."""
+        self._core.stop()
+
+    def __enter__(self) -> ServerContext:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<llamabind.ServerContext {self.model_id!r} n_parallel={self.n_parallel}>"
