@@ -214,6 +214,7 @@ def _serve(args) -> int:
         ctx_size=args.ctx_size,
         api_key=args.api_key,
         embedding=args.embedding,
+        pooling=args.pooling,
         n_gpu_layers=args.n_gpu_layers,
         n_threads=args.threads,
         n_batch=args.batch_size,
@@ -337,6 +338,7 @@ def main(argv=None) -> int:
     s.add_argument("--ctx-size", "-c", type=int, default=None, help="KV cache tokens shared by the slots")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or X-Api-Key)")
     s.add_argument("--embedding", action="store_true", help="serve /v1/embeddings (an embedding model)")
+    s.add_argument("--pooling", choices=["mean", "cls", "last", "rank"], default=None, help="embedding pooling")
     s.add_argument("--n-gpu-layers", "-ngl", type=int, default=None, help="layers to offload (default: all that fit)")
     s.add_argument("--threads", "-t", type=int, default=None)
     s.add_argument("--batch-size", "-b", type=int, default=None, help="logical batch size (n_batch)")

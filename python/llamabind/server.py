@@ -79,6 +79,8 @@ def _prepare(path: str, body: bytes, model_names: frozenset[str], model_id: str)
         if model not in model_names:
             msg = f"the model {model!r} does not exist; this server has {model_id!r}"
             return b"", _error(404, msg, code="model_not_found")
+    if path.endswith("/chat/completions") and (not isinstance(data.get("messages"), list) or not data["messages"]):
+        return b"", _error(400, "'messages' must be a non-empty array")
     for key in ("max_tokens", "max_completion_tokens"):
         v = data.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -104,6 +106,7 @@ def create_app(core: ServerContext, *, api_key: str | None = None, max_body: int
     from starlette.routing import Route
 
     state = {"pending": 0, "limiter": None}
+    inflight: set = set()  # responses not yet finished (Server.stop closes them)
 
     def limiter() -> anyio.CapacityLimiter:
         if state["limiter"] is None:  # created in the event loop; one worker thread per request in flight
@@ -143,12 +146,16 @@ def create_app(core: ServerContext, *, api_key: str | None = None, max_body: int
             body, err = _prepare(path, b"".join(chunks), core.model_names, core.model_id)
             if err is not None:
                 return err
-        if state["pending"] >= max_pending:
-            return _error(503, f"the server is overloaded ({max_pending} requests in flight); retry later", "server_error")
-        state["pending"] += 1
-        streaming = False
+        if method == "POST":  # the work; GETs (health, metrics, slots, models) are always answered
+            if state["pending"] >= max_pending:
+                msg = f"the server is overloaded ({max_pending} requests in flight); retry later"
+                return _error(503, msg, "server_error")
+            state["pending"] += 1
+        counted = method == "POST"
+        streaming, r = False, None
         try:
             r = core.request(method, path, body, dict(request.query_params))
+            inflight.add(r)
             await run(r, request)
             headers = dict(r.headers)
             if not r.is_stream:
@@ -162,13 +169,16 @@ def create_app(core: ServerContext, *, api_key: str | None = None, max_body: int
                             yield chunk
                 finally:
                     r.close()  # a client that went away: its tasks are cancelled, its slot freed
-                    state["pending"] -= 1
+                    inflight.discard(r)
+                    state["pending"] -= counted
 
             headers["Cache-Control"] = "no-cache"
             return StreamingResponse(chunks_of(), r.status, headers, media_type=r.content_type)
         finally:
             if not streaming:
-                state["pending"] -= 1
+                state["pending"] -= counted
+                if r is not None:
+                    inflight.discard(r)
 
     async def http_error(request: Any, exc: Any) -> Any:
         if exc.status_code == 405:
@@ -180,7 +190,9 @@ def create_app(core: ServerContext, *, api_key: str | None = None, max_body: int
         m, p = route.split(" ", 1)
         by_path.setdefault(p, []).append(m)
     routes = [Route(p, endpoint, methods=ms) for p, ms in by_path.items()]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.state.inflight = inflight
+    return app
 
 
 class Server:
@@ -190,8 +202,8 @@ class Server:
     clients send. context: the :class:`~llamabind.server_context.ServerContext` behind it.
     """
 
-    def __init__(self, uv: Any, thread: threading.Thread, context: ServerContext, host: str, port: int):
-        self._uv, self._thread = uv, thread
+    def __init__(self, uv: Any, thread: threading.Thread, context: ServerContext, host: str, port: int, app: Any):
+        self._uv, self._thread, self._app = uv, thread, app
         self.context = context
         self.host, self.port = host, port
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -207,8 +219,11 @@ class Server:
             self._thread.join(0.5)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop accepting requests, end open streams, stop the scheduler. Idempotent."""
+        """Stop accepting requests, cancel those in flight (streams end, waiting requests return within
+        about a second), stop the scheduler. Idempotent."""
         self._uv.should_exit = True
+        for r in list(self._app.state.inflight):
+            r.close()
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._uv.force_exit = True
@@ -247,6 +262,7 @@ def serve(
     ctx_size: int | None = None,
     api_key: str | None = None,
     embedding: bool = False,
+    pooling: str | None = None,
     n_gpu_layers: int | None = None,
     n_threads: int | None = None,
     n_batch: int | None = None,
@@ -266,7 +282,8 @@ def serve(
     host/port: where to listen (port 0: any free port; a host other than loopback without
     ``api_key`` warns). parallel: slots decoded together (continuous batching). ctx_size: KV cache
     tokens for all slots (None: the model's training context, fitted to free memory); any slot may
-    use all of it. embedding: serve /v1/embeddings. n_gpu_layers, n_threads, n_batch, n_ubatch,
+    use all of it. embedding: serve /v1/embeddings (pooling: "mean", "cls", "last"; None: the model's).
+    n_gpu_layers, n_threads, n_batch, n_ubatch,
     rpc, alias, chat_template, flash_attn, lora: as :class:`~llamabind.server_context.ServerContext`.
     max_body: request body limit in bytes (413). max_pending: requests in flight before 503.
 
@@ -293,6 +310,7 @@ def serve(
             n_gpu_layers=n_gpu_layers,
             n_threads=n_threads,
             embedding=embedding,
+            pooling=pooling,
             alias=alias,
             chat_template=chat_template,
             flash_attn=flash_attn,
@@ -303,14 +321,17 @@ def serve(
         sock.close()
         raise
     app = create_app(core, api_key=api_key, max_body=max_body, max_pending=max_pending)
-    config = uvicorn.Config(app, log_level="info" if access_log else "warning", access_log=access_log, lifespan="off")
+    config = uvicorn.Config(
+        app, log_level="info" if access_log else "warning", access_log=access_log, lifespan="off",
+        timeout_graceful_shutdown=5,
+    )
     uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="llamabind-server", daemon=True)
     thread.start()
     while not uv.started and thread.is_alive():
         time.sleep(0.01)
     sock_port = sock.getsockname()[1]
-    srv = Server(uv, thread, core, host, sock_port)
+    srv = Server(uv, thread, core, host, sock_port, app)
     if not thread.is_alive():
         core.close()
         raise OSError(f"the HTTP server on {host}:{sock_port} stopped while starting")

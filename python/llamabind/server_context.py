@@ -18,6 +18,8 @@ from ._validate import as_int, one_of
 
 __all__ = ["ServerContext"]
 
+POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}  # enum llama_pooling_type
+
 
 class ServerContext:
     """llama.cpp's server core over one GGUF model.
@@ -27,7 +29,8 @@ class ServerContext:
     context, fitted to free device memory, as llama-server does); with ``kv_unified`` (default) any
     slot may use all of it, else each gets n_ctx / n_parallel. n_batch/n_ubatch: logical/physical
     batch sizes. n_gpu_layers: layers to offload (None: llama-server's default, all that fit).
-    embedding: serve /v1/embeddings (pooled embeddings) instead of generation. alias: the model id
+    embedding: serve /v1/embeddings instead of generation; pooling: "mean", "cls", "last",
+    "none" or "rank" (None: the model's own). alias: the model id
     clients name (default: the model's name, or the file name without .gguf). chat_template: a jinja template replacing the model's.
     flash_attn: "on", "off" or "auto". lora: [(path, scale)] adapters. rpc: ["host:port"] servers
     whose devices join this process's (:func:`llamabind.rpc.connect`).
@@ -48,6 +51,7 @@ class ServerContext:
         n_gpu_layers: int | None = None,
         n_threads: int | None = None,
         embedding: bool = False,
+        pooling: str | None = None,
         kv_unified: bool = True,
         alias: str | None = None,
         chat_template: str | None = None,
@@ -78,6 +82,8 @@ class ServerContext:
                     raise TypeError(f"{name} must be a non-empty str")
                 opts[name] = value
         opts["embedding"] = bool(embedding)
+        if pooling is not None:
+            opts["pooling"] = POOLING[one_of(pooling, "pooling", POOLING)]
         opts["kv_unified"] = bool(kv_unified)
         if lora:
             opts["lora"] = [(os.fspath(p), float(s)) for p, s in lora]

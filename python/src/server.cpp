@@ -147,6 +147,7 @@ struct ServerCore {
     std::map<std::string, Handler *> handlers;  // "POST /v1/chat/completions" -> handler
     std::thread loop;
     bool loaded = false;
+    std::atomic<bool> stopped{ false };
 
     explicit ServerCore(const nb::dict & options) {
         set_params(options);
@@ -199,6 +200,7 @@ struct ServerCore {
         i32("n_predict", params.n_predict);
         i32("n_cache_reuse", params.n_cache_reuse);
         i32("cache_ram_mib", params.cache_ram_mib);
+        if (has("pooling")) params.pooling_type = (enum llama_pooling_type) nb::cast<int>(o["pooling"]);
         if (has("kv_unified")) params.kv_unified = nb::cast<bool>(o["kv_unified"]);
         if (has("embedding")) params.embedding = nb::cast<bool>(o["embedding"]);
         if (has("cache_prompt")) params.cache_prompt = nb::cast<bool>(o["cache_prompt"]);
@@ -260,6 +262,7 @@ struct ServerCore {
         auto it = handlers.find(method + " " + path);
         if (it == handlers.end()) raise_value("no route " + method + " " + path);
         if (!loaded) raise_value("ServerCore.request: the model is not loaded");
+        if (stopped) raise_value("ServerCore.request: the server is stopped");
         auto r = std::make_unique<Response>();
         Response * rp = r.get();
         r->handler = it->second;
@@ -272,6 +275,7 @@ struct ServerCore {
     }
 
     void stop() {
+        stopped = true;
         if (loop.joinable()) {
             nb::gil_scoped_release nogil;
             ctx.terminate();
@@ -319,15 +323,18 @@ void register_server(nb::module_ & m) {
         "llama.cpp's tools/server core (server_context + server_routes) over one model: n_parallel slots in "
         "one llama_context, continuous batching. options: a dict of common_params fields (model, n_ctx, "
         "n_batch, n_ubatch, n_parallel, n_gpu_layers, n_threads, n_threads_batch, embedding, kv_unified, "
-        "cache_prompt, n_cache_reuse, cache_ram_mib, chat_template, alias, seed, flash_attn, n_predict, lora).")
+        "cache_prompt, n_cache_reuse, cache_ram_mib, chat_template, alias, seed, flash_attn, n_predict, lora, pooling).")
         .def(nb::init<const nb::dict &>(), nb::arg("options"))
         .def("load", &ServerCore::load,
              "Load the model (server_context::load_model) and start the scheduler thread. Raises LlamaError.")
         .def("request", &ServerCore::request, nb::arg("method"), nb::arg("path"), nb::arg("body"),
              nb::arg("query") = std::map<std::string, std::string>{},
+             nb::keep_alive<0, 1>(),  // a response reads the server's queues: it keeps the server alive
              "A ServerResponse for the handler llama-server has for METHOD PATH and the request body (bytes); "
              "run() runs it. Raises ValueError for an unknown route.")
-        .def("stop", &ServerCore::stop, "Stop the scheduler thread (server_context::terminate).")
+        .def("stop", &ServerCore::stop,
+             "Stop the scheduler thread (server_context::terminate); later requests raise ValueError. Close the "
+             "responses in flight first: a handler waiting on a stopped scheduler returns only once closed.")
         .def_prop_ro("routes",
                      [](const ServerCore & s) {
                          std::vector<std::string> out;

@@ -1,0 +1,390 @@
+"""The OpenAI-compatible server (llamabind.serve, python -m llamabind serve) against real clients: the
+`openai` package, LangChain's ChatOpenAI/OpenAIEmbeddings and raw httpx; outputs compared with
+Model.chat/generate/embed in this process (the same tree's code paths without the server)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import llamabind
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the time in a time zone",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def srv(model_path):
+    with llamabind.serve(model_path, port=0, parallel=4, ctx_size=4096, max_body=1 << 20) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _chat(client, srv, content, **kw):
+    kw.setdefault("max_tokens", 24)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=srv.model_id, messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_models_list_and_health(client, srv, model_path):
+    assert [m.id for m in client.models.list()] == [srv.model_id]
+    assert srv.model_id == model_path.stem  # a path: the file name; a known name: that name
+    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+
+
+@pytest.mark.exact
+def test_chat_greedy_equals_model_chat(client, srv, model):
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    r = client.chat.completions.create(model=srv.model_id, messages=msgs, max_tokens=24, temperature=0)
+    ref = model.chat(msgs, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == ref.content
+    assert r.choices[0].finish_reason == ref.finish_reason
+    # llama-server counts the end-of-generation token it sampled; Model.chat's tokens stop before it
+    assert r.usage.completion_tokens == len(ref.generation.tokens) + (ref.finish_reason == "stop")
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+
+
+def test_stream_deltas_join_to_the_non_streamed_text(client, srv):
+    full = _chat(client, srv, "Say hello.")
+    parts, usage, finish = [], None, None
+    for ch in _chat(client, srv, "Say hello.", stream=True, stream_options={"include_usage": True}):
+        assert ch.object == "chat.completion.chunk"
+        if ch.choices:
+            parts.append(ch.choices[0].delta.content or "")
+            finish = ch.choices[0].finish_reason or finish
+        if ch.usage:
+            usage = ch.usage
+    assert "".join(parts) == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    raw = httpx.post(
+        srv.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True},
+    )
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.text.rstrip().endswith("data: [DONE]")
+
+
+def test_sampling_fields_and_logprobs(client, srv):
+    r = _chat(client, srv, "Count: 1, 2, 3,", max_tokens=6, logprobs=True, top_logprobs=3, stop=["5"])
+    lp = r.choices[0].logprobs.content
+    assert lp and all(len(t.top_logprobs) == 3 for t in lp)
+    assert all(t.logprob <= 0 for t in lp)
+    assert "5" not in r.choices[0].message.content
+    a = _chat(client, srv, "Tell me a story.", temperature=1.0, seed=7, max_tokens=12)
+    b = _chat(client, srv, "Tell me a story.", temperature=1.0, seed=7, max_tokens=12)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def tool_srv(model_path, vendor_dir):
+    """Qwen2.5's template: a tool-call format common parses (SmolLM2's own template has none)."""
+    tpl = (vendor_dir / "models/templates/Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    with llamabind.serve(model_path, port=0, parallel=2, ctx_size=4096, chat_template=tpl) as s:
+        yield s, tpl
+
+
+def test_named_tool_choice_forces_that_tool(tool_srv, model):
+    """A named tool_choice (what LangChain's with_structured_output(method="function_calling") sends):
+    the model must call that function, even when the question is about the other one."""
+    s, tpl = tool_srv
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+    # push the model towards "<tool_call>" ("<", "tool", "call"; 135M parameters rarely get there alone)
+    toks = model.tokenize("<tool_call>", add_special=False)
+    bias = {str(toks[0]): 8, str(toks[1]): 8, str(toks[3]): 8}
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = c.chat.completions.create(
+        model=s.model_id, messages=msgs, tools=[WEATHER, TIME], tool_choice=named, temperature=0, max_tokens=48,
+        logit_bias=bias,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert calls and all(call.function.name == "get_time" for call in calls)
+    assert set(json.loads(calls[0].function.arguments)) == {"tz"}
+    # Model.chat takes the same named form and gives the same call
+    ref = model.chat(
+        msgs, tools=[WEATHER, TIME], tool_choice=named, template=tpl, temperature=0, max_tokens=48,
+        logit_bias={int(k): float(v) for k, v in bias.items()},
+    )
+    assert ref.tool_calls[0]["function"]["name"] == "get_time"
+    assert json.loads(ref.tool_calls[0]["function"]["arguments"]) == json.loads(calls[0].function.arguments)
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        c.chat.completions.create(
+            model=s.model_id, messages=msgs, tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+
+
+def test_json_schema_output_parses(client, srv):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    r = _chat(
+        client, srv, "Describe a person as JSON.", max_tokens=96,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    )
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"name", "age"} and isinstance(obj["name"], str) and isinstance(obj["age"], int)
+    r = _chat(client, srv, 'Reply with {"ok": true} as JSON.', max_tokens=64, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@pytest.mark.exact
+def test_completions_string_list_and_token_prompts(client, srv, model):
+    ids = model.tokenize("The capital of France is", add_special=False)
+    ref = model.generate(ids, max_tokens=8, temperature=0).text
+    r = client.completions.create(model=srv.model_id, prompt=ids, max_tokens=8, temperature=0)
+    assert r.choices[0].text == ref
+    r = client.completions.create(
+        model=srv.model_id, prompt=["The capital of France is", "One, two,"], max_tokens=8, temperature=0
+    )
+    assert len(r.choices) == 2 and r.choices[0].text == ref
+
+
+def test_tokenize_detokenize(srv, model):
+    ids = httpx.post(srv.url + "/tokenize", json={"content": "Hello world"}).json()["tokens"]
+    assert ids == model.tokenize("Hello world", add_special=False)
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["content"] == "Hello world"
+
+
+def test_metrics_are_prometheus_text(srv, client):
+    _chat(client, srv, "Hi", max_tokens=2)
+    text = httpx.get(srv.url + "/metrics").text
+    assert "llamacpp:prompt_tokens_total" in text and "# TYPE" in text
+
+
+@pytest.fixture(scope="module")
+def embed_srv(model_path):
+    with llamabind.serve(model_path, port=0, parallel=2, ctx_size=2048, embedding=True, pooling="mean") as s:
+        yield s
+
+
+def test_embeddings_float_and_base64_equal_model_embed(embed_srv, model):
+    c = openai.OpenAI(base_url=embed_srv.url + "/v1", api_key="unused", max_retries=0)
+    texts = ["The cat sat on the mat.", "Quantum chromodynamics"]
+    ref = model.embed(texts, pooling="mean")  # L2-normalized, as the server's
+    f = c.embeddings.create(model=embed_srv.model_id, input=texts, encoding_format="float")
+    got = np.array([d.embedding for d in f.data], dtype=np.float32)
+    np.testing.assert_allclose(got, ref, atol=2e-5)
+    b = httpx.post(
+        embed_srv.url + "/v1/embeddings", json={"input": texts, "encoding_format": "base64", "model": embed_srv.model_id}
+    ).json()
+    dec = np.array([np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.float32) for d in b["data"]])
+    np.testing.assert_array_equal(dec, got)
+    # the openai client asks for base64 by default and decodes it itself
+    d = c.embeddings.create(model=embed_srv.model_id, input="The cat sat on the mat.")
+    np.testing.assert_allclose(d.data[0].embedding, ref[0], atol=2e-5)
+    tok = c.embeddings.create(model=embed_srv.model_id, input=[model.tokenize("The cat sat on the mat.")])
+    np.testing.assert_allclose(tok.data[0].embedding, ref[0], atol=2e-5)
+
+
+def test_langchain_chat_and_embeddings(srv, embed_srv, model):
+    lc = pytest.importorskip("langchain_openai")
+    def chat_model(max_tokens):
+        return lc.ChatOpenAI(
+            base_url=srv.url + "/v1", api_key="unused", model=srv.model_id, temperature=0, max_tokens=max_tokens
+        )
+
+    chat = chat_model(16)
+    msg = chat.invoke("Name three colors.")
+    assert msg.content == model.chat([{"role": "user", "content": "Name three colors."}], max_tokens=16, temperature=0).content
+    assert "".join(c.content for c in chat.stream("Name three colors.")) == msg.content
+    schema = {
+        "title": "Person",
+        "description": "a person",
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    out = chat_model(96).with_structured_output(schema, method="json_schema").invoke("Describe a person.")
+    assert set(out) == {"name", "age"}
+    emb = lc.OpenAIEmbeddings(
+        base_url=embed_srv.url + "/v1", api_key="unused", model=embed_srv.model_id, check_embedding_ctx_length=False
+    )
+    v = emb.embed_query("The cat sat on the mat.")
+    np.testing.assert_allclose(v, model.embed("The cat sat on the mat.", pooling="mean"), atol=2e-5)
+
+
+def _greedy_tokens(client, srv, prompt):
+    r = _chat(client, srv, prompt, max_tokens=12, logprobs=True, top_logprobs=5)
+    return [(t.token, [(a.token, a.logprob) for a in t.top_logprobs]) for t in r.choices[0].logprobs.content]
+
+
+def test_concurrent_requests_batch_without_crossing(srv, client):
+    """32 requests over 4 slots at once: each reply is the reply its prompt gets alone. Decoding 4
+    sequences in one batch takes other CPU kernels than one (AMX/gemm vs gemv: other rounding), so a
+    reply may part from the lone one, but only at a near tie among the lone run's top tokens; a
+    reply crossed with another request's would part at the number, far from a tie."""
+    prompts = [f"Write one sentence about the number {i}." for i in range(32)]
+    alone = [_greedy_tokens(client, srv, p) for p in prompts]
+    with ThreadPoolExecutor(32) as ex:
+        together = list(ex.map(lambda p: _greedy_tokens(client, srv, p), prompts))
+    same = 0
+    for a, b in zip(alone, together):
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x[0] != y[0]), None)
+        if k is None:
+            assert len(a) == len(b)
+            same += 1
+            continue
+        alternatives = dict(a[k][1])  # the lone run's top 5 at the parting token
+        assert b[k][0] in alternatives and a[k][1][0][1] - alternatives[b[k][0]] < 0.5, (k, a[k], b[k])
+    assert same >= 16
+    slots = httpx.get(srv.url + "/slots").json()
+    assert len(slots) == 4 and not any(s["is_processing"] for s in slots)
+
+
+def _error(r: httpx.Response) -> dict:
+    body = r.json()
+    assert set(body) == {"error"} and isinstance(body["error"]["message"], str), body
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        ("/v1/chat/completions", b"{not json", 400),
+        ("/v1/chat/completions", b"[1, 2]", 400),
+        ("/v1/chat/completions", json.dumps({"messages": 5}).encode(), 400),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": 3}]}).encode(), 400),
+        ("/v1/chat/completions", json.dumps({"messages": [], "max_tokens": 4}).encode(), 400),
+        ("/v1/chat/completions", json.dumps({"max_tokens": 4}).encode(), 400),
+        ("/v1/chat/completions", json.dumps({"model": "gpt-4", "messages": []}).encode(), 404),
+        ("/v1/chat/completions", json.dumps({"model": 7, "messages": []}).encode(), 400),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400),
+        ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": -3}).encode(), 400),
+        ("/v1/completions", json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 400),
+        ("/v1/completions", json.dumps({"prompt": "x " * 5000, "max_tokens": 4}).encode(), 400),
+        ("/v1/completions", json.dumps({"prompt": [-5, 10**9], "max_tokens": 4}).encode(), 400),
+        ("/v1/embeddings", json.dumps({"input": "x"}).encode(), 501),
+        ("/v1/nope", b"{}", 404),
+    ],
+)
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(srv, client, path, body, status):
+    r = httpx.post(srv.url + path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    _error(r)
+    assert _chat(client, srv, "Hi", max_tokens=2).choices[0].message.content
+
+
+def test_body_limit_method_and_context_errors(srv):
+    big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
+    r = httpx.post(srv.url + "/v1/completions", content=big)
+    assert r.status_code == 413 and "larger than" in _error(r)["message"]
+    r = httpx.get(srv.url + "/v1/chat/completions")
+    assert r.status_code == 405
+    _error(r)
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x " * 5000, "max_tokens": 4})
+    assert "context" in _error(r)["message"]
+
+
+def test_api_key(model_path):
+    with llamabind.serve(model_path, port=0, parallel=1, ctx_size=1024, api_key="s3cret") as s:
+        assert httpx.get(s.url + "/health").status_code == 200  # public, as llama-server's
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in good.models.list()] == [s.model_id]
+        assert httpx.get(s.url + "/v1/models", headers={"x-api-key": "s3cret"}).status_code == 200
+
+
+def test_non_loopback_without_key_warns_and_bad_arguments(model_path):
+    with pytest.warns(UserWarning, match="without an API key"):
+        with llamabind.serve(model_path, host="0.0.0.0", port=0, parallel=1, ctx_size=512) as s:
+            assert s.running
+    with pytest.raises(FileNotFoundError):
+        llamabind.serve("/no/such/model.gguf", port=0)
+    with pytest.raises(ValueError, match="parallel"):
+        llamabind.serve(model_path, port=0, parallel=0)
+    with pytest.raises(ValueError, match="port"):
+        llamabind.serve(model_path, port=70000)
+
+
+def _slots_idle(url: str, timeout: float = 5.0) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if not any(s["is_processing"] for s in httpx.get(url + "/slots").json()):
+            return time.perf_counter() - t0
+        time.sleep(0.02)
+    raise AssertionError("a slot stayed busy after its client went away")
+
+
+def test_overload_503_and_disconnect_frees_the_slot(model_path):
+    with llamabind.serve(model_path, port=0, parallel=1, ctx_size=2048, max_pending=1) as s:
+        body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 1500, "stream": True}
+        with httpx.Client(timeout=30) as h, h.stream("POST", s.url + "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert any(s_["is_processing"] for s_ in httpx.get(s.url + "/slots").json())
+            over = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            assert over.status_code == 503 and "overloaded" in _error(over)["message"]
+        # the client went away mid-stream: its slot is freed (within a step, measured here in wall time)
+        _slots_idle(s.url)
+        # a non-streamed request whose client gives up is cancelled too
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.5)
+        _slots_idle(s.url)
+        ok = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_stop_with_requests_in_flight(model_path):
+    """stop() while a stream and a waiting non-streamed request run: both end, nothing hangs or aborts."""
+    s = llamabind.serve(model_path, port=0, parallel=2, ctx_size=1024)
+    assert "running" in repr(s)
+    before = threading.active_count()
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 800}
+    results = []
+
+    def call(stream):
+        try:
+            with httpx.stream("POST", s.url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=60) as r:
+                results.append(sum(1 for _ in r.iter_lines()))
+        except httpx.HTTPError as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=call, args=(st,)) for st in (True, False)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    s.stop()
+    s.stop()  # idempotent
+    for t in threads:
+        t.join(30)
+    assert time.perf_counter() - t0 < 10 and len(results) == 2
+    assert not s.running and threading.active_count() <= before
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(s.url + "/health")
