@@ -123,7 +123,12 @@ def test_named_tool_choice_forces_that_tool(tool_srv, model):
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_time"}}
     r = c.chat.completions.create(
-        model=s.model_id, messages=msgs, tools=[WEATHER, TIME], tool_choice=named, temperature=0, max_tokens=48,
+        model=s.model_id,
+        messages=msgs,
+        tools=[WEATHER, TIME],
+        tool_choice=named,
+        temperature=0,
+        max_tokens=48,
         logit_bias=bias,
     )
     calls = r.choices[0].message.tool_calls
@@ -131,14 +136,21 @@ def test_named_tool_choice_forces_that_tool(tool_srv, model):
     assert set(json.loads(calls[0].function.arguments)) == {"tz"}
     # Model.chat takes the same named form and gives the same call
     ref = model.chat(
-        msgs, tools=[WEATHER, TIME], tool_choice=named, template=tpl, temperature=0, max_tokens=48,
+        msgs,
+        tools=[WEATHER, TIME],
+        tool_choice=named,
+        template=tpl,
+        temperature=0,
+        max_tokens=48,
         logit_bias={int(k): float(v) for k, v in bias.items()},
     )
     assert ref.tool_calls[0]["function"]["name"] == "get_time"
     assert json.loads(ref.tool_calls[0]["function"]["arguments"]) == json.loads(calls[0].function.arguments)
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         c.chat.completions.create(
-            model=s.model_id, messages=msgs, tools=[WEATHER],
+            model=s.model_id,
+            messages=msgs,
+            tools=[WEATHER],
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
 
@@ -151,7 +163,10 @@ def test_json_schema_output_parses(client, srv):
         "additionalProperties": False,
     }
     r = _chat(
-        client, srv, "Describe a person as JSON.", max_tokens=96,
+        client,
+        srv,
+        "Describe a person as JSON.",
+        max_tokens=96,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
     )
     obj = json.loads(r.choices[0].message.content)
@@ -198,7 +213,8 @@ def test_embeddings_float_and_base64_equal_model_embed(embed_srv, model):
     got = np.array([d.embedding for d in f.data], dtype=np.float32)
     np.testing.assert_allclose(got, ref, atol=2e-5)
     b = httpx.post(
-        embed_srv.url + "/v1/embeddings", json={"input": texts, "encoding_format": "base64", "model": embed_srv.model_id}
+        embed_srv.url + "/v1/embeddings",
+        json={"input": texts, "encoding_format": "base64", "model": embed_srv.model_id},
     ).json()
     dec = np.array([np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.float32) for d in b["data"]])
     np.testing.assert_array_equal(dec, got)
@@ -211,6 +227,7 @@ def test_embeddings_float_and_base64_equal_model_embed(embed_srv, model):
 
 def test_langchain_chat_and_embeddings(srv, embed_srv, model):
     lc = pytest.importorskip("langchain_openai")
+
     def chat_model(max_tokens):
         return lc.ChatOpenAI(
             base_url=srv.url + "/v1", api_key="unused", model=srv.model_id, temperature=0, max_tokens=max_tokens
@@ -218,7 +235,10 @@ def test_langchain_chat_and_embeddings(srv, embed_srv, model):
 
     chat = chat_model(16)
     msg = chat.invoke("Name three colors.")
-    assert msg.content == model.chat([{"role": "user", "content": "Name three colors."}], max_tokens=16, temperature=0).content
+    assert (
+        msg.content
+        == model.chat([{"role": "user", "content": "Name three colors."}], max_tokens=16, temperature=0).content
+    )
     assert "".join(c.content for c in chat.stream("Name three colors.")) == msg.content
     schema = {
         "title": "Person",
@@ -281,7 +301,11 @@ def _error(r: httpx.Response) -> dict:
         ("/v1/chat/completions", json.dumps({"max_tokens": 4}).encode(), 400),
         ("/v1/chat/completions", json.dumps({"model": "gpt-4", "messages": []}).encode(), 404),
         ("/v1/chat/completions", json.dumps({"model": 7, "messages": []}).encode(), 400),
-        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400),
+        (
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(),
+            400,
+        ),
         ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": -3}).encode(), 400),
         ("/v1/completions", json.dumps({"prompt": "x", "temperature": "hot"}).encode(), 400),
         ("/v1/completions", json.dumps({"prompt": "x " * 5000, "max_tokens": 4}).encode(), 400),
@@ -356,7 +380,9 @@ def test_overload_503_and_disconnect_frees_the_slot(model_path):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(s.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.5)
         _slots_idle(s.url)
-        ok = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        ok = httpx.post(
+            s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        )
         assert ok.status_code == 200
 
 

@@ -228,7 +228,9 @@ def _serve(args) -> int:
         max_pending=args.max_pending,
         access_log=args.verbose,
     )
-    print(f"llamabind: serving {srv.model_id!r} at {srv.url} (OpenAI base URL {srv.url}/v1)", file=sys.stderr, flush=True)
+    print(
+        f"llamabind: serving {srv.model_id!r} at {srv.url} (OpenAI base URL {srv.url}/v1)", file=sys.stderr, flush=True
+    )
 
     def on_term(*_):
         raise KeyboardInterrupt
@@ -329,7 +331,9 @@ def main(argv=None) -> int:
     f.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
     f.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     f.set_defaults(fn=_finetune)
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (llama.cpp's server core)")
+    s = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with continuous batching (llama.cpp's server core)"
+    )
     s.add_argument("model_pos", nargs="?", metavar="MODEL", help=f"model name or GGUF path (default {models.DEFAULT})")
     s.add_argument("--model", "-m", default=models.DEFAULT, help=argparse.SUPPRESS)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -343,7 +347,9 @@ def main(argv=None) -> int:
     s.add_argument("--threads", "-t", type=int, default=None)
     s.add_argument("--batch-size", "-b", type=int, default=None, help="logical batch size (n_batch)")
     s.add_argument("--ubatch-size", "-ub", type=int, default=None, help="physical batch size (n_ubatch)")
-    s.add_argument("--rpc", action="append", default=None, metavar="HOST:PORT", help="also use this RPC server's devices")
+    s.add_argument(
+        "--rpc", action="append", default=None, metavar="HOST:PORT", help="also use this RPC server's devices"
+    )
     s.add_argument("--alias", default=None, help="the model id clients send (default: the model's name)")
     s.add_argument("--chat-template-file", default=None, help="a jinja chat template replacing the model's")
     s.add_argument("--flash-attn", "-fa", choices=["on", "off", "auto"], default=None)

@@ -167,8 +167,9 @@ def tool_choice(tools: Sequence[dict] | None, choice: Any) -> tuple[list[dict] |
     if choice.get("type") != "function" or not isinstance(name, str):
         raise ValueError("a named tool_choice must be {'type': 'function', 'function': {'name': ...}}")
     named = [
-        t for t in tools or [] if isinstance(t, Mapping) and isinstance(t.get("function"), Mapping)
-        and t["function"].get("name") == name
+        t
+        for t in tools or []
+        if isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and t["function"].get("name") == name
     ]
     if not named:
         raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")

@@ -105,7 +105,7 @@ def create_app(core: ServerContext, *, api_key: str | None = None, max_body: int
     from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
-    state = {"pending": 0, "limiter": None}
+    state: dict[str, Any] = {"pending": 0, "limiter": None}
     inflight: set = set()  # responses not yet finished (Server.stop closes them)
 
     def limiter() -> anyio.CapacityLimiter:
@@ -322,7 +322,10 @@ def serve(
         raise
     app = create_app(core, api_key=api_key, max_body=max_body, max_pending=max_pending)
     config = uvicorn.Config(
-        app, log_level="info" if access_log else "warning", access_log=access_log, lifespan="off",
+        app,
+        log_level="info" if access_log else "warning",
+        access_log=access_log,
+        lifespan="off",
         timeout_graceful_shutdown=5,
     )
     uv = uvicorn.Server(config)

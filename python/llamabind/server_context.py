@@ -29,11 +29,11 @@ class ServerContext:
     context, fitted to free device memory, as llama-server does); with ``kv_unified`` (default) any
     slot may use all of it, else each gets n_ctx / n_parallel. n_batch/n_ubatch: logical/physical
     batch sizes. n_gpu_layers: layers to offload (None: llama-server's default, all that fit).
-    embedding: serve /v1/embeddings instead of generation; pooling: "mean", "cls", "last",
-    "none" or "rank" (None: the model's own). alias: the model id
-    clients name (default: the model's name, or the file name without .gguf). chat_template: a jinja template replacing the model's.
-    flash_attn: "on", "off" or "auto". lora: [(path, scale)] adapters. rpc: ["host:port"] servers
-    whose devices join this process's (:func:`llamabind.rpc.connect`).
+    embedding: serve /v1/embeddings instead of generation; pooling: "mean", "cls", "last", "none"
+    or "rank" (None: the model's own). alias: the model id clients name (default: the model's name,
+    or the file name without .gguf). chat_template: a jinja template replacing the model's.
+    flash_attn: "on", "off" or "auto". lora: [(path, scale)] adapters. rpc_servers: ["host:port"]
+    RPC servers whose devices join this process's (:func:`llamabind.rpc.connect`).
 
     Raises FileNotFoundError (no such model), TypeError/ValueError (bad option), LlamaError (the model
     failed to load). Wraps server_context::load_model and server_context::start_loop (on a thread of its
@@ -76,11 +76,11 @@ class ServerContext:
                 opts[name] = as_int(value, name, lo)
         if flash_attn is not None:
             opts["flash_attn"] = one_of(flash_attn, "flash_attn", ("on", "off", "auto"))
-        for name, value in (("alias", alias), ("chat_template", chat_template)):
-            if value is not None:
-                if not isinstance(value, str) or not value:
-                    raise TypeError(f"{name} must be a non-empty str")
-                opts[name] = value
+        for key, text in (("alias", alias), ("chat_template", chat_template)):
+            if text is not None:
+                if not isinstance(text, str) or not text:
+                    raise TypeError(f"{key} must be a non-empty str")
+                opts[key] = text
         opts["embedding"] = bool(embedding)
         if pooling is not None:
             opts["pooling"] = POOLING[one_of(pooling, "pooling", POOLING)]

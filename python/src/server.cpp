@@ -26,22 +26,22 @@ namespace lb {
 
 namespace {
 
-// tools/server/server.cpp's ex_wrapper, with the JSON library's errors (a field of the wrong type, a
-// missing key) counted as the client's: 400, not 500
+// tools/server/server.cpp's ex_wrapper, except for the status: a handler throws synchronously only
+// while it parses and checks the request (tasks report their failures as results), and upstream's
+// parsers throw std::runtime_error and the JSON library's errors for a missing field or a value of the
+// wrong type, so what a handler throws is the client's (400) unless memory ran out (500)
 server_http_res_ptr call_handler(const server_http_context::handler_t & h, const server_http_req & req) {
     std::string message;
-    error_type type = ERROR_TYPE_SERVER;
+    error_type type = ERROR_TYPE_INVALID_REQUEST;
     try {
         return h(req);
-    } catch (const std::invalid_argument & e) {
-        type = ERROR_TYPE_INVALID_REQUEST;
-        message = e.what();
-    } catch (const common_json_error & e) {
-        type = ERROR_TYPE_INVALID_REQUEST;
+    } catch (const std::bad_alloc & e) {
+        type = ERROR_TYPE_SERVER;
         message = e.what();
     } catch (const std::exception & e) {
         message = e.what();
     } catch (...) {
+        type = ERROR_TYPE_SERVER;
         message = "unknown error";
     }
     auto res = std::make_unique<server_http_res>();
@@ -93,7 +93,8 @@ struct Response {
             return std::nullopt;
         }
         bool expected = false;
-        if (!busy.compare_exchange_strong(expected, true)) raise_value("Response.next: already running on another thread");
+        if (!busy.compare_exchange_strong(expected, true))
+            raise_value("Response.next: already running on another thread");
         std::string chunk;
         bool more = false;
         {
@@ -186,7 +187,9 @@ struct ServerCore {
     }
 
     void set_params(const nb::dict & o) {
-        auto has = [&](const char * k) { return o.contains(k) && !o[k].is_none(); };
+        auto has = [&](const char * k) {
+            return o.contains(k) && !o[k].is_none();
+        };
         auto i32 = [&](const char * k, int32_t & dst) {
             if (has(k)) dst = nb::cast<int32_t>(o[k]);
         };
@@ -209,11 +212,11 @@ struct ServerCore {
         if (has("seed")) params.sampling.seed = nb::cast<uint32_t>(o["seed"]);
         if (has("flash_attn")) {
             const auto v = nb::cast<std::string>(o["flash_attn"]);
-            params.flash_attn_type = v == "on"    ? LLAMA_FLASH_ATTN_TYPE_ENABLED :
-                                     v == "off"   ? LLAMA_FLASH_ATTN_TYPE_DISABLED :
-                                     v == "auto"  ? LLAMA_FLASH_ATTN_TYPE_AUTO :
-                                                    (raise_value("flash_attn must be 'on', 'off' or 'auto'"),
-                                                     LLAMA_FLASH_ATTN_TYPE_AUTO);
+            params.flash_attn_type =
+                v == "on"   ? LLAMA_FLASH_ATTN_TYPE_ENABLED :
+                v == "off"  ? LLAMA_FLASH_ATTN_TYPE_DISABLED :
+                v == "auto" ? LLAMA_FLASH_ATTN_TYPE_AUTO :
+                              (raise_value("flash_attn must be 'on', 'off' or 'auto'"), LLAMA_FLASH_ATTN_TYPE_AUTO);
         }
         if (has("lora")) {
             for (auto item : nb::cast<nb::list>(o["lora"])) {
@@ -266,7 +269,9 @@ struct ServerCore {
         auto r = std::make_unique<Response>();
         Response * rp = r.get();
         r->handler = it->second;
-        r->should_stop = [rp] { return rp->stopped.load(); };
+        r->should_stop = [rp] {
+            return rp->stopped.load();
+        };
         std::string qs;
         for (const auto & [k, v] : query) qs += (qs.empty() ? "" : "&") + k + "=" + v;
         r->req = std::make_unique<server_http_req>(
@@ -300,16 +305,15 @@ void register_server(nb::module_ & m) {
         .def_prop_ro("status", &Response::status, "HTTP status code (int).")
         .def_prop_ro("content_type", [](const Response & r) { return r.res ? r.res->content_type : std::string(); })
         .def_prop_ro("headers",
-                     [](const Response & r) {
-                         return r.res ? r.res->headers : std::map<std::string, std::string>{};
-                     })
+                     [](const Response & r) { return r.res ? r.res->headers : std::map<std::string, std::string>{}; })
         .def_prop_ro("is_stream", [](const Response & r) { return r.res && r.res->is_stream(); })
-        .def_prop_ro("body",
-                     [](const Response & r) {
-                         const std::string & d = r.res ? r.res->data : std::string();
-                         return nb::bytes(d.data(), d.size());
-                     },
-                     "The whole body (bytes) of a response that is not a stream.")
+        .def_prop_ro(
+            "body",
+            [](const Response & r) {
+                const std::string & d = r.res ? r.res->data : std::string();
+                return nb::bytes(d.data(), d.size());
+            },
+            "The whole body (bytes) of a response that is not a stream.")
         .def("run", &Response::run,
              "Run the request (the route's handler; GIL released). A non-streamed response is complete when it "
              "returns; a streamed one has its status and headers, and next() gives its body.")
