@@ -26,13 +26,16 @@
 # leak:   (carry .device-b on a machine that ran ops) tensor split vs one GPU under each all-reduce
 #         setting (split_nmse.py), then the leak test alone / without log capture / after the
 #         multi-GPU tests, and the multi-GPU + RPC tests; LB_LEAK_FULL=1: the whole suite instead.
+# build:  (carry .device) the build alone, and SmolLM2's first part kept in /tmp for "server".
+# server: (carry .device-b after build) tests/test_server.py and the fuzz with the model fully offloaded,
+#         then bench/server.py -ngl 99 (llamabind serve beside llama-server from the same build).
 # bench:  bench/generation.py on each model, full offload, llama-bench beside it in the same run
 #         (LB_ROUNDS x LB_REPS, default 5 x 20).
 # Logs, JSON and summaries go to $OUT (then bench/results/).
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: ops, models, train, trainbench, rss, cost, leak or bench}
+phase=${1:?phase: ops, models, train, trainbench, rss, cost, leak, build, server or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -56,6 +59,18 @@ join_model() {
   sha256sum $f | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 && echo "SmolLM2 sha256 ok"
 }
 case $phase in
+build)
+  cp .device/smollm2.part-a /tmp/
+  ;;
+server)
+  join_model
+  t0=$SECONDS
+  LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests/test_server.py tests/test_server_fuzz.py $PYTEST_ARGS --durations=5 \
+    2>&1 | tee "$OUT/server-tests.log" | tail -30
+  echo "server tests in $((SECONDS - t0)) s"
+  python3 bench/server.py -ngl 99 --threads 8 --parallel 8 --rounds ${LB_ROUNDS:-3} --requests 8 --max-tokens 128 \
+    --out "$OUT/server-bench.json" 2>&1 | tail -9
+  ;;
 ops)
   cp .device/smollm2.part-a .device/tokenizer.gguf /tmp/
   # random-weight models for the bench call, written in the background: micro (per-call cost) and 1B

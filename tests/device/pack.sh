@@ -3,17 +3,22 @@
 #   .device/    llama.cpp.tar.xz (the patched vendor tree, trimmed to what the build and tests use),
 #               whl/ (gguf: the one test dependency missing from the device image), tokenizer.gguf
 #               (SmolLM2's tokenizer, for bench/make_model.py) and smollm2.part-a
-#   .device-b/  smollm2.part-b
+#   .device-b/  smollm2.part-b, whl/ (the server's and its tests' packages for Python 3.12: starlette,
+#               uvicorn, httptools, uvloop, openai, httpx and their dependencies)
 # SmolLM2 Q4_1 (98 MB) is over the carry limit, so it travels in two calls (cuda_run.sh joins the parts
 # and checks its sha256). Both folders are git-ignored through .git/info/exclude.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 for d in /.device/ /.device-b/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
-rm -rf .device .device-b && mkdir -p .device/whl .device-b
+rm -rf .device .device-b && mkdir -p .device/whl .device-b/whl
 python3 vendor/vendor.py status >/dev/null
 tar cJf .device/llama.cpp.tar.xz -C vendor/llama.cpp CMakeLists.txt cmake include licenses LICENSE .llamabind-stamp.json \
-  src ggml common vendor tools/llama-bench tools/completion tools/rpc examples/simple examples/training docs/build.md
+  src ggml common vendor tools scripts/ui-assets.cmake examples/simple examples/training docs/build.md \
+  models/templates/Qwen-Qwen2.5-7B-Instruct.jinja
 python3 -m pip download -q --no-deps --only-binary=:all: -d .device/whl "gguf==$(./dev python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+./dev python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp -d .device-b/whl \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
+  starlette uvicorn httptools uvloop openai httpx
 model=$(./dev python -c 'from llamabind import models; print(models.resolve(models.DEFAULT))')
 ./dev python - "$model" .device/tokenizer.gguf <<'PY'
 import sys, gguf

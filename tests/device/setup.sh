@@ -3,7 +3,9 @@
 # unpacks the patched vendor tree and builds llamabind with CUDA for sm_90 plus upstream's tools
 # into build/lb-cuda (once per machine: a warm machine keeps it, and the scikit-build-core build
 # dir build/{wheel_tag} makes a rebuild incremental). Sets PYTHONPATH to use it. Expects OUT.
-[ -d .device/whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .device/whl/*.whl
+for w in .device/whl .device-b/whl; do
+  [ -d $w ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $w/*.whl
+done
 export PYTHONPATH=/tmp/site
 if [ ! -f vendor/llama.cpp/.llamabind-stamp.json ]; then
   mkdir -p vendor/llama.cpp && tar xJf .device/llama.cpp.tar.xz -C vendor/llama.cpp
