@@ -13,12 +13,12 @@ import pytest
 from conftest import ROOT, build_wheel, new_venv, outside_env, run_python
 
 
-def test_readme_python_example_runs():
+def test_readme_python_example_runs(tmp_path):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
     assert blocks, "README.md has no python example"
     for block in blocks:  # every example in the README runs as written
-        r = run_python(block, timeout=300)
+        r = run_python(block, timeout=300, cwd=tmp_path)  # the examples write files (zen-lora.gguf)
         assert r.returncode == 0, f"{block}\n{r.stderr}"
         assert r.stdout.strip()
 

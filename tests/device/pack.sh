@@ -12,7 +12,10 @@ cd "$(dirname "$0")/../.."
 for d in /.device/ /.device-b/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
 rm -rf .device .device-b && mkdir -p .device/whl .device-b/whl
 python3 vendor/vendor.py status >/dev/null
-tar cJf .device/llama.cpp.tar.xz -C vendor/llama.cpp CMakeLists.txt cmake include licenses LICENSE .llamabind-stamp.json \
+# tools/: LLAMA_BUILD_TOOLS configures every tool (the server core is linked into _core); the web UI's
+# sources are not built (no npm), only its CMake files are read
+tar cJf .device/llama.cpp.tar.xz -C vendor/llama.cpp --exclude=tools/ui/src --exclude=tools/ui/tests --exclude=tools/ui/static \
+  CMakeLists.txt cmake include licenses LICENSE .llamabind-stamp.json \
   src ggml common vendor tools scripts/ui-assets.cmake examples/simple examples/training docs/build.md \
   models/templates/Qwen-Qwen2.5-7B-Instruct.jinja
 python3 -m pip download -q --no-deps --only-binary=:all: -d .device/whl "gguf==$(./dev python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
