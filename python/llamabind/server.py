@@ -264,6 +264,7 @@ def serve(
     embedding: bool = False,
     pooling: str | None = None,
     n_gpu_layers: int | None = None,
+    op_offload: bool = True,
     n_threads: int | None = None,
     n_batch: int | None = None,
     n_ubatch: int | None = None,
@@ -283,7 +284,7 @@ def serve(
     ``api_key`` warns). parallel: slots decoded together (continuous batching). ctx_size: KV cache
     tokens for all slots (None: the model's training context, fitted to free memory); any slot may
     use all of it. embedding: serve /v1/embeddings (pooling: "mean", "cls", "last"; None: the model's).
-    n_gpu_layers, n_threads, n_batch, n_ubatch,
+    n_gpu_layers, op_offload, n_threads, n_batch, n_ubatch,
     rpc, alias, chat_template, flash_attn, lora: as :class:`~llamabind.server_context.ServerContext`.
     max_body: request body limit in bytes (413). max_pending: requests in flight before 503.
 
@@ -308,6 +309,7 @@ def serve(
             n_batch=n_batch,
             n_ubatch=n_ubatch,
             n_gpu_layers=n_gpu_layers,
+            op_offload=op_offload,
             n_threads=n_threads,
             embedding=embedding,
             pooling=pooling,

@@ -28,7 +28,8 @@ class ServerContext:
     sequences). n_ctx: KV cache size in tokens for all slots together (None: the model's training
     context, fitted to free device memory, as llama-server does); with ``kv_unified`` (default) any
     slot may use all of it, else each gets n_ctx / n_parallel. n_batch/n_ubatch: logical/physical
-    batch sizes. n_gpu_layers: layers to offload (None: llama-server's default, all that fit).
+    batch sizes. n_gpu_layers: layers to offload (None: llama-server's default, all that fit);
+    op_offload=False keeps batches of CPU layers on the CPU (llama.cpp sends large ones to a GPU).
     embedding: serve /v1/embeddings instead of generation; pooling: "mean", "cls", "last", "none"
     or "rank" (None: the model's own). alias: the model id clients name (default: the model's name,
     or the file name without .gguf). chat_template: a jinja template replacing the model's.
@@ -49,6 +50,7 @@ class ServerContext:
         n_batch: int | None = None,
         n_ubatch: int | None = None,
         n_gpu_layers: int | None = None,
+        op_offload: bool = True,
         n_threads: int | None = None,
         embedding: bool = False,
         pooling: str | None = None,
@@ -82,6 +84,7 @@ class ServerContext:
                     raise TypeError(f"{key} must be a non-empty str")
                 opts[key] = text
         opts["embedding"] = bool(embedding)
+        opts["op_offload"] = bool(op_offload)
         if pooling is not None:
             opts["pooling"] = POOLING[one_of(pooling, "pooling", POOLING)]
         opts["kv_unified"] = bool(kv_unified)

@@ -204,6 +204,7 @@ struct ServerCore {
         i32("n_predict", params.n_predict);
         i32("n_cache_reuse", params.n_cache_reuse);
         i32("cache_ram_mib", params.cache_ram_mib);
+        if (has("op_offload")) params.no_op_offload = !nb::cast<bool>(o["op_offload"]);
         if (has("pooling")) params.pooling_type = (enum llama_pooling_type) nb::cast<int>(o["pooling"]);
         if (has("kv_unified")) params.kv_unified = nb::cast<bool>(o["kv_unified"]);
         if (has("embedding")) params.embedding = nb::cast<bool>(o["embedding"]);
@@ -337,7 +338,7 @@ void register_server(nb::module_ & m) {
         "llama.cpp's tools/server core (server_context + server_routes) over one model: n_parallel slots in "
         "one llama_context, continuous batching. options: a dict of common_params fields (model, n_ctx, "
         "n_batch, n_ubatch, n_parallel, n_gpu_layers, n_threads, n_threads_batch, embedding, kv_unified, "
-        "cache_prompt, n_cache_reuse, cache_ram_mib, chat_template, alias, seed, flash_attn, n_predict, lora, pooling).")
+        "cache_prompt, n_cache_reuse, cache_ram_mib, chat_template, alias, seed, flash_attn, n_predict, lora, pooling, op_offload).")
         .def(nb::init<const nb::dict &>(), nb::arg("options"))
         .def("load", &ServerCore::load,
              "Load the model (server_context::load_model) and start the scheduler thread. Raises LlamaError.")
