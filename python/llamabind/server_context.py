@@ -13,8 +13,8 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 
-from . import _core, models, rpc
-from ._validate import as_int, one_of
+from . import _core, models
+from ._validate import as_int, endpoint, one_of
 
 __all__ = ["ServerContext"]
 
@@ -34,7 +34,8 @@ class ServerContext:
     or "rank" (None: the model's own). alias: the model id clients name (default: the model's name,
     or the file name without .gguf). chat_template: a jinja template replacing the model's.
     flash_attn: "on", "off" or "auto". lora: [(path, scale)] adapters. rpc_servers: ["host:port"]
-    RPC servers whose devices join this process's (:func:`llamabind.rpc.connect`).
+    RPC servers whose devices the model uses (as ``Model(rpc=...)``; devices other models connected
+    are left out).
 
     Raises FileNotFoundError (no such model), TypeError/ValueError (bad option), LlamaError (the model
     failed to load). Wraps server_context::load_model and server_context::start_loop (on a thread of its
@@ -93,8 +94,10 @@ class ServerContext:
             for p, _ in opts["lora"]:
                 if not os.path.exists(p):
                     raise FileNotFoundError(f"LoRA adapter not found: {p}")
-        for endpoint in rpc_servers or ():
-            rpc.connect(endpoint)
+        if rpc_servers:
+            for e in rpc_servers:
+                endpoint(e)  # TypeError/ValueError for a malformed one; connected natively
+            opts["rpc"] = list(rpc_servers)
         self.path = path
         self._core = _core.ServerCore(opts)
         self._core.load()

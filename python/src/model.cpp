@@ -183,24 +183,9 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
         raise_value("split_mode must be 0 (none), 1 (layer), 2 (row) or 3 (tensor); got " + std::to_string(split_mode));
     }
     p.split_mode = (enum llama_split_mode) split_mode;
-    // The devices the model may use: the local GPUs, then those of the RPC servers named here.
-    // Servers that other models connected to stay in ggml's registry, so once any is there the
-    // list is passed explicitly (otherwise llama.cpp takes every GPU-type device, which is the same).
-    std::vector<ggml_backend_dev_t> devices, rpc_devs;
-    for (const auto & ep : rpc) {
-        for (auto * d : rpc_connect(ep)) rpc_devs.push_back(d);
-    }
-    bool any_rpc = !rpc_devs.empty();
-    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
-        ggml_backend_dev_t d = ggml_backend_dev_get(i);
-        const auto t = ggml_backend_dev_type(d);
-        if (is_rpc_device(d))
-            any_rpc = true;
-        else if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU)
-            devices.push_back(d);
-    }
-    devices.insert(devices.end(), rpc_devs.begin(), rpc_devs.end());
-    const size_t n_gpu = devices.size();  // what tensor_split and main_gpu index
+    bool any_rpc = false;
+    std::vector<ggml_backend_dev_t> devices = offload_devices(rpc, any_rpc);  // rpc.cpp
+    const size_t n_gpu = devices.size();                                      // what tensor_split and main_gpu index
     devices.push_back(nullptr);
     if (any_rpc) p.devices = devices.data();
     const int n_dev = (int) llama_max_devices();

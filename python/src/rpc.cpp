@@ -80,6 +80,24 @@ std::vector<ggml_backend_dev_t> rpc_connect(const std::string &) {
 }
 #endif
 
+std::vector<ggml_backend_dev_t> offload_devices(const std::vector<std::string> & rpc, bool & explicit_list) {
+    std::vector<ggml_backend_dev_t> devices, rpc_devs;
+    for (const auto & ep : rpc) {
+        for (auto * d : rpc_connect(ep)) rpc_devs.push_back(d);
+    }
+    explicit_list = !rpc_devs.empty();
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t d = ggml_backend_dev_get(i);
+        const auto t = ggml_backend_dev_type(d);
+        if (is_rpc_device(d))
+            explicit_list = true;
+        else if (t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU)
+            devices.push_back(d);
+    }
+    devices.insert(devices.end(), rpc_devs.begin(), rpc_devs.end());
+    return devices;
+}
+
 void register_rpc(nb::module_ & m) {
 #ifdef LLAMABIND_HAS_RPC
     m.attr("HAS_RPC") = true;

@@ -6,6 +6,7 @@
 // Response.next. The scheduler loop runs on its own thread (server_context::start_loop); handlers run
 // on the ASGI server's worker threads with the GIL released.
 #include "common.h"
+#include "rpc.h"
 
 #include <server-context.h>
 #include <server-http.h>
@@ -228,6 +229,14 @@ struct ServerCore {
                 params.lora_adapters.push_back(info);
             }
         }
+        // the local GPUs and the named RPC servers' devices, not those other models connected to (rpc.cpp)
+        bool explicit_list = false;
+        auto devices = offload_devices(
+            has("rpc") ? nb::cast<std::vector<std::string>>(o["rpc"]) : std::vector<std::string>{}, explicit_list);
+        if (explicit_list) {
+            params.devices = devices;
+            params.devices.push_back(nullptr);
+        }
         // what common_params_parse does after parsing (arg.cpp): threads, llama_params_fit's padding
         const int32_t n_threads = has("n_threads") ? nb::cast<int32_t>(o["n_threads"]) : common_cpu_get_num_math();
         params.cpuparams.n_threads = n_threads;
@@ -338,7 +347,7 @@ void register_server(nb::module_ & m) {
         "llama.cpp's tools/server core (server_context + server_routes) over one model: n_parallel slots in "
         "one llama_context, continuous batching. options: a dict of common_params fields (model, n_ctx, "
         "n_batch, n_ubatch, n_parallel, n_gpu_layers, n_threads, n_threads_batch, embedding, kv_unified, "
-        "cache_prompt, n_cache_reuse, cache_ram_mib, chat_template, alias, seed, flash_attn, n_predict, lora, pooling, op_offload).")
+        "cache_prompt, n_cache_reuse, cache_ram_mib, chat_template, alias, seed, flash_attn, n_predict, lora, pooling, op_offload, rpc).")
         .def(nb::init<const nb::dict &>(), nb::arg("options"))
         .def("load", &ServerCore::load,
              "Load the model (server_context::load_model) and start the scheduler thread. Raises LlamaError.")
