@@ -99,15 +99,16 @@ class ServerContext:
                 endpoint(e)  # TypeError/ValueError for a malformed one; connected natively
             opts["rpc"] = list(rpc_servers)
         self.path = path
-        self._core = _core.ServerCore(opts)
-        self._core.load()
-        self.routes = frozenset(self._core.routes)
+        core = _core.ServerCore(opts)
+        core.load()
+        self._core: _core.ServerCore | None = core
+        self.routes = frozenset(core.routes)
         models_json = json.loads(self.handle("GET", "/v1/models").body)
         first = models_json["data"][0]
         #: the model id clients send as "model", and the other names it answers to
         self.model_id: str = first["id"]
         self.model_names = frozenset([first["id"], *first.get("aliases", []), path.name, path.stem, str(path)])
-        self.n_parallel: int = self._core.n_parallel
+        self.n_parallel: int = core.n_parallel
 
     def request(
         self, method: str, path: str, body: bytes = b"", query: Mapping[str, str] | None = None
@@ -117,6 +118,8 @@ class ServerContext:
         returns when a non-streamed response is complete; a streamed one (``is_stream``) then yields its
         SSE chunks from ``next()``. ``close()``, from any thread, cancels it and frees its slot. Raises
         ValueError for an unknown route."""
+        if self._core is None:
+            raise ValueError("the server context is closed")
         return self._core.request(method, path, body, dict(query or {}))
 
     def handle(
@@ -128,8 +131,11 @@ class ServerContext:
         return r
 
     def close(self) -> None:
-        """Stop the scheduler thread (server_context::terminate). Idempotent."""
-        self._core.stop()
+        """Stop the scheduler thread (server_context::terminate) and free the model and its context
+        (once no response refers to them). Idempotent; later requests raise ValueError."""
+        core, self._core = self._core, None
+        if core is not None:
+            core.stop()
 
     def __enter__(self) -> ServerContext:
         return self
