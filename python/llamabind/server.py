@@ -146,39 +146,41 @@ def create_app(core: ServerContext, *, api_key: str | None = None, max_body: int
             body, err = _prepare(path, b"".join(chunks), core.model_names, core.model_id)
             if err is not None:
                 return err
-        if method == "POST":  # the work; GETs (health, metrics, slots, models) are always answered
+            # the work; GETs (health, metrics, slots, models) are always answered
             if state["pending"] >= max_pending:
                 msg = f"the server is overloaded ({max_pending} requests in flight); retry later"
                 return _error(503, msg, "server_error")
-            state["pending"] += 1
         counted = method == "POST"
-        streaming, r = False, None
+        state["pending"] += counted
+        r = core.request(method, path, body, dict(request.query_params))
+        inflight.add(r)
+
+        def release() -> None:  # frees the request's native state (and its slot, if unfinished)
+            r.close()
+            inflight.discard(r)
+            state["pending"] -= counted
+
         try:
-            r = core.request(method, path, body, dict(request.query_params))
-            inflight.add(r)
             await run(r, request)
             headers = dict(r.headers)
-            if not r.is_stream:
-                return Response(r.body, r.status, headers, media_type=r.content_type or None)
-            streaming = True
+            whole = None if r.is_stream else Response(r.body, r.status, headers, media_type=r.content_type or None)
+        except BaseException:
+            release()
+            raise
+        if whole is not None:
+            release()
+            return whole
 
-            async def chunks_of(r: Any = r) -> Any:
-                try:
-                    while (chunk := await anyio.to_thread.run_sync(r.next, limiter=limiter())) is not None:
-                        if chunk:
-                            yield chunk
-                finally:
-                    r.close()  # a client that went away: its tasks are cancelled, its slot freed
-                    inflight.discard(r)
-                    state["pending"] -= counted
+        async def stream_body() -> Any:
+            try:
+                while (chunk := await anyio.to_thread.run_sync(r.next, limiter=limiter())) is not None:
+                    if chunk:
+                        yield chunk
+            finally:
+                release()  # also when the client went away: its tasks are cancelled, its slot freed
 
-            headers["Cache-Control"] = "no-cache"
-            return StreamingResponse(chunks_of(), r.status, headers, media_type=r.content_type)
-        finally:
-            if not streaming:
-                state["pending"] -= counted
-                if r is not None:
-                    inflight.discard(r)
+        headers["Cache-Control"] = "no-cache"
+        return StreamingResponse(stream_body(), r.status, headers, media_type=r.content_type)
 
     async def http_error(request: Any, exc: Any) -> Any:
         if exc.status_code == 405:

@@ -15,10 +15,9 @@ from collections.abc import Mapping, Sequence
 
 from . import _core, models
 from ._validate import as_int, endpoint, one_of
+from .context import Context
 
 __all__ = ["ServerContext"]
-
-POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}  # enum llama_pooling_type
 
 
 class ServerContext:
@@ -86,8 +85,7 @@ class ServerContext:
                 opts[key] = text
         opts["embedding"] = bool(embedding)
         opts["op_offload"] = bool(op_offload)
-        if pooling is not None:
-            opts["pooling"] = POOLING[one_of(pooling, "pooling", POOLING)]
+        opts["pooling"] = Context.POOLING[one_of(pooling, "pooling", Context.POOLING)]  # None: the model's
         opts["kv_unified"] = bool(kv_unified)
         if lora:
             opts["lora"] = [(os.fspath(p), float(s)) for p, s in lora]

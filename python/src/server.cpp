@@ -2,8 +2,8 @@
 // cache, continuous batching, prompt-prefix reuse, the OpenAI layer) and `server_routes` (its HTTP
 // handlers), built from the same patched tree and driven from Python. llamabind.serve puts an ASGI
 // server in front (HTTP parsing, API keys, body limits, SSE framing) and hands each request's method,
-// path and body to ServerCore.handle; streamed responses are pulled chunk by chunk with
-// Response.next. The scheduler loop runs on its own thread (server_context::start_loop); handlers run
+// path and body to ServerCore.request (run by ServerResponse.run); streamed responses are pulled
+// chunk by chunk with ServerResponse.next. The scheduler loop runs on its own thread (server_context::start_loop); handlers run
 // on the ASGI server's worker threads with the GIL released.
 #include "common.h"
 #include "rpc.h"
@@ -96,7 +96,7 @@ struct Response {
         }
         bool expected = false;
         if (!busy.compare_exchange_strong(expected, true))
-            raise_value("Response.next: already running on another thread");
+            raise_value("ServerResponse.next: already running on another thread");
         std::string chunk;
         bool more = false;
         {
@@ -123,12 +123,17 @@ struct Response {
         finish();
     }
 
+    // Claims `busy` before it lets the GIL go, so no next() can start on the response it frees.
     void finish() {
-        if (!res || busy.load()) return;
-        nb::gil_scoped_release nogil;  // ~server_response_reader posts the cancel task (takes locks)
-        res->on_complete();
-        res.reset();
-        req.reset();
+        bool expected = false;
+        if (!res || !busy.compare_exchange_strong(expected, true)) return;
+        {
+            nb::gil_scoped_release nogil;  // ~server_response_reader posts the cancel task (takes locks)
+            res->on_complete();
+            res.reset();
+            req.reset();
+        }
+        busy = false;
     }
 
     ~Response() {
@@ -202,14 +207,10 @@ struct ServerCore {
         i32("n_ubatch", params.n_ubatch);
         i32("n_parallel", params.n_parallel);
         i32("n_gpu_layers", params.n_gpu_layers);
-        i32("n_predict", params.n_predict);
-        i32("n_cache_reuse", params.n_cache_reuse);
-        i32("cache_ram_mib", params.cache_ram_mib);
         if (has("op_offload")) params.no_op_offload = !nb::cast<bool>(o["op_offload"]);
         if (has("pooling")) params.pooling_type = (enum llama_pooling_type) nb::cast<int>(o["pooling"]);
         if (has("kv_unified")) params.kv_unified = nb::cast<bool>(o["kv_unified"]);
         if (has("embedding")) params.embedding = nb::cast<bool>(o["embedding"]);
-        if (has("cache_prompt")) params.cache_prompt = nb::cast<bool>(o["cache_prompt"]);
         if (has("chat_template")) params.chat_template = nb::cast<std::string>(o["chat_template"]);
         if (has("alias")) params.model_alias = { nb::cast<std::string>(o["alias"]) };
         if (has("seed")) params.sampling.seed = nb::cast<uint32_t>(o["seed"]);
@@ -240,7 +241,7 @@ struct ServerCore {
         // what common_params_parse does after parsing (arg.cpp): threads, llama_params_fit's padding
         const int32_t n_threads = has("n_threads") ? nb::cast<int32_t>(o["n_threads"]) : common_cpu_get_num_math();
         params.cpuparams.n_threads = n_threads;
-        params.cpuparams_batch.n_threads = has("n_threads_batch") ? nb::cast<int32_t>(o["n_threads_batch"]) : n_threads;
+        params.cpuparams_batch.n_threads = n_threads;
         while (params.tensor_buft_overrides.size() < llama_max_tensor_buft_overrides()) {
             params.tensor_buft_overrides.push_back({ nullptr, nullptr });
         }
@@ -254,11 +255,12 @@ struct ServerCore {
 
     // The model is loaded on the scheduler's own thread, which then runs the loop: llama-server does
     // both on one thread, and ggml's CPU threads (an OpenMP team per calling thread) then serve one
-    // thread only (loaded on the caller and decoded on another: 29 ms per token against 6, SmolLM2 here)
+    // thread only (loaded on the caller and decoded on another: 29 ms per token against 4.4, SmolLM2 here)
     void load() {
         if (loaded) raise_value("ServerCore.load: already loaded");
         std::promise<std::pair<bool, std::string>> started;
         auto result = started.get_future();
+        std::pair<bool, std::string> outcome;
         {
             nb::gil_scoped_release nogil;
             loop = std::thread([this, &started] {
@@ -267,13 +269,12 @@ struct ServerCore {
                 started.set_value({ ok, ok ? std::string() : take_recent_errors() });
                 if (ok) ctx.start_loop();
             });
-            const auto [ok, why] = result.get();
-            if (!ok) {
-                loop.join();
-                nb::gil_scoped_acquire gil;
-                throw LlamaError("the server could not load the model " + params.model.path +
-                                 (why.empty() ? std::string() : ": " + why));
-            }
+            outcome = result.get();
+            if (!outcome.first) loop.join();
+        }
+        if (!outcome.first) {
+            throw LlamaError("the server could not load the model " + params.model.path +
+                             (outcome.second.empty() ? std::string() : ": " + outcome.second));
         }
         routes->update_meta(ctx);
         loaded = true;
@@ -346,8 +347,8 @@ void register_server(nb::module_ & m) {
         m, "ServerCore",
         "llama.cpp's tools/server core (server_context + server_routes) over one model: n_parallel slots in "
         "one llama_context, continuous batching. options: a dict of common_params fields (model, n_ctx, "
-        "n_batch, n_ubatch, n_parallel, n_gpu_layers, n_threads, n_threads_batch, embedding, kv_unified, "
-        "cache_prompt, n_cache_reuse, cache_ram_mib, chat_template, alias, seed, flash_attn, n_predict, lora, pooling, op_offload, rpc).")
+        "n_batch, n_ubatch, n_parallel, n_gpu_layers, n_threads, embedding, kv_unified, chat_template, alias, "
+        "seed, flash_attn, lora, pooling, op_offload, rpc).")
         .def(nb::init<const nb::dict &>(), nb::arg("options"))
         .def("load", &ServerCore::load,
              "Load the model (server_context::load_model) and start the scheduler thread. Raises LlamaError.")
