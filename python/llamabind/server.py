@@ -222,7 +222,8 @@ class Server:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop accepting requests, cancel those in flight (streams end, waiting requests return within
-        about a second), stop the scheduler. Idempotent."""
+        about a second), stop the scheduler (server_context::terminate). ``timeout``: seconds to wait for
+        the HTTP thread before forcing it, then again after. Idempotent."""
         self._uv.should_exit = True
         for r in list(self._app.state.inflight):
             r.close()
