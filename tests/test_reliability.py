@@ -233,6 +233,46 @@ def test_four_threads_four_contexts_one_model(model):
     assert all(r == want for r in results), results
 
 
+def _n_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(
+    llamabind.build_info()["compile_flags"].get("GGML_OPENMP") != "ON" or not os.path.isdir("/proc/self/task"),
+    reason="an OpenMP build on Linux",
+)
+def test_a_generation_leaves_no_openmp_team_behind(model):
+    """Issue 20: a thread that decoded kept an OpenMP team of n_threads - 1 idle threads; with
+    teams of other threads alive, libgomp stopped spinning and decodes on other threads ran 7x
+    slower (bench/threads.py). When generate/generate_batch/embed return, the calling thread's
+    team is freed: a live thread that generated leaves no extra threads in the process."""
+    prompt = "The history of the printing press"
+    want = model.generate(prompt, max_tokens=8, temperature=0).tokens
+    ready, done, counts, results = threading.Event(), threading.Event(), [], []
+
+    def work():
+        try:
+            with model.context(n_ctx=256, n_threads=3) as ctx:
+                counts.append(_n_threads())
+                results.append(ctx.generate(prompt, max_tokens=8, temperature=0).tokens)
+                counts.append(_n_threads())  # the team is gone although this thread lives on
+                results.append(model.generate_batch([prompt], max_tokens=8, temperature=0)[0].tokens)
+                counts.append(_n_threads())
+        finally:
+            ready.set()
+        done.wait(30)
+
+    t = threading.Thread(target=work)
+    t.start()
+    ready.wait(60)
+    try:
+        assert results == [want, want]
+        assert counts[1] == counts[0] and counts[2] == counts[0], counts
+    finally:
+        done.set()
+        t.join()
+
+
 # ---- interrupts
 
 

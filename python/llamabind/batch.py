@@ -11,7 +11,7 @@ from typing import Any
 
 from . import _log
 from ._validate import as_int, prompt_tokens, stop_strings
-from .context import Context
+from .context import Context, release_threads
 from .generation import GenerationResult, TextState, Timings
 from .model import Model
 from .sampling import Sampler, SamplingParams
@@ -91,6 +91,7 @@ def generate_batch(
         for s in samplers:
             s.close()
         ctx.close()
+        release_threads()
 
 
 def _run_batch(

@@ -11,7 +11,7 @@ import numpy as np
 from . import _log
 from ._validate import as_int
 from .batch import pack
-from .context import Context
+from .context import Context, release_threads
 from .model import Model
 
 __all__ = ["embed"]
@@ -87,6 +87,7 @@ def embed(
             else:
                 out[i] = ctx.embedding(s, -1)
     ctx.clear()
+    release_threads()
     if normalize:
         out = [v / np.maximum(np.linalg.norm(v, axis=-1, keepdims=True), 1e-12) for v in out]
     if per_token:

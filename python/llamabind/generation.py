@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 
 from . import _log, speculative
 from ._validate import as_int, prompt_tokens, stop_strings
-from .context import Context
+from .context import Context, release_threads
 from .model import Model, json_schema_to_grammar
 from .sampling import Sampler, SamplingParams
 
@@ -305,6 +305,7 @@ def _loop(
             draft.close()
         if pending:  # speculative tokens evaluated but not used: drop them from the cache
             ctx.truncate(ctx.n_past - len(pending))
+        release_threads()
     return GenerationResult(
         text=out.text,
         tokens=generated,

@@ -8,6 +8,10 @@
 
 #include <sstream>
 
+#if !defined(_WIN32)
+#include <dlfcn.h>
+#endif
+
 #ifndef LLAMABIND_HAS_TOOLS
 #define LLAMABIND_HAS_TOOLS 0
 #endif
@@ -88,7 +92,29 @@ static nb::dict build_info() {
     return info;
 }
 
+// libgomp keeps one OpenMP thread team per thread that ran a parallel region (ggml-cpu's graph
+// compute under GGML_OPENMP). A team left behind by a thread that stopped decoding keeps its
+// threads counted: once the process has more OpenMP threads than cores, libgomp stops spinning
+// for every team and a decode on another thread ran 7x slower on 2 cores. omp_pause_soft frees
+// the calling thread's team (the next parallel region starts a new one). Found by name, so that
+// builds without OpenMP (or with ggml-cpu in a loaded module) need no link to it.
+static bool release_threads() {
+#if defined(_WIN32)
+    return false;
+#else
+    using pause_fn = int (*)(int);
+    static pause_fn fn = (pause_fn) dlsym(RTLD_DEFAULT, "omp_pause_resource_all");
+    if (!fn) return false;
+    nb::gil_scoped_release release;
+    return fn(1 /* omp_pause_soft */) == 0;
+#endif
+}
+
 void register_backends(nb::module_ & m) {
+    m.def("release_threads", &release_threads,
+          "Free the calling thread's OpenMP thread team (omp_pause_resource_all(omp_pause_soft)), if\n"
+          "this process runs libgomp/libomp; the next decode on this thread starts a new one. Returns\n"
+          "whether a runtime did it. Call it on a thread that is done decoding, before others decode.");
     m.def("build_info", &build_info,
           "Build facts: upstream commit and release, applied patches, compile flags, compiled-in ggml\n"
           "backends and their devices, llama_print_system_info(), whether upstream tools were built.");
