@@ -12,7 +12,8 @@ Each round runs two fresh processes, alternating which goes first: one with the 
 makes a greedy generation of n tokens on the main thread, then one on each of two new threads
 one after another, then one on a pool thread (concurrent.futures), then one on the main thread
 again. The reference is the main thread's own rate in the same process (a team lives as long as
-its thread, so the two modes cannot share a process). Prints a table and writes bench/results/threads-<host>-<date>.json.
+its thread, so the two modes cannot share a process).
+Prints a table and writes bench/results/threads-<host>-<date>.json.
 """
 
 from __future__ import annotations
