@@ -93,9 +93,7 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for s in STEPS:
         b, a = med["before"][s], med["after"][s]
-        print(
-            f"| {s} | {b:.1f} | {b / med['before'][STEPS[0]]:.3f} | {a:.1f} | {a / med['after'][STEPS[0]]:.3f} |"
-        )
+        print(f"| {s} | {b:.1f} | {b / med['before'][STEPS[0]]:.3f} | {a:.1f} | {a / med['after'][STEPS[0]]:.3f} |")
     out = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": socket.gethostname(),
