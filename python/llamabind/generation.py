@@ -180,8 +180,29 @@ def run(
             f"the prompt has {len(tokens)} tokens, which leaves no room in n_ctx ({n_ctx}); "
             "use a larger n_ctx or a shorter prompt"
         )
+    on_device = _backend_sampling(model, sampling, chat, logprobs, draft)
     sampler = sampling.build(model, chat)
-    return _loop(ctx, tokens, max_tokens, sampler, stops, logprobs, draft)
+    return _loop(ctx, tokens, max_tokens, sampler, stops, logprobs, draft, on_device)
+
+
+def _backend_sampling(
+    model: Model, sampling: SamplingParams, chat: Any, logprobs: int | None, draft: speculative.Speculator | None
+) -> bool:
+    """Whether the chain runs in the decode graph (SamplingParams.backend_sampling)."""
+    why_not = (
+        "a grammar or JSON schema"
+        if sampling.grammar is not None or (chat is not None and chat.grammar)
+        else "logprobs"
+        if logprobs is not None
+        else "speculative decoding"
+        if draft is not None
+        else None
+    )
+    if sampling.backend_sampling and why_not:
+        raise ValueError(f"backend_sampling=True cannot be used with {why_not} (they need the logits on the host)")
+    if sampling.backend_sampling is None:
+        return why_not is None and model.output_offloaded
+    return sampling.backend_sampling
 
 
 class TextState:
@@ -244,6 +265,7 @@ def _loop(
     stops: list[str],
     n_logprobs: int | None,
     draft: speculative.Speculator | None,
+    on_device: bool = False,
 ) -> Generator[str, None, GenerationResult]:
     model = ctx.model
     me = ctx.start_generation()
@@ -257,10 +279,12 @@ def _loop(
     pending: list[int] = []  # tokens sampled ahead by speculative decoding, not yet emitted
     t0 = t1 = time.perf_counter()
     try:
-        timings.prompt_reused = ctx.prefill(tokens)
+        sampler.accept(tokens)  # penalties see the prompt, as in llama.cpp's tools
+        if on_device:
+            sampler.attach(ctx)  # False: llama.cpp keeps it on the CPU
+        timings.prompt_reused = ctx.prefill(tokens)  # on the device, this samples the first token
         t1 = time.perf_counter()
         timings.prompt_ms = (t1 - t0) * 1e3
-        sampler.accept(tokens)  # penalties see the prompt, as in llama.cpp's tools
         while len(generated) < max_tokens:
             if ctx.generation != me:
                 raise SupersededError(
@@ -300,7 +324,7 @@ def _loop(
     finally:
         timings.generated_tokens = len(generated)
         timings.generate_ms = (time.perf_counter() - t1) * 1e3
-        sampler.close()
+        sampler.close()  # detaches it first
         if draft is not None:
             draft.close()
         if pending:  # speculative tokens evaluated but not used: drop them from the cache

@@ -194,6 +194,12 @@ class Model:
         return self._llama_model.n_layer
 
     @property
+    def output_offloaded(self) -> bool:
+        """Whether the output layer (the logits) runs on a GPU/RPC device: n_gpu_layers is -1 or
+        above n_layer and the build has one (where backend sampling is on by default)."""
+        return self._llama_model.output_offloaded
+
+    @property
     def n_params(self) -> int:
         """Number of parameters."""
         return self._llama_model.n_params

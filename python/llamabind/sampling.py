@@ -36,6 +36,16 @@ class SamplingParams:
     ignore_eos: never stop at an end-of-generation token. min_keep: >= 0 tokens every filter keeps.
     grammar: a GBNF grammar that every generated token must follow (see also json_schema in
     :meth:`Context.generate`). seed: 32-bit unsigned; None draws a random seed.
+    backend_sampling: run the chain inside the decode graph on the output layer's device
+    (llama_set_sampler, experimental upstream; llama-server's ``backend_sampling``): only the
+    sampled token is copied back instead of n_vocab logits, and the samplers with ggml versions
+    (logit bias, penalties, top_k, top_p, min_p, temperature, greedy/dist) run there; a sampler
+    without one (DRY, typical_p, XTC, top_n_sigma, mirostat) and those after it run on the CPU
+    over the surviving candidates. ``None`` (default): on when the model's output layer is on a
+    GPU and the generation allows it (no grammar or JSON schema, no logprobs, no speculative
+    decoding); ``True``: required (ValueError where not allowed); ``False``: never. Greedy
+    decoding gives the same tokens either way; with temperature > 0 the device draws from the
+    same distribution with other rounding, so a seed's tokens may differ.
     """
 
     temperature: float = 0.8
@@ -65,6 +75,7 @@ class SamplingParams:
     min_keep: int = 0
     grammar: str | None = None
     seed: int | None = None
+    backend_sampling: bool | None = None
 
     FIELDS: ClassVar[tuple[str, ...]] = ()  # set below
 
@@ -105,6 +116,8 @@ class SamplingParams:
                     raise ValueError(f"logit_bias values must be finite numbers or -inf; got {v!r}")
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise TypeError(f"grammar must be a str (GBNF); got {type(self.grammar).__name__}")
+        if self.backend_sampling is not None and not isinstance(self.backend_sampling, bool):
+            raise TypeError(f"backend_sampling must be True, False or None; got {self.backend_sampling!r}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= 0xFFFFFFFF:
                 raise ValueError(f"seed must be an int in [0, 2**32 - 1] or None; got {self.seed!r}")
@@ -113,7 +126,7 @@ class SamplingParams:
         """The native sampler chain for ``model`` (common_sampler_init); ``chat``: a rendered chat
         prompt (:meth:`ChatTemplates.apply`) whose grammar and triggers to apply. Raises ValueError
         for a grammar that does not parse."""
-        d = {f: getattr(self, f) for f in SamplingParams.FIELDS}
+        d = {f: getattr(self, f) for f in SamplingParams.FIELDS if f != "backend_sampling"}
         d["dry_sequence_breakers"] = list(self.dry_sequence_breakers)
         d["logit_bias"] = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         return Sampler(_core.Sampler(model._llama_model, d, chat))
@@ -139,6 +152,18 @@ class Sampler:
         output), accepted into the chain (common_sampler_sample + common_sampler_accept). Raises
         ValueError when ctx has no logits or idx is not a position of its last batch."""
         return self._llama_sampler.sample(ctx._llama_context, idx)
+
+    def attach(self, ctx: Context) -> bool:
+        """Run this chain inside ``ctx``'s decode graph for sequence 0 (llama_set_sampler): the
+        next decodes sample on the output device and :meth:`sample` reads the token. Returns False
+        when llama.cpp cannot offload the chain's first sampler (sampling stays on the CPU).
+        Until :meth:`detach` (or :meth:`close`), ``ctx`` gives no logits (ValueError). Raises
+        ValueError for a chain with a grammar, or one attached before."""
+        return self._llama_sampler.attach(ctx._llama_context)
+
+    def detach(self) -> None:
+        """Take the chain out of the decode graph it was attached to (no-op if none)."""
+        self._llama_sampler.detach()
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Feed tokens (e.g. the prompt) to the chain's state: penalties see them; the grammar does

@@ -44,6 +44,7 @@ void Context::check_no_views(const char * what) const {
 }
 
 void Context::release() {
+    forget_backend_sampler(*this);
     if (ctx) {
         llama_free(ctx);
         ctx = nullptr;
@@ -297,6 +298,13 @@ static void release_view(void * p) noexcept {  // capsule destructors run with t
 
 // Logits of every token: float32 (n_tokens, n_vocab). copy=False returns a read-only view into
 // llama.cpp's output buffer when the tokens fit one batch (decode/close refuse while it lives).
+static void check_no_backend_sampler(const Context & self) {
+    if (self.backend_sampler) {
+        raise_value("no logits while a sampler chain runs on the backend (a generation with "
+                    "backend_sampling): only the sampled token leaves the device");
+    }
+}
+
 static nb::object eval(nb::handle py_self, const std::vector<int64_t> & tokens, int64_t seq, bool copy) {
     Context & self = nb::cast<Context &>(py_self);
     llama_context * c = self.get();
@@ -306,6 +314,7 @@ static nb::object eval(nb::handle py_self, const std::vector<int64_t> & tokens, 
     std::vector<llama_token> t = checked(self, tokens);
     check_room(c, (llama_seq_id) seq, t.size());
     self.check_no_views("eval");
+    check_no_backend_sampler(self);
     const size_t n_vocab = (size_t) self.owner->n_vocab();
     const size_t n_batch = llama_n_batch(c);
     BusyGuard guard(self);
@@ -337,6 +346,7 @@ static nb::object eval(nb::handle py_self, const std::vector<int64_t> & tokens, 
 static const float * logits_at(Context & self, int32_t idx) {
     llama_context * c = self.get();
     if (!self.has_logits || self.encoder_only) raise_value("no logits: call decode() first");
+    check_no_backend_sampler(self);
     if (idx < -1 || idx >= self.n_batch_last) {
         raise_value("idx must be -1 or a position of the last batch, in [0, " + std::to_string(self.n_batch_last) +
                     "); got " + std::to_string(idx));

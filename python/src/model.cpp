@@ -234,6 +234,7 @@ static void model_init(Model * self, const std::string & path, int n_gpu_layers,
     self->vocab = llama_model_get_vocab(m);
     self->path = path;
     self->vocab_only = vocab_only;
+    self->output_offloaded = n_gpu > 0 && (n_gpu_layers < 0 || n_gpu_layers > llama_model_n_layer(m));
 }
 
 static std::vector<int32_t> tokenize(Model & self, const std::string & text, bool add_special, bool parse_special) {
@@ -310,6 +311,8 @@ void register_model(nb::module_ & m) {
         .def_prop_ro("closed", [](const Model & s) { return s.model == nullptr; })
         .def_prop_ro("path", [](const Model & s) { return s.path; })
         .def_prop_ro("vocab_only", [](const Model & s) { return s.vocab_only; })
+        .def_prop_ro("output_offloaded", [](const Model & s) { return s.output_offloaded; },
+                     "Whether the output layer (the logits) runs on a GPU/RPC device.")
         .def_prop_ro("n_vocab", &Model::n_vocab)
         .def_prop_ro("n_ctx_train", [](const Model & s) { return llama_model_n_ctx_train(s.get()); })
         .def_prop_ro("n_embd", [](const Model & s) { return llama_model_n_embd(s.get()); })

@@ -16,12 +16,14 @@ namespace lb {
 
 struct Context;
 struct Lora;
+struct Sampler;
 
 struct Model {
     llama_model * model = nullptr;
     const llama_vocab * vocab = nullptr;
     std::string path;
     bool vocab_only = false;
+    bool output_offloaded = false;  // the output layer (logits) is on a GPU/RPC device
     std::set<Context *> contexts;  // open contexts on this model; closed with it
     std::set<Lora *> loras;        // LoRA adapters loaded on it (llama.cpp frees them with the model)
     std::atomic<int> in_use{ 0 };  // native calls running without the GIL (e.g. tokenize)
@@ -68,6 +70,7 @@ struct Context {
     bool encoder_only = false;  // e.g. BERT: llama_encode, no KV cache
     std::vector<std::pair<Lora *, float>> loras;  // adapters applied (set_loras)
     std::shared_ptr<struct TrainState> train;     // llama_opt_* state once opt_init ran (train.cpp)
+    Sampler * backend_sampler = nullptr;          // the chain llama_set_sampler attached to seq 0
     BatchBuf batch;
 
     ~Context() { release(); }
@@ -87,6 +90,9 @@ struct Lora {
     ~Lora();       // forgets itself; the adapter is freed with the model (or by close())
     void close();  // frees the adapter (LlamaError while a context applies it)
 };
+
+// sampling.cpp: forget the sampler attached to this context (when the context is freed)
+void forget_backend_sampler(Context & c);
 
 // train.cpp: what llama_opt_* needs of a context (F32 KV cache, no flash attention, n_ctx ==
 // n_batch == n_ubatch, a multiple of 256); raises ValueError otherwise

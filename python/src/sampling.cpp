@@ -2,6 +2,10 @@
 // bias -> penalties -> DRY -> top-n-sigma -> top_k -> typical_p -> top_p -> min_p -> XTC ->
 // temperature -> dist, or mirostat v1/v2, with an optional GBNF grammar (user, JSON schema or a
 // chat template's tool-call grammar, lazy with triggers). The same code path as llama-cli/server.
+// Backend sampling (attach): the chain joins the context's decode graph (llama_set_sampler, as
+// llama-server's backend_sampling): its leading samplers with ggml implementations (logit bias,
+// penalties, top-k, top-p, min-p, temperature, greedy/dist) run on the output layer's device and
+// only the sampled token (or the surviving candidates, for the rest of the chain) is copied back.
 #include "objects.h"
 
 #include <sampling.h>
@@ -17,8 +21,18 @@ struct Sampler {
     common_sampler * chain = nullptr;
     const llama_vocab * vocab = nullptr;
     int32_t n_vocab = 0;
+    bool grammar = false;        // a grammar never runs on the backend (common_sampler_sample asserts)
+    bool was_attached = false;   // llama_sampler_chain_backend_init may run once per chain
+    Context * attached = nullptr;  // the context whose decode graph runs this chain (seq 0)
     ~Sampler() { close(); }
+    void detach() {
+        if (!attached) return;
+        if (attached->ctx) llama_set_sampler(attached->ctx, 0, nullptr);
+        attached->backend_sampler = nullptr;
+        attached = nullptr;
+    }
     void close() {
+        detach();
         if (chain) {
             common_sampler_free(chain);
             chain = nullptr;
@@ -178,6 +192,43 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
     self->chain = s;
     self->vocab = vocab;
     self->n_vocab = n_vocab;
+    self->grammar = !p.grammar.grammar.empty();
+}
+
+void forget_backend_sampler(Context & c) {
+    if (c.backend_sampler) {
+        c.backend_sampler->attached = nullptr;
+        c.backend_sampler = nullptr;
+    }
+}
+
+// Attach the chain to ctx's sequence 0 (llama_set_sampler). False when llama.cpp cannot run its
+// first sampler on the output device (the chain then samples on the CPU, as before).
+static bool attach(Sampler & self, Context & ctx) {
+    common_sampler * s = self.get();
+    llama_context * c = ctx.get();
+    if (self.grammar) raise_value("a sampler chain with a grammar cannot run on the backend");
+    if (self.was_attached) raise_value("this sampler chain was attached once already: build a new one");
+    if (ctx.encoder_only) raise_value("an encoder-only model has no logits to sample");
+    BusyGuard guard(ctx);
+    if (ctx.backend_sampler) ctx.backend_sampler->detach();  // an abandoned stream's chain: superseded
+    self.was_attached = true;
+    bool ok;
+    {
+        nb::gil_scoped_release release;
+        clear_recent_errors();
+        ok = llama_set_sampler(c, 0, common_sampler_get(s));
+    }
+    if (!ok) return false;
+    self.attached = &ctx;
+    ctx.backend_sampler = &self;
+    return true;
+}
+
+static void detach(Sampler & self) {
+    if (!self.attached) return;
+    BusyGuard guard(*self.attached);
+    self.detach();
 }
 
 // Sample the next token from the logits of batch position idx (-1: the last output), and accept
@@ -197,7 +248,10 @@ static int32_t sample(Sampler & self, Context & ctx, int32_t idx) {
         nb::gil_scoped_release release;
         clear_recent_errors();
         try {
-            t = common_sampler_sample(s, c, idx);
+            // a chain that ran whole in the decode graph left its token: skip common_sampler_sample,
+            // which would copy the (absent) logits of the whole vocabulary first
+            t = self.attached == &ctx ? llama_get_sampled_token_ith(c, idx) : LLAMA_TOKEN_NULL;
+            if (t == LLAMA_TOKEN_NULL) t = common_sampler_sample(s, c, idx);
             common_sampler_accept(s, t, true);
         } catch (const std::exception & e) {
             err = e.what();
@@ -231,6 +285,13 @@ void register_sampling(nb::module_ & m) {
              "(common_sampler_sample + common_sampler_accept).")
         .def("accept", &accept, nb::arg("tokens"), nb::arg("is_generated") = false,
              "Feed tokens to the chain's state (penalties; grammar only if is_generated).")
+        .def("attach", &attach, nb::arg("context"),
+             "Run the chain inside context's decode graph for sequence 0 (llama_set_sampler): sample() "
+             "then reads the token sampled on the device. Returns False if llama.cpp cannot offload "
+             "the chain. Once per chain; ValueError with a grammar. A chain attached to the same context "
+             "before is detached. Until detach(), the context has no logits.")
+        .def("detach", &detach, "Take the chain out of the context's decode graph (llama_set_sampler(nullptr)).")
+        .def_prop_ro("attached", [](const Sampler & s) { return s.attached != nullptr; })
         .def("reset", [](Sampler & s) { common_sampler_reset(s.get()); })
         .def("close", &Sampler::close)
         .def_prop_ro("seed", [](const Sampler & s) { return common_sampler_get_seed(s.get()); })

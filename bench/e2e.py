@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""End-to-end generation vs the decode alone, with the per-token breakdown (issue 20).
+
+    python bench/e2e.py [--model NAME|PATH] [-ngl 99] [--threads 2] [--rounds 3] [-n 128]
+
+Greedy generation of n tokens (ignore_eos) after a fixed prompt, in one process run, rounds
+interleaved in alternating order:
+- tg: llamabind's decode alone, one token at a time (what llama-bench's tg measures);
+- llama-bench tg (the same tree's tool, the decode-only limit) and llama-completion (upstream's own
+  end-to-end loop: n / (total - prompt eval - load) of its common_perf_print);
+- llamabind's generation loop taken apart (decode, sample, detokenize, the rest: Python), with the
+  sampler chain on the CPU (common_sampler over the logits copied to the host) and in the decode
+  graph (backend sampling, llama_set_sampler: only the token comes back);
+- ``Model.generate(stream=True)`` as a user runs it, both ways: tokens / generation time
+  (Timings.generated_tps: first sample to last token).
+Prints a table (t/s, ratio to tg, us per token of each part) and writes
+bench/results/e2e-<host>-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import llamabind
+from llamabind import models
+from llamabind.generation import TextState
+from llamabind.sampling import SamplingParams
+
+HERE = Path(__file__).resolve().parent
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. Once upon a time,"
+
+
+def tg_loop(ctx: llamabind.Context, first: list[int], n: int) -> float:
+    ctx.clear()
+    ctx.decode(first)
+    tok = first[-1]
+    t0 = time.perf_counter()
+    for _ in range(n):
+        ctx.decode([tok])
+    return n / (time.perf_counter() - t0)
+
+
+def stepwise(model: llamabind.Model, ctx: llamabind.Context, prompt: list[int], n: int, on_device: bool) -> dict:
+    """The generation loop of llamabind.generation, each part timed (us per token)."""
+    sampler = SamplingParams(temperature=0, ignore_eos=True, backend_sampling=on_device).build(model)
+    text = TextState(model, [])
+    ctx.clear()
+    sampler.accept(prompt)
+    attached = sampler.attach(ctx) if on_device else False
+    ctx.decode(prompt)
+    dec = smp = txt = 0.0
+    pc = time.perf_counter
+    t0 = pc()
+    for _ in range(n):
+        a = pc()
+        tok = sampler.sample(ctx)
+        b = pc()
+        text.feed(tok)
+        c = pc()
+        ctx.decode([tok])
+        d = pc()
+        smp += b - a
+        txt += c - b
+        dec += d - c
+    total = pc() - t0
+    sampler.close()
+    us = 1e6 / n
+    return {
+        "tps": n / total,
+        "decode_us": dec * us,
+        "sample_us": smp * us,
+        "detokenize_us": txt * us,
+        "python_us": (total - dec - smp - txt) * us,
+        "attached": attached,
+    }
+
+
+def generate_tps(model: llamabind.Model, ctx: llamabind.Context, n: int, on_device: bool) -> tuple[float, list[int]]:
+    stream = ctx.generate(PROMPT, max_tokens=n, temperature=0, ignore_eos=True, backend_sampling=on_device, stream=True)
+    for _ in stream:
+        pass
+    assert stream.result is not None
+    return stream.result.timings.generated_tps, stream.result.tokens
+
+
+def llama_bench_tg(path: Path, n: int, threads: int, ngl: int) -> float:
+    exe = llamabind.tool_path("llama-bench")
+    cmd = [str(exe), "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(n), "-ngl", str(ngl), "-o", "json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+    return json.loads(p.stdout)[0]["avg_ts"]
+
+
+def llama_completion(path: Path, n: int, threads: int, ngl: int) -> dict:
+    exe = llamabind.tool_path("llama-completion")
+    cmd = [str(exe), "-m", str(path), "-no-cnv", "-n", str(n), "--temp", "0", "--ignore-eos", "-t", str(threads)]
+    cmd += ["-ngl", str(ngl), "-p", PROMPT]
+    p = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+    ms = {}
+    for key in ("prompt eval time", "eval time", "total time", "sampling time"):
+        m = re.search(rf"common_perf_print:\s+{key} =\s+([\d.]+) ms", p.stderr)
+        if m:
+            ms[key] = float(m.group(1))
+    runs = int(re.search(r"eval time =\s+[\d.]+ ms /\s+(\d+) runs", p.stderr).group(1))
+    # generated tokens: the eval runs + the first one, sampled from the prompt's logits
+    return {"tps": (runs + 1) / ((ms["total time"] - ms["prompt eval time"]) / 1e3), "ms": ms}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", "-m", default=models.DEFAULT)
+    ap.add_argument("--threads", "-t", type=int, default=2)
+    ap.add_argument("--rounds", "-r", type=int, default=3)
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=99, help="99: all layers")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    path = models.resolve(args.model)
+    n, t = args.n, args.threads
+    model = llamabind.Model(path, n_threads=t, n_gpu_layers=-1 if args.n_gpu_layers >= 99 else args.n_gpu_layers)
+    ctx = model.context(n_ctx=512, n_threads=t)
+    prompt = model.tokenize(PROMPT)
+    res: dict[str, list] = {}
+
+    def add(key, v):
+        res.setdefault(key, []).append(v)
+
+    tokens = {}
+    steps = [
+        lambda: add("tg (llama-bench)", llama_bench_tg(path, n, t, args.n_gpu_layers)),
+        lambda: add("e2e (llama-completion)", llama_completion(path, n, t, args.n_gpu_layers)),
+        lambda: add("tg (llamabind decode)", tg_loop(ctx, prompt, n)),
+        lambda: add("loop, CPU sampling", stepwise(model, ctx, prompt, n, False)),
+        lambda: add("loop, backend sampling", stepwise(model, ctx, prompt, n, True)),
+    ]
+    for on_device in (False, True):
+
+        def gen(on_device=on_device):
+            tps, toks = generate_tps(model, ctx, n, on_device)
+            add(f"generate, {'backend' if on_device else 'CPU'} sampling", tps)
+            tokens[on_device] = toks
+
+        steps.append(gen)
+    generate_tps(model, ctx, 8, True)  # warm-up both graphs
+    generate_tps(model, ctx, 8, False)
+    for r in range(args.rounds):
+        for fn in steps if r % 2 == 0 else steps[::-1]:
+            fn()
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+
+    def tps(v):
+        return v["tps"] if isinstance(v, dict) else v
+
+    med = {k: statistics.median(tps(x) for x in v) for k, v in res.items()}
+    parts = {}
+    for k in ("loop, CPU sampling", "loop, backend sampling"):
+        parts[k] = {
+            p: statistics.median(x[p] for x in res[k]) for p in ("decode_us", "sample_us", "detokenize_us", "python_us")
+        }
+        parts[k]["attached"] = all(x["attached"] for x in res[k]) if "backend" in k else False
+    ref = med["tg (llama-bench)"]
+    print(f"model {path.name}, -ngl {args.n_gpu_layers}, {t} threads, n={n}, {args.rounds} rounds (median)")
+    print("| run | t/s | vs llama-bench tg | decode us | sample us | detokenize us | python us |")
+    print("|---|---|---|---|---|---|---|")
+    for k, v in med.items():
+        p = parts.get(k)
+        cols = (
+            f"{p['decode_us']:.1f} | {p['sample_us']:.1f} | {p['detokenize_us']:.1f} | {p['python_us']:.1f}"
+            if p
+            else "- | - | - | -"
+        )
+        print(f"| {k} | {v:.1f} | {v / ref:.3f} | {cols} |")
+    same = tokens.get(False) == tokens.get(True)
+    print(f"greedy tokens equal with CPU and backend sampling: {same}")
+    out = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "command": " ".join(sys.argv),
+        "model": str(path),
+        "params": {"n": n, "threads": t, "n_gpu_layers": args.n_gpu_layers, "rounds": args.rounds},
+        "build_info": {k: v for k, v in llamabind.build_info().items() if k != "devices"},
+        "devices": [d["description"] for d in llamabind.devices()],
+        "median_tps": med,
+        "per_token_us": parts,
+        "greedy_tokens_equal": same,
+        "raw": res,
+    }
+    name = f"e2e-{socket.gethostname()}-{path.stem}-{datetime.date.today()}.json"
+    dest = Path(args.out) if args.out else HERE / "results" / name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {dest}")
+    ctx.close()
+    model.close()
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
