@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from conftest import require_tool
+from conftest import GPU_BUILD, gpu_skip_reason, require_tool
 
 import llamabind
 
@@ -48,6 +48,22 @@ def test_greedy_matches_llama_simple(model_path, prompt, n_predict):
         ours = b"".join(m.token_to_piece(t, special=True) for t in prompt_ids + r.tokens) + b"\n"
     assert p.stdout == ours, (p.stdout, ours)
     assert r.tokens  # it generated something
+
+
+@pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+def test_the_gpu_gives_the_cpus_logits_and_tokens(model_path):
+    """A GPU build (CUDA, Vulkan), fully offloaded, against the CPU alone: the prompt's logits
+    within NMSE 5e-3 (one CUDA GPU vs the CPU: 1.0e-3 for SmolLM2 Q4_1, see test_multi_gpu.py; a
+    wrong kernel is O(1)) and the first greedy tokens equal (sampled on the device)."""
+    logits, tokens = [], []
+    for ngl in (0, -1):
+        with llamabind.Model(model_path, n_gpu_layers=ngl, op_offload=ngl != 0) as m, m.context(n_ctx=256) as c:
+            logits.append(c.eval(m.tokenize(PROMPT)))
+            tokens.append(c.generate(PROMPT, max_tokens=4, temperature=0).tokens)
+            assert m.output_offloaded == (ngl == -1)
+    err = llamabind.ops.nmse(logits[1], logits[0])
+    assert err < 5e-3, f"GPU vs CPU logits NMSE {err:.2e}"
+    assert tokens[1] == tokens[0]
 
 
 def test_seeded_sampling_is_reproducible(model):
@@ -178,3 +194,75 @@ def test_an_abandoned_stream_cannot_write_into_a_newer_generation(model):
     with pytest.raises(llamabind.generation.SupersededError):
         list(old)
     assert fresh.tokens == model.generate(PROMPT, max_tokens=8, temperature=0).tokens
+
+
+# ---- backend sampling (llama_set_sampler): the chain inside the decode graph
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=0),
+        dict(temperature=0, repeat_penalty=1.3, logit_bias={11: -5.0}),
+        dict(temperature=0.8, seed=42),
+        dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, seed=7),
+        dict(temperature=0.9, top_k=20, typical_p=0.9, seed=3),  # typical_p: the rest of the chain on the CPU
+    ],
+)
+def test_backend_sampling_gives_the_cpu_chains_tokens(model, kw):
+    """The chain run in the decode graph picks the tokens common_sampler picks on the host. Greedy:
+    on every backend. Seeded sampling: on the CPU backend (the same math: softmax, cumulative sum,
+    one uniform draw per token); a GPU's other rounding may move a draw over a boundary."""
+    want = model.generate(PROMPT, max_tokens=32, backend_sampling=False, ignore_eos=True, **kw)
+    got = model.generate(PROMPT, max_tokens=32, backend_sampling=True, ignore_eos=True, **kw)
+    assert len(got.tokens) == 32
+    if kw["temperature"] == 0 or not model.output_offloaded:
+        assert got.tokens == want.tokens and got.text == want.text
+
+
+def test_backend_sampling_refuses_what_needs_the_logits(model):
+    with pytest.raises(ValueError, match="grammar or JSON schema"):
+        model.generate(PROMPT, max_tokens=4, backend_sampling=True, json_schema={"type": "object"})
+    with pytest.raises(ValueError, match="logprobs"):
+        model.generate(PROMPT, max_tokens=4, backend_sampling=True, logprobs=2)
+    with pytest.raises(TypeError, match="backend_sampling"):
+        model.generate(PROMPT, max_tokens=4, backend_sampling=1)
+    # by default it steps aside for them: the logprobs are those of the host's logits
+    r = model.generate(PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    assert len(r.logprobs) == 4 and r.logprobs[0].top[0][0] == r.tokens[0]
+    assert model.output_offloaded == GPU_BUILD
+
+
+def test_a_stream_sampling_on_the_backend_holds_the_logits_back_until_it_ends(model):
+    with model.context(n_ctx=256) as ctx:
+        s = ctx.generate(PROMPT, max_tokens=8, temperature=0, backend_sampling=True, stream=True)
+        next(s)
+        with pytest.raises(ValueError, match="sampler chain runs on the backend"):
+            ctx.logits()
+        # a newer generation supersedes the stream and its chain
+        fresh = ctx.generate(PROMPT, max_tokens=8, temperature=0, backend_sampling=True)
+        with pytest.raises(llamabind.generation.SupersededError):
+            list(s)
+        with pytest.raises(ValueError, match="no logits"):  # the last decode made none on the host
+            ctx.logits()
+        assert ctx.n_past == len(model.tokenize(PROMPT)) + 7  # the old stream decoded nothing more
+        ctx.decode([fresh.tokens[-1]])
+        assert ctx.logits().shape == (model.n_vocab,)
+
+
+def test_a_sampler_attaches_once_and_never_with_a_grammar(model):
+    with model.context(n_ctx=128) as ctx:
+        s = llamabind.SamplingParams(temperature=0).build(model)
+        assert s.attach(ctx)
+        with pytest.raises(ValueError, match="attached once"):
+            s.attach(ctx)
+        ctx.decode(model.tokenize(PROMPT))
+        tok = s.sample(ctx)
+        s.close()  # detaches: the context is usable again
+        ctx.clear()
+        ctx.decode(model.tokenize(PROMPT))
+        assert int(ctx.logits().argmax()) == tok
+        g = llamabind.SamplingParams(grammar='root ::= "yes"').build(model)
+        with pytest.raises(ValueError, match="grammar"):
+            g.attach(ctx)
+        g.close()

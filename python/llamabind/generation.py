@@ -257,6 +257,14 @@ class SupersededError(RuntimeError):
     """A stream was resumed after a newer generate() call reused its context."""
 
 
+def _check_current(ctx: Context, me: int) -> None:
+    if ctx.generation != me:
+        raise SupersededError(
+            "a newer generate() call on this context replaced this stream's KV cache; "
+            "use one context per concurrent stream (Model.context())"
+        )
+
+
 def _loop(
     ctx: Context,
     tokens: list[int],
@@ -286,11 +294,7 @@ def _loop(
         t1 = time.perf_counter()
         timings.prompt_ms = (t1 - t0) * 1e3
         while len(generated) < max_tokens:
-            if ctx.generation != me:
-                raise SupersededError(
-                    "a newer generate() call on this context replaced this stream's KV cache; "
-                    "use one context per concurrent stream (Model.context())"
-                )
+            _check_current(ctx, me)
             if pending:
                 tok = pending.pop(0)
             elif draft is not None:
@@ -317,6 +321,7 @@ def _loop(
             if ctx.n_past >= n_ctx:
                 break  # the context is full: finish_reason "length"
             if draft is None:
+                _check_current(ctx, me)  # resumed after a yield: a newer generation may own the cache
                 ctx.decode([tok])
         piece = out.finish()
         if piece:

@@ -29,6 +29,7 @@ struct Sampler {
         if (!attached) return;
         if (attached->ctx) llama_set_sampler(attached->ctx, 0, nullptr);
         attached->backend_sampler = nullptr;
+        attached->has_logits = false;  // the last decode made no raw logits
         attached = nullptr;
     }
     void close() {

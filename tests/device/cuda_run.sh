@@ -26,7 +26,12 @@
 # leak:   (carry .device-b on a machine that ran ops) tensor split vs one GPU under each all-reduce
 #         setting (split_nmse.py), then the leak test alone / without log capture / after the
 #         multi-GPU tests, and the multi-GPU + RPC tests; LB_LEAK_FULL=1: the whole suite instead.
-# build:  (carry .device) the build alone, and SmolLM2's first part kept in /tmp for "server".
+# build:  (carry .device) the build alone, SmolLM2's first part kept in /tmp for "server" and "e2e",
+#         the bench models started in the background.
+# e2e:    (carry .device-b after build) generation and chat tests on CUDA, then bench/e2e.py on each
+#         model (issue 20: end-to-end vs decode, per-token breakdown, CPU vs backend sampling).
+# vulkan: (carry .device-v after e2e) tests/device/vulkan.sh: Debian 12's Vulkan SDK from the
+#         carried .debs, the Vulkan build, op and model tests on Vulkan0, pp/tg vs llama-bench.
 # server: (carry .device-b after build) tests/test_server.py and the fuzz with the model fully offloaded,
 #         then bench/server.py -ngl 99 (llamabind serve beside llama-server from the same build).
 # bench:  bench/generation.py on each model, full offload, llama-bench beside it in the same run
@@ -35,7 +40,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: ops, models, train, trainbench, rss, cost, leak, build, server or bench}
+phase=${1:?phase: ops, models, train, trainbench, rss, cost, leak, build, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -58,9 +63,34 @@ join_model() {
   cat /tmp/smollm2.part-a .device-b/smollm2.part-b > $f
   sha256sum $f | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 && echo "SmolLM2 sha256 ok"
 }
+# random-weight models for the bench calls, written in the background: micro (per-call cost) and
+# LB_BENCH_SIZES (default 1b) x LB_BENCH_TYPES (default q4_0 q8_0 f16), from SmolLM2's tokenizer
+start_models() {
+  [ -d $MODELS ] || (mkdir -p $MODELS && setsid bash -c "python3 bench/make_model.py --size micro --type f16 -o $MODELS/llama-micro-f16.gguf \
+      --tokenizer-from /tmp/tokenizer.gguf && for q in ${LB_BENCH_TYPES-q4_0 q8_0 f16}; do for s in ${LB_BENCH_SIZES-1b}; do \
+      python3 bench/make_model.py --size \$s --type \$q -o $MODELS/llama-\$s-\$q.gguf --tokenizer-from /tmp/tokenizer.gguf; \
+      done; done > $MODELS/make.log 2>&1; touch $MODELS/done" < /dev/null &)
+}
 case $phase in
 build)
-  cp .device/smollm2.part-a /tmp/
+  cp .device/smollm2.part-a .device/tokenizer.gguf /tmp/
+  start_models
+  ;;
+e2e)
+  # (carry .device-b after build) generation tests with the model fully offloaded (backend sampling
+  # on by default there), then bench/e2e.py on each model: decode alone, llama-bench tg,
+  # llama-completion, and llamabind's loop taken apart with CPU and backend sampling
+  join_model
+  cp .device-b/smollm2.part-b /tmp/
+  t0=$SECONDS
+  LLAMABIND_REQUIRE_GPU=1 LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests/test_generation.py tests/test_chat.py $PYTEST_ARGS \
+    --deselect tests/test_chat.py::test_tool_call_parsing_with_a_tool_template 2>&1 | tee "$OUT/generation-tests.log" | tail -15
+  echo "generation tests in $((SECONDS - t0)) s"
+  until [ -f $MODELS/done ]; do sleep 5; done; cat $MODELS/make.log | tr '\r' '\n' | grep wrote
+  for m in $MODELS/llama-micro-f16.gguf $LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
+           $(ls $MODELS/llama-1b-*.gguf); do
+    python3 bench/e2e.py --model $m -ngl 99 --threads 8 --rounds ${LB_ROUNDS:-3} --out "$OUT/e2e-$(basename $m .gguf).json" 2>&1 | grep -v "^round"
+  done
   ;;
 server)
   join_model
@@ -73,11 +103,7 @@ server)
   ;;
 ops)
   cp .device/smollm2.part-a .device/tokenizer.gguf /tmp/
-  # random-weight models for the bench call, written in the background: micro (per-call cost) and 1B
-  [ -d $MODELS ] || (mkdir -p $MODELS && setsid bash -c "python3 bench/make_model.py --size micro --type f16 -o $MODELS/llama-micro-f16.gguf \
-      --tokenizer-from /tmp/tokenizer.gguf && for q in ${LB_BENCH_TYPES-q4_0 q8_0 f16}; do for s in ${LB_BENCH_SIZES-1b}; do \
-      python3 bench/make_model.py --size \$s --type \$q -o $MODELS/llama-\$s-\$q.gguf --tokenizer-from /tmp/tokenizer.gguf; \
-      done; done > $MODELS/make.log 2>&1; touch $MODELS/done" < /dev/null &)
+  start_models
   python3 bench/gpu_bandwidth.py --out "$OUT/bandwidth.json"
   cp "$OUT/bandwidth.json" /tmp/bandwidth.json
   t0=$SECONDS
@@ -137,6 +163,73 @@ leak)
     echo "== $T $extra"; python3 -m pytest $PYTEST_ARGS $extra $T 2>&1 | grep -E "RSS grew|passed|failed" | cut -c1-600
   done
   LLAMABIND_REQUIRE_GPU=1 python3 -m pytest $PYTEST_ARGS tests/test_multi_gpu.py tests/test_rpc.py 2>&1 | tee "$OUT/tests-multi-gpu-rpc.log" | grep -E "^E  |passed|failed" | head -40
+  ;;
+vulkan|vulkanmodels)
+  # Debian 12's Vulkan SDK pieces (carried .debs: glslc 2023.2, libshaderc1, libvulkan 1.3.239 with
+  # headers, spirv-headers) unpacked into /tmp/vk, the GL dispatch libraries the NVIDIA ICD loads into /
+  VK=/tmp/vk
+  if [ ! -x $VK/usr/bin/glslc ]; then
+    for d in .device-v/debs/{glslc,libshaderc1,libvulkan1,libvulkan-dev,spirv-headers}_*.deb; do dpkg -x $d $VK; done
+    for d in .device-v/debs/lib{glvnd0,glx0,gl1,egl1,opengl0,gles2}_*.deb; do dpkg -x $d /; done
+    ldconfig
+  fi
+  export PATH=$VK/usr/bin:$PATH LD_LIBRARY_PATH=$VK/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+  VK_DRIVER_FILES=$(ls /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json /usr/share/vulkan/icd.d/nvidia_icd.json \
+    /etc/vulkan/icd.d/nvidia_icd.json 2>/dev/null | head -1)
+  export VK_DRIVER_FILES
+  echo "Vulkan ICD: $VK_DRIVER_FILES"
+  CUDA_BIN=$PWD/build/lb-cuda/llamabind/bin
+  if [ ! -f build/lb-vulkan/.built ]; then
+    t0=$SECONDS
+    CMAKE_ARGS="-DGGML_VULKAN=ON -DVulkan_INCLUDE_DIR=$VK/usr/include -DVulkan_LIBRARY=$VK/usr/lib/x86_64-linux-gnu/libvulkan.so -DVulkan_GLSLC_EXECUTABLE=$VK/usr/bin/glslc" \
+      SKBUILD_BUILD_DIR=build/vulkan python3 -m pip install -v --no-build-isolation --no-deps --target build/lb-vulkan . \
+      > "$OUT/build-vulkan.log" 2>&1 && touch build/lb-vulkan/.built
+    echo "Vulkan build rc=$? in $((SECONDS - t0)) s ($(nproc) jobs)"
+    grep -E "not supported by glslc|GL_.*supported" "$OUT/build-vulkan.log" | sort -u | head -12
+  fi
+  export PYTHONPATH=$PWD/build/lb-vulkan:/tmp/site
+  python3 -m llamabind info | grep -iE "vulkan|device|GGML_VULKAN" | head -8
+  if [ $phase = vulkan ]; then
+    t0=$SECONDS
+    LLAMABIND_TEST_BACKEND=vulkan LLAMABIND_OPS_CHECK_OUT="$OUT/ops-check-vulkan.json" LLAMABIND_REQUIRE_GPU=1 \
+      LLAMABIND_REFERENCE_PYTHON=python3 python3 -m pytest tests/test_ops.py tests/test_ops_grad.py tests/test_ops_errors.py \
+      tests/test_ops_backends.py tests/test_grad_compositions.py $PYTEST_ARGS 2>&1 | tee "$OUT/ops-tests-vulkan.log" | tail -40
+    echo "Vulkan op tests in $((SECONDS - t0)) s"
+  else
+    f=$LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+    [ -f $f ] || { mkdir -p "$(dirname $f)"; cat /tmp/smollm2.part-a /tmp/smollm2.part-b > $f; }
+    t0=$SECONDS
+    LLAMABIND_REQUIRE_GPU=1 LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests/test_generation.py tests/test_chat.py \
+      tests/test_state.py $PYTEST_ARGS \
+      --deselect tests/test_chat.py::test_tool_call_parsing_with_a_tool_template 2>&1 | tee "$OUT/model-tests-vulkan.log" | tail -25
+    echo "Vulkan model tests in $((SECONDS - t0)) s"
+    # pp512/tg128: llamabind on Vulkan vs llama-bench on Vulkan, then llama-bench Vulkan vs CUDA
+    for m in $f $MODELS/llama-1b-q4_0.gguf $MODELS/llama-1b-q8_0.gguf $MODELS/llama-1b-f16.gguf; do
+      name=$(basename $m .gguf)
+      python3 bench/generation.py --model $m -ngl 99 --threads 8 --rounds 3 --reps 10 --llama-cpp-python /nonexistent \
+        --out "$OUT/gen-vulkan-$name.json" 2>&1 | grep -E "^\| |wrote"
+      for r in 1 2 3; do
+        for b in vulkan cuda; do
+          exe=$PWD/build/lb-vulkan/llamabind/bin/llama-bench; [ $b = cuda ] && exe=$CUDA_BIN/llama-bench
+          echo "{\"round\": $r, \"backend\": \"$b\", \"model\": \"$name\", \"llama_bench\": $($exe -m $m -ngl 99 -t 8 -r 10 -o json 2>/dev/null | tr -d '\n')}"
+        done
+      done >> "$OUT/vulkan-vs-cuda.jsonl"
+    done
+    python3 - "$OUT/vulkan-vs-cuda.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+by = {}
+for r in rows:
+    for t in r["llama_bench"]:
+        test = f"pp{t['n_prompt']}" if t["n_gen"] == 0 else f"tg{t['n_gen']}"
+        by.setdefault((r["model"], test), {}).setdefault(r["backend"], []).append(t["avg_ts"])
+print("| model | test | Vulkan t/s | CUDA t/s | Vulkan / CUDA |")
+print("|---|---|---|---|---|")
+for (m, test), d in by.items():
+    v, c = statistics.median(d["vulkan"]), statistics.median(d["cuda"])
+    print(f"| {m} | {test} | {v:.1f} | {c:.1f} | {v / c:.3f} |")
+PY
+  fi
   ;;
 bench)
   bw=$(python3 -c "import json; print(json.load(open('/tmp/bandwidth.json'))['bandwidth_gbs'])")

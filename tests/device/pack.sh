@@ -5,12 +5,14 @@
 #               (SmolLM2's tokenizer, for bench/make_model.py) and smollm2.part-a
 #   .device-b/  smollm2.part-b, whl/ (the server's and its tests' packages for Python 3.12: starlette,
 #               uvicorn, httptools, uvloop, openai, httpx and their dependencies)
+#   .device-v/  debs/: Debian 12's Vulkan SDK pieces (glslc, libshaderc1, libvulkan1, libvulkan-dev,
+#               spirv-headers) and the GL dispatch libraries NVIDIA's Vulkan ICD loads (apt-get download)
 # SmolLM2 Q4_1 (98 MB) is over the carry limit, so it travels in two calls (cuda_run.sh joins the parts
 # and checks its sha256). Both folders are git-ignored through .git/info/exclude.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-for d in /.device/ /.device-b/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
-rm -rf .device .device-b && mkdir -p .device/whl .device-b/whl
+for d in /.device/ /.device-b/ /.device-v/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+rm -rf .device .device-b .device-v && mkdir -p .device/whl .device-b/whl .device-v/debs
 python3 vendor/vendor.py status >/dev/null
 # tools/: LLAMA_BUILD_TOOLS configures every tool (the server core is linked into _core); the web UI's
 # sources are not built (no npm), only its CMake files are read
@@ -36,6 +38,8 @@ for name, field in src.fields.items():
             w.add_key_value(name, field.contents(), t)
 w.write_header_to_file(); w.write_kv_data_to_file(); w.close()
 PY
+(cd .device-v/debs && apt-get download -q glslc libshaderc1 libvulkan1 libvulkan-dev spirv-headers \
+  libglvnd0 libglx0 libgl1 libegl1 libopengl0 libgles2)
 head -c 55000000 "$model" > .device/smollm2.part-a
 tail -c +55000001 "$model" > .device-b/smollm2.part-b
-du -sh .device .device-b
+du -sh .device .device-b .device-v
