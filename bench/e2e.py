@@ -103,7 +103,8 @@ def llama_completion(path: Path, n: int, threads: int, ngl: int) -> dict:
     exe = llamabind.tool_path("llama-completion")
     cmd = [str(exe), "-m", str(path), "-no-cnv", "-n", str(n), "--temp", "0", "--ignore-eos", "-t", str(threads)]
     cmd += ["-ngl", str(ngl), "-p", PROMPT]
-    p = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+    # a random-weight model's text need not be UTF-8
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", check=True, timeout=1800)
     ms = {}
     for key in ("prompt eval time", "eval time", "total time", "sampling time"):
         m = re.search(rf"common_perf_print:\s+{key} =\s+([\d.]+) ms", p.stderr)

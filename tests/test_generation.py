@@ -266,3 +266,30 @@ def test_a_sampler_attaches_once_and_never_with_a_grammar(model):
         with pytest.raises(ValueError, match="grammar"):
             g.attach(ctx)
         g.close()
+
+
+def test_greedy_is_the_argmax_after_bias_and_penalties(model):
+    """temperature 0: a chain of logit bias, penalties, DRY and llama's greedy sampler (no top-k,
+    top-p, min-p filters to run first); with typical_p or XTC, which can drop the most likely
+    token, common's whole chain. The greedy token is the argmax of the (biased) logits."""
+    from llamabind.sampling import SamplingParams
+
+    assert SamplingParams(temperature=0).build(model).description.split() == [
+        "logits",
+        "->",
+        "?penalties",
+        "->",
+        "?dry",
+        "->",
+        "greedy",
+    ]
+    assert "typical" in SamplingParams(temperature=0, typical_p=0.5).build(model).description
+    assert "xtc" in SamplingParams(temperature=0, xtc_probability=0.5).build(model).description
+    with model.context(n_ctx=128) as ctx:
+        ctx.decode(model.tokenize(PROMPT))
+        logits = ctx.logits()
+        top2 = [int(i) for i in logits.argsort()[::-1][:2]]
+        for bias, want in ((None, top2[0]), ({top2[0]: -100.0}, top2[1])):
+            s = SamplingParams(temperature=0, logit_bias=bias).build(model)
+            assert s.sample(ctx) == want
+            s.close()
