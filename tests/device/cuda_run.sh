@@ -181,7 +181,7 @@ vulkan|vulkanmodels)
   CUDA_BIN=$PWD/build/lb-cuda/llamabind/bin
   if [ ! -f build/lb-vulkan/.built ]; then
     t0=$SECONDS
-    CMAKE_ARGS="-DGGML_VULKAN=ON -DVulkan_INCLUDE_DIR=$VK/usr/include -DVulkan_LIBRARY=$VK/usr/lib/x86_64-linux-gnu/libvulkan.so -DVulkan_GLSLC_EXECUTABLE=$VK/usr/bin/glslc" \
+    CMAKE_ARGS="-DGGML_VULKAN=ON -DCMAKE_PREFIX_PATH=$VK/usr -DVulkan_INCLUDE_DIR=$VK/usr/include -DVulkan_LIBRARY=$VK/usr/lib/x86_64-linux-gnu/libvulkan.so -DVulkan_GLSLC_EXECUTABLE=$VK/usr/bin/glslc" \
       python3 -m pip install -v --no-build-isolation --no-deps -Cbuild-dir=build/vulkan --target build/lb-vulkan . \
       > "$OUT/build-vulkan.log" 2>&1 && touch build/lb-vulkan/.built
     echo "Vulkan build rc=$? in $((SECONDS - t0)) s ($(nproc) jobs)"
