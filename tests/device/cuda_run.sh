@@ -86,6 +86,19 @@ e2e)
   LLAMABIND_REQUIRE_GPU=1 LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests/test_generation.py tests/test_chat.py $PYTEST_ARGS \
     --deselect tests/test_chat.py::test_tool_call_parsing_with_a_tool_template 2>&1 | tee "$OUT/generation-tests.log" | tail -15
   echo "generation tests in $((SECONDS - t0)) s"
+  # greedy generations repeated on one context (the prompt's KV reused but for its last token),
+  # with the sampler chain on the CPU and in the decode graph
+  python3 - $LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf <<'PY'
+import sys, llamabind
+m = llamabind.Model(sys.argv[1])
+for bs in (False, True):
+    runs = [m.generate("The three primary colors are", max_tokens=24, temperature=0, backend_sampling=bs).tokens for _ in range(3)]
+    with m.context(n_ctx=256) as c:  # a fresh context each time: no prefix reuse
+        fresh = [c.generate("The three primary colors are", max_tokens=24, temperature=0, backend_sampling=bs).tokens
+                 for _ in range(1)]
+    print(f"backend_sampling={bs}: repeated equal {runs[0] == runs[1] == runs[2]}, first == fresh context {runs[0] == fresh[0]}")
+    print("  ", runs[0][:14], runs[1][:14])
+PY
   until [ -f $MODELS/done ]; do sleep 5; done; cat $MODELS/make.log | tr '\r' '\n' | grep wrote
   for m in $MODELS/llama-micro-f16.gguf $LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
            $(ls $MODELS/llama-1b-*.gguf); do
@@ -195,6 +208,10 @@ vulkan|vulkanmodels)
       LLAMABIND_REFERENCE_PYTHON=python3 python3 -m pytest tests/test_ops.py tests/test_ops_grad.py tests/test_ops_errors.py \
       tests/test_ops_backends.py tests/test_grad_compositions.py $PYTEST_ARGS 2>&1 | tee "$OUT/ops-tests-vulkan.log" | tail -40
     echo "Vulkan op tests in $((SECONDS - t0)) s"
+    until [ -f $MODELS/done ]; do sleep 5; done
+    for m in $MODELS/llama-1b-q4_0.gguf; do
+      python3 bench/e2e.py --model $m -ngl 99 --threads 8 --rounds 3 --out "$OUT/e2e-vulkan-$(basename $m .gguf).json" 2>&1 | grep -v "^round"
+    done
   else
     f=$LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
     [ -f $f ] || { mkdir -p "$(dirname $f)"; cat /tmp/smollm2.part-a /tmp/smollm2.part-b > $f; }
