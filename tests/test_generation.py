@@ -15,7 +15,12 @@ import llamabind
 PROMPT = "The three primary colors are"
 
 
+@pytest.mark.exact  # on a GPU: the CPU model (see below)
 def test_greedy_is_deterministic(model):
+    """The same call twice gives the same tokens. The second call reuses the prompt's KV cache but
+    for its last token, which it evaluates alone: on CUDA that batch shape takes other kernels and
+    the 135M model's near-tie at token 11 of this prompt flips (seen on an H100 with the sampler
+    on the CPU and on the device alike), so on GPU builds this runs on the CPU model."""
     a = model.generate(PROMPT, max_tokens=24, temperature=0)
     b = model.generate(PROMPT, max_tokens=24, temperature=0)
     assert a.tokens == b.tokens and a.text == b.text

@@ -214,6 +214,8 @@ def check_against_finite_differences(worker, program, x_shape, seed=7):
     x = const(x_shape, seed, -1.5, 1.5)
     w = const(numpy_forward(program, x).shape, seed + 1)
     out = worker.ask(program, x, w)
+    if out.get("error") == "TypeError" and "is not supported on backend device" in out.get("message", ""):
+        pytest.skip(out["message"])  # e.g. OUT_PROD (mul_mat's backward) on Vulkan at this pin
     assert "grad" in out, out
     ref = fd_grad(program, x, w)
     np.testing.assert_allclose(np.asarray(out["grad"]), ref, rtol=TOL, atol=TOL * np.abs(ref).max())
