@@ -311,8 +311,9 @@ void register_model(nb::module_ & m) {
         .def_prop_ro("closed", [](const Model & s) { return s.model == nullptr; })
         .def_prop_ro("path", [](const Model & s) { return s.path; })
         .def_prop_ro("vocab_only", [](const Model & s) { return s.vocab_only; })
-        .def_prop_ro("output_offloaded", [](const Model & s) { return s.output_offloaded; },
-                     "Whether the output layer (the logits) runs on a GPU/RPC device.")
+        .def_prop_ro(
+            "output_offloaded", [](const Model & s) { return s.output_offloaded; },
+            "Whether the output layer (the logits) runs on a GPU/RPC device.")
         .def_prop_ro("n_vocab", &Model::n_vocab)
         .def_prop_ro("n_ctx_train", [](const Model & s) { return llama_model_n_ctx_train(s.get()); })
         .def_prop_ro("n_embd", [](const Model & s) { return llama_model_n_embd(s.get()); })

@@ -22,12 +22,12 @@ struct Sampler {
     common_sampler * chain = nullptr;
     const llama_vocab * vocab = nullptr;
     int32_t n_vocab = 0;
-    bool grammar = false;        // a grammar never runs on the backend (common_sampler_sample asserts)
-    bool argmax = false;         // the chain is logit bias + greedy: the token is the argmax of the biased logits
+    bool grammar = false;  // a grammar never runs on the backend (common_sampler_sample asserts)
+    bool argmax = false;   // the chain is logit bias + greedy: the token is the argmax of the biased logits
     std::vector<llama_logit_bias> bias;  // the user's and the model's suppressed tokens (argmax only)
     std::vector<float> scratch;          // biased logits (argmax only)
-    bool was_attached = false;   // llama_sampler_chain_backend_init may run once per chain
-    Context * attached = nullptr;  // the context whose decode graph runs this chain (seq 0)
+    bool was_attached = false;           // llama_sampler_chain_backend_init may run once per chain
+    Context * attached = nullptr;        // the context whose decode graph runs this chain (seq 0)
     ~Sampler() { close(); }
     void detach() {
         if (!attached) return;
@@ -191,8 +191,8 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
     // argmax kernel with backend sampling (the filters' kernels there cost ~0.1 ms per token on an
     // H100). typical_p, XTC, dynamic temperature and mirostat can move the choice off the argmax:
     // with them, common's chain as it is.
-    const bool greedy = p.temp <= 0.0f && p.mirostat == 0 && p.typ_p >= 1.0f && p.xtc_probability <= 0.0f &&
-                        p.dynatemp_range <= 0.0f;
+    const bool greedy =
+        p.temp <= 0.0f && p.mirostat == 0 && p.typ_p >= 1.0f && p.xtc_probability <= 0.0f && p.dynatemp_range <= 0.0f;
     if (greedy) p.samplers = { COMMON_SAMPLER_TYPE_PENALTIES, COMMON_SAMPLER_TYPE_DRY };
     common_sampler * s = nullptr;
     {
@@ -212,9 +212,9 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
     // nothing between the logit bias and greedy changes a logit: sample() takes the argmax of the
     // biased logits itself instead of copying n_vocab candidates through the chain first (83 ->
     // 18.5 us per token on the CPU at n_vocab 49k; with a bias, one copy of the logits more)
-    self->argmax = greedy && p.dry_multiplier == 0.0f &&
-                   (p.penalty_last_n == 0 ||
-                    (p.penalty_repeat == 1.0f && p.penalty_freq == 0.0f && p.penalty_present == 0.0f));
+    self->argmax =
+        greedy && p.dry_multiplier == 0.0f &&
+        (p.penalty_last_n == 0 || (p.penalty_repeat == 1.0f && p.penalty_freq == 0.0f && p.penalty_present == 0.0f));
     if (self->argmax) {  // the bias common_sampler_init merges: the user's, then the model's suppress tokens
         self->bias = p.logit_bias;
         int32_t n_suppress = 0;
