@@ -298,3 +298,22 @@ def test_greedy_is_the_argmax_after_bias_and_penalties(model):
             s = SamplingParams(temperature=0, logit_bias=bias).build(model)
             assert s.sample(ctx) == want
             s.close()
+    # a grammar is applied before the argmax (the shortcut must not bypass it)
+    r = model.generate(PROMPT, max_tokens=8, temperature=0, grammar='root ::= "yes" | "no"')
+    assert r.text in ("yes", "no")
+
+
+def test_backend_sampling_by_default_for_greedy_decoding_on_a_gpu(model):
+    """None (the default): the chain runs in the decode graph for greedy decoding when the output
+    layer is on a GPU (the context then holds no logits mid-stream); with temperature > 0 it stays
+    on the CPU (a seed's draws on CUDA did not repeat across calls: test_seeded_sampling_is_reproducible)."""
+    with model.context(n_ctx=256) as ctx:
+        for kw, on_device in ((dict(temperature=0), model.output_offloaded), (dict(temperature=0.8, seed=1), False)):
+            s = ctx.generate(PROMPT, max_tokens=4, stream=True, **kw)
+            next(s)
+            if on_device:
+                with pytest.raises(ValueError, match="sampler chain runs on the backend"):
+                    ctx.logits()
+            else:
+                assert ctx.logits().shape == (model.n_vocab,)
+            s.close()

@@ -41,11 +41,12 @@ class SamplingParams:
     sampled token is copied back instead of n_vocab logits, and the samplers with ggml versions
     (logit bias, penalties, top_k, top_p, min_p, temperature, greedy/dist) run there; a sampler
     without one (DRY, typical_p, XTC, top_n_sigma, mirostat) and those after it run on the CPU
-    over the surviving candidates. ``None`` (default): on when the model's output layer is on a
-    GPU and the generation allows it (no grammar or JSON schema, no logprobs, no speculative
-    decoding); ``True``: required (ValueError where not allowed); ``False``: never. Greedy
-    decoding gives the same tokens either way; with temperature > 0 the device draws from the
-    same distribution with other rounding, so a seed's tokens may differ.
+    over the surviving candidates. ``None`` (default): on for greedy decoding (temperature 0) when
+    the model's output layer is on a GPU and the generation allows it (no grammar or JSON schema,
+    no logprobs, no speculative decoding); ``True``: required (ValueError where not allowed), also
+    with temperature > 0; ``False``: never. Greedy decoding gives the same tokens either way. With
+    temperature > 0 the device draws from the same distribution, but on CUDA (H100) two calls
+    with the same seed did not give the same tokens, hence not by default.
     """
 
     temperature: float = 0.8

@@ -12,7 +12,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <csignal>
@@ -208,7 +207,7 @@ static std::vector<int32_t> run_batch(Context & self, const std::vector<Entry> &
     return last;
 }
 
-static std::vector<llama_token> checked(const Context & self, const std::vector<int64_t> & tokens) {
+std::vector<llama_token> checked_tokens(const Context & self, const std::vector<int64_t> & tokens) {
     std::vector<llama_token> t(tokens.size());
     for (size_t i = 0; i < tokens.size(); ++i) {
         self.owner->check_token(tokens[i]);
@@ -233,7 +232,7 @@ static void decode(Context & self, const std::vector<int64_t> & tokens, int64_t 
     llama_context * c = self.get();
     if (tokens.empty()) raise_value("tokens must not be empty");
     check_seq(c, seq);
-    std::vector<llama_token> t = checked(self, tokens);
+    std::vector<llama_token> t = checked_tokens(self, tokens);
     check_room(c, (llama_seq_id) seq, t.size());
     self.check_no_views("decode");
     BusyGuard guard(self);
@@ -268,7 +267,7 @@ static std::vector<int32_t> decode_batch(Context & self,
         if (seen[seq]) raise_value("seq_id " + std::to_string(seq) + " appears twice in one batch");
         seen[seq] = true;
         if (tokens.empty()) raise_value("the tokens of seq_id " + std::to_string(seq) + " are empty");
-        ids.push_back(checked(self, tokens));
+        ids.push_back(checked_tokens(self, tokens));
         es.push_back(Entry{ (llama_seq_id) seq, ids.back().data(), ids.back().size() });
         check_room(c, (llama_seq_id) seq, tokens.size());
         total += tokens.size();
@@ -298,11 +297,8 @@ static void release_view(void * p) noexcept {  // capsule destructors run with t
 
 // Logits of every token: float32 (n_tokens, n_vocab). copy=False returns a read-only view into
 // llama.cpp's output buffer when the tokens fit one batch (decode/close refuse while it lives).
-static void check_no_backend_sampler(const Context & self) {
-    if (self.backend_sampler) {
-        raise_value("no logits while a sampler chain runs on the backend (a generation with "
-                    "backend_sampling): only the sampled token leaves the device");
-    }
+static void check_no_backend_sampler(const Context & self) {  // only the sampled token left the device
+    if (self.backend_sampler) raise_value("no logits while a sampler chain runs on the backend (backend_sampling)");
 }
 
 static nb::object eval(nb::handle py_self, const std::vector<int64_t> & tokens, int64_t seq, bool copy) {
@@ -311,7 +307,7 @@ static nb::object eval(nb::handle py_self, const std::vector<int64_t> & tokens, 
     if (tokens.empty()) raise_value("tokens must not be empty");
     if (self.encoder_only) raise_value("eval() gives next-token logits: this is an encoder-only model, use embeddings");
     check_seq(c, seq);
-    std::vector<llama_token> t = checked(self, tokens);
+    std::vector<llama_token> t = checked_tokens(self, tokens);
     check_room(c, (llama_seq_id) seq, t.size());
     self.check_no_views("eval");
     check_no_backend_sampler(self);
@@ -470,89 +466,16 @@ static void seq_keep(Context & self, int64_t seq) {
     llama_memory_seq_keep(mem, (llama_seq_id) seq);
 }
 
-static nb::bytes state_get(Context & self) {
-    llama_context * c = self.get();
-    BusyGuard guard(self);
-    std::string buf;
-    {
-        nb::gil_scoped_release release;
-        buf.resize(llama_state_get_size(c));
-        buf.resize(llama_state_get_data(c, (uint8_t *) buf.data(), buf.size()));
-    }
-    if (buf.empty()) throw LlamaError("llama_state_get_data failed\n" + take_recent_errors());
-    return nb::bytes(buf.data(), buf.size());
-}
-
-static void after_failed_restore(Context & self) {
-    llama_memory_clear(llama_get_memory(self.get()), true);  // a partial restore is not a state: start empty
-    self.has_logits = false;
-}
-
-static void state_set(Context & self, nb::bytes data) {
-    llama_context * c = self.get();
-    self.check_no_views("restore a state");
-    BusyGuard guard(self);
-    clear_recent_errors();
-    size_t n;
-    {
-        nb::gil_scoped_release release;
-        n = llama_state_set_data(c, (const uint8_t *) data.c_str(), data.size());
-    }
-    if (n == 0 || n != data.size()) {
-        after_failed_restore(self);
-        raise_value("not a state of this context (llama_state_set_data read " + std::to_string(n) + " of " +
-                    std::to_string(data.size()) + " bytes); the KV cache was cleared\n" + take_recent_errors());
-    }
-    self.has_logits = false;  // at this pin a state holds the KV cache only, not the outputs
-    self.n_batch_last = 0;
-}
-
-static void state_save_file(Context & self, const std::string & path, const std::vector<int64_t> & tokens) {
-    llama_context * c = self.get();
-    std::vector<llama_token> t = checked(self, tokens);
-    BusyGuard guard(self);
-    clear_recent_errors();
-    bool ok;
-    {
-        nb::gil_scoped_release release;
-        ok = llama_state_save_file(c, path.c_str(), t.data(), t.size());
-    }
-    if (!ok) raise_value("cannot save the state to '" + path + "'\n" + take_recent_errors());
-}
-
-static std::vector<int32_t> state_load_file(Context & self, const std::string & path) {
-    llama_context * c = self.get();
-    struct stat st;
-    if (stat(path.c_str(), &st) != 0) raise_file_not_found("no such state file: '" + path + "'");
-    self.check_no_views("restore a state");
-    BusyGuard guard(self);
-    std::vector<llama_token> t(llama_n_ctx(c));
-    size_t n = 0;
-    clear_recent_errors();
-    bool ok;
-    {
-        nb::gil_scoped_release release;
-        ok = llama_state_load_file(c, path.c_str(), t.data(), t.size(), &n);
-    }
-    if (!ok) {
-        after_failed_restore(self);
-        raise_value("'" + path + "' is not a state file of this context; the KV cache was cleared\n" +
-                    take_recent_errors());
-    }
-    self.has_logits = false;
-    self.n_batch_last = 0;
-    return std::vector<int32_t>(t.begin(), t.begin() + n);
-}
-
 void register_context(nb::module_ & m) {
-    nb::class_<Context>(m, "Context", "A llama_context on a Model (see llamabind.Context).")
-        .def("__init__", &context_init, nb::arg("model"), nb::arg("n_ctx") = 4096, nb::arg("n_batch") = 2048,
-             nb::arg("n_ubatch") = 512, nb::arg("n_threads") = 0, nb::arg("n_threads_batch") = 0,
-             nb::arg("n_seq_max") = 1, nb::arg("embeddings") = false, nb::arg("pooling") = -1,
-             nb::arg("kv_unified") = true, nb::arg("op_offload") = true, nb::arg("training") = false,
-             nb::keep_alive<1, 2>(),
-             "Wraps llama_init_from_model. n_threads=0: all cores. training: F32 KV cache, no flash "
-             "attention, n_ctx == n_batch == n_ubatch (for llama_opt_init).")
+    auto cls = nb::class_<Context>(m, "Context", "A llama_context on a Model (see llamabind.Context).");
+    add_state_methods(cls);  // state.cpp
+    cls.def("__init__", &context_init, nb::arg("model"), nb::arg("n_ctx") = 4096, nb::arg("n_batch") = 2048,
+            nb::arg("n_ubatch") = 512, nb::arg("n_threads") = 0, nb::arg("n_threads_batch") = 0,
+            nb::arg("n_seq_max") = 1, nb::arg("embeddings") = false, nb::arg("pooling") = -1,
+            nb::arg("kv_unified") = true, nb::arg("op_offload") = true, nb::arg("training") = false,
+            nb::keep_alive<1, 2>(),
+            "Wraps llama_init_from_model. n_threads=0: all cores. training: F32 KV cache, no flash "
+            "attention, n_ctx == n_batch == n_ubatch (for llama_opt_init).")
         .def("close", &Context::close)
         .def_prop_ro("closed", [](const Context & s) { return s.ctx == nullptr; })
         .def_prop_ro("n_ctx", [](const Context & s) { return llama_n_ctx(s.get()); })
@@ -596,10 +519,6 @@ void register_context(nb::module_ & m) {
         .def("seq_cp", &seq_cp, nb::arg("src"), nb::arg("dst"), nb::arg("p0") = -1, nb::arg("p1") = -1,
              "Share positions [p0, p1) of sequence src with dst (llama_memory_seq_cp).")
         .def("seq_keep", &seq_keep, nb::arg("seq_id"), "Drop every sequence but seq_id (llama_memory_seq_keep).")
-        .def("state_get", &state_get, "The whole context state as bytes (llama_state_get_data).")
-        .def("state_set", &state_set, nb::arg("data"), "Restore a state from state_get (llama_state_set_data).")
-        .def("state_save_file", &state_save_file, nb::arg("path"), nb::arg("tokens"))
-        .def("state_load_file", &state_load_file, nb::arg("path"))
         .def("set_loras", &set_loras, nb::arg("loras"),
              "[(Lora, scale)] applied to this context (llama_set_adapters_lora).")
         .def_prop_ro("views", [](const Context & s) { return s.views; })

@@ -91,6 +91,12 @@ struct Lora {
     void close();  // frees the adapter (LlamaError while a context applies it)
 };
 
+// context.cpp: token ids as llama_token, each checked against the model's n_vocab (ValueError)
+std::vector<llama_token> checked_tokens(const Context & self, const std::vector<int64_t> & tokens);
+
+// state.cpp: state_get/state_set/state_save_file/state_load_file on _core.Context
+void add_state_methods(nb::class_<Context> & cls);
+
 // sampling.cpp: forget the sampler attached to this context (when the context is freed)
 void forget_backend_sampler(Context & c);
 
