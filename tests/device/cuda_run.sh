@@ -209,7 +209,7 @@ vulkan|vulkanmodels)
       tests/test_ops_backends.py tests/test_grad_compositions.py $PYTEST_ARGS 2>&1 | tee "$OUT/ops-tests-vulkan.log" | tail -40
     echo "Vulkan op tests in $((SECONDS - t0)) s"
     [ -n "${LB_NO_CUDA:-}" ] || until [ -f $MODELS/done ]; do sleep 5; done
-    for m in $(ls $MODELS/llama-1b-q4_0.gguf 2>/dev/null); do
+    for m in $([ -f $MODELS/done ] && ls $MODELS/llama-1b-q4_0.gguf); do
       python3 bench/e2e.py --model $m -ngl 99 --threads 8 --rounds 3 --out "$OUT/e2e-vulkan-$(basename $m .gguf).json" 2>&1 | grep -v "^round"
     done
   else
