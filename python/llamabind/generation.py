@@ -200,7 +200,7 @@ def _backend_sampling(
     )
     if sampling.backend_sampling and why_not:
         raise ValueError(f"backend_sampling=True cannot be used with {why_not} (they need the logits on the host)")
-    if sampling.backend_sampling is None:  # greedy only: a seed's draws on CUDA did not repeat
+    if sampling.backend_sampling is None:  # greedy only (SamplingParams.backend_sampling says why)
         return why_not is None and model.output_offloaded and sampling.temperature <= 0
     return sampling.backend_sampling
 

@@ -45,8 +45,10 @@ class SamplingParams:
     the model's output layer is on a GPU and the generation allows it (no grammar or JSON schema,
     no logprobs, no speculative decoding); ``True``: required (ValueError where not allowed), also
     with temperature > 0; ``False``: never. Greedy decoding gives the same tokens either way. With
-    temperature > 0 the device draws from the same distribution, but on CUDA (H100) two calls
-    with the same seed did not give the same tokens, hence not by default.
+    temperature > 0 the device draws from the same distribution (on the CPU backend, the same
+    tokens for a seed); on an H100 two calls with the same seed gave different first tokens, not
+    separated from the GPU's prompt-reuse rounding (which moved a CPU-sampled draw on Vulkan
+    too), so it is not on by default there.
     """
 
     temperature: float = 0.8

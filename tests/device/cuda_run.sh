@@ -214,6 +214,7 @@ vulkan|vulkanmodels)
     done
   else
     f=$LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+    [ -f .device-b/smollm2.part-b ] && join_model
     [ -f $f ] || { mkdir -p "$(dirname $f)"; cat /tmp/smollm2.part-a /tmp/smollm2.part-b > $f; }
     t0=$SECONDS
     LLAMABIND_REQUIRE_GPU=1 LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests/test_generation.py tests/test_chat.py \
