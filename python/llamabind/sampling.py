@@ -165,7 +165,9 @@ class Sampler:
         return self._llama_sampler.attach(ctx._llama_context)
 
     def detach(self) -> None:
-        """Take the chain out of the decode graph it was attached to (no-op if none)."""
+        """Take the chain out of the decode graph it was attached to (llama_set_sampler with no
+        sampler; no-op if none); the context's last decode then has no logits until the next one.
+        Raises LlamaError while another thread decodes on that context."""
         self._llama_sampler.detach()
 
     def accept(self, tokens: Sequence[int]) -> None:

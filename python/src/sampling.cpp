@@ -194,6 +194,7 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
     const bool greedy =
         p.temp <= 0.0f && p.mirostat == 0 && p.typ_p >= 1.0f && p.xtc_probability <= 0.0f && p.dynatemp_range <= 0.0f;
     if (greedy) p.samplers = { COMMON_SAMPLER_TYPE_PENALTIES, COMMON_SAMPLER_TYPE_DRY };
+    self->grammar = !p.grammar.grammar.empty();
     common_sampler * s = nullptr;
     {
         clear_recent_errors();
@@ -214,7 +215,7 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
     // of copying n_vocab candidates through the chain first (83 -> 18.5 us per token on the CPU at
     // n_vocab 49k; with a bias, one copy of the logits more)
     self->argmax =
-        greedy && p.grammar.grammar.empty() && p.dry_multiplier == 0.0f &&
+        greedy && !self->grammar && p.dry_multiplier == 0.0f &&
         (p.penalty_last_n == 0 || (p.penalty_repeat == 1.0f && p.penalty_freq == 0.0f && p.penalty_present == 0.0f));
     if (self->argmax) {  // the bias common_sampler_init merges: the user's, then the model's suppress tokens
         self->bias = p.logit_bias;
@@ -225,7 +226,6 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
     self->chain = s;
     self->vocab = vocab;
     self->n_vocab = n_vocab;
-    self->grammar = !p.grammar.grammar.empty();
 }
 
 void forget_backend_sampler(Context & c) {
@@ -303,8 +303,7 @@ static int32_t sample(Sampler & self, Context & ctx, int32_t idx) {
             // a chain that ran whole in the decode graph left its token: skip common_sampler_sample,
             // which would copy the (absent) logits of the whole vocabulary first
             t = self.attached == &ctx ? llama_get_sampled_token_ith(c, idx) : LLAMA_TOKEN_NULL;
-            if (t == LLAMA_TOKEN_NULL && self.argmax) {
-                llama_synchronize(c);
+            if (t == LLAMA_TOKEN_NULL && self.argmax) {  // decode() synchronized already
                 if (const float * l = llama_get_logits_ith(c, idx)) {
                     if (!self.bias.empty()) {  // llama_sampler_logit_bias's sums, in its order
                         self.scratch.assign(l, l + self.n_vocab);
