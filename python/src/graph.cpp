@@ -4,35 +4,19 @@
 //
 // Python validates every op before it reaches ggml (ggml asserts abort the process); this file
 // checks what would otherwise corrupt memory here: node ids, byte counts, build state.
+#include "graph.h"
 #include "ops.h"
 
-#include <ggml-alloc.h>
-#include <ggml-backend.h>
-
-#include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <cstring>
-#include <map>
-#include <memory>
-#include <mutex>
 #include <set>
 #include <thread>
 
 namespace lb {
 
-// One backend instance per device for the whole process; compute on it is serialized.
-struct SharedBackend {
-    ggml_backend_t backend = nullptr;
-    ggml_backend_dev_t dev = nullptr;
-    ggml_backend_set_n_threads_t set_n_threads =
-        nullptr;  // the CPU backend's (by proc address: it may be a loaded module)
-    std::mutex mutex;
-};
-
-static SharedBackend & shared_backend(const std::string & name) {
+SharedBackend & shared_backend(const std::string & name) {
     static std::mutex m;
     static std::map<std::string, std::unique_ptr<SharedBackend>> backends;
     std::lock_guard<std::mutex> lock(m);
@@ -43,43 +27,29 @@ static SharedBackend & shared_backend(const std::string & name) {
     ggml_backend_t be = ggml_backend_dev_init(dev, nullptr);
     if (!be) throw LlamaError("could not initialize the ggml backend device '" + name + "'");
     auto sb = std::make_unique<SharedBackend>();
+    sb->max_threads = (int) std::max(1u, std::thread::hardware_concurrency());
     sb->backend = be;
     sb->dev = dev;
     sb->set_n_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
         ggml_backend_dev_backend_reg(dev), "ggml_backend_set_n_threads");
+    sb->host = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    if (sb->host) {  // a threadpool kept for the process (ggml_graph_compute would make one per call)
+        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+        using new_t = ggml_threadpool_t (*)(ggml_threadpool_params *);
+        using set_t = void (*)(ggml_backend_t, ggml_threadpool_t);
+        auto tp_new = (new_t) ggml_backend_reg_get_proc_address(reg, "ggml_threadpool_new");
+        auto tp_set = (set_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_set_threadpool");
+        if (tp_new && tp_set) {
+            ggml_threadpool_params tpp = ggml_threadpool_params_default(sb->max_threads);
+            if (ggml_threadpool_t tp = tp_new(&tpp)) tp_set(be, tp);
+        }
+    }
+    sb->tag = ggml_backend_buft_alloc_buffer(ggml_backend_dev_buffer_type(dev), 64);
+    if (!sb->tag) throw LlamaError("could not allocate a buffer on the ggml backend device '" + name + "'");
     auto & ref = *sb;
     backends[name] = std::move(sb);
     return ref;
 }
-
-struct Graph {
-    SharedBackend * be = nullptr;
-    ggml_context * ctx = nullptr;
-    std::vector<ggml_tensor *> nodes;
-    ggml_cgraph * gf = nullptr;  // forward
-    ggml_cgraph * gb = nullptr;  // forward + backward (when a loss was given)
-    ggml_gallocr_t galloc = nullptr;
-    std::map<const ggml_tensor *, ggml_tensor *> grad_out;  // param -> its (contiguous) gradient
-    bool built = false;
-    int n_threads = 1;
-
-    ~Graph() {
-        if (galloc) ggml_gallocr_free(galloc);
-        if (ctx) ggml_free(ctx);
-    }
-
-    ggml_tensor * node(int64_t id) const {
-        if (id < 0 || id >= (int64_t) nodes.size()) raise_value("no node " + std::to_string(id) + " in this graph");
-        return nodes[(size_t) id];
-    }
-    void check_building() const {
-        if (built) raise_value("the graph is already built: create a new graph to add nodes");
-    }
-    int add(ggml_tensor * t) {
-        nodes.push_back(t);
-        return (int) nodes.size() - 1;
-    }
-};
 
 static void graph_init(Graph * self, const std::string & device, size_t max_nodes) {
     new (self) Graph();
@@ -225,8 +195,8 @@ static void check_backward(ggml_cgraph * gf) {
 }
 
 // Finish the graph: outputs, optional loss + params for gradients, backend support, allocation.
-static void graph_build(Graph & g, const std::vector<int64_t> & outputs, int64_t loss,
-                        const std::vector<int64_t> & params) {
+static void graph_build(Graph & g, const std::vector<int64_t> & inputs, const std::vector<int64_t> & outputs,
+                        int64_t loss, const std::vector<int64_t> & params, bool external) {
     g.check_building();
     if (outputs.empty() && loss < 0) raise_value("a graph needs at least one output");
     const size_t size = g.nodes.size() * 4 + 64;
@@ -275,64 +245,11 @@ static void graph_build(Graph & g, const std::vector<int64_t> & outputs, int64_t
                        std::string(ggml_backend_dev_name(g.be->dev)) + "'");
         }
     }
+    bind_slots(g, inputs, outputs, params, external && !g.gb);
     g.galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(g.be->backend));
     if (!ggml_gallocr_alloc_graph(g.galloc, run))
         throw LlamaError("could not allocate the graph's buffers on the device");
     g.built = true;
-}
-
-static void check_bytes(ggml_tensor * t, size_t n, const char * what) {
-    if (n != ggml_nbytes(t)) {
-        raise_value(std::string(what) + ": expected " + std::to_string(ggml_nbytes(t)) + " bytes, got " +
-                    std::to_string(n));
-    }
-}
-
-using Bytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-
-static void graph_set(Graph & g, int64_t id, Bytes data) {
-    if (!g.built) raise_value("build() the graph before setting inputs");
-    ggml_tensor * t = g.node(id);
-    if (!(t->flags & GGML_TENSOR_FLAG_INPUT)) raise_value("node " + std::to_string(id) + " is not an input");
-    check_bytes(t, data.size(), "input size");
-    if (!t->buffer) return;  // an input no op uses (nothing to upload)
-    ggml_backend_tensor_set(t, data.data(), 0, data.size());
-}
-
-static void graph_get(Graph & g, int64_t id, Bytes out, bool grad) {
-    if (!g.built) raise_value("the graph is not built");
-    ggml_tensor * t = g.node(id);
-    if (grad) {
-        if (!g.gb) raise_value("this graph has no backward pass");
-        auto it = g.grad_out.find(t);
-        ggml_tensor * gr = it == g.grad_out.end() ? nullptr : it->second;
-        check_bytes(t, out.size(), "output size");
-        if (!gr) {  // the loss does not depend on this input
-            std::memset(out.data(), 0, out.size());
-            return;
-        }
-        t = gr;
-    } else if (!(t->flags & GGML_TENSOR_FLAG_OUTPUT)) {
-        raise_value("node " + std::to_string(id) + " is not an output of the graph");
-    }
-    if (!ggml_is_contiguous(t)) raise_value("outputs must be contiguous (use cont)");
-    check_bytes(t, out.size(), "output size");
-    ggml_backend_tensor_get(t, out.data(), 0, out.size());
-}
-
-static void graph_compute(Graph & g, int n_threads) {
-    if (!g.built) raise_value("build() the graph first");
-    ggml_cgraph * run = g.gb ? g.gb : g.gf;
-    ggml_status st;
-    {
-        nb::gil_scoped_release release;
-        std::lock_guard<std::mutex> lock(g.be->mutex);
-        if (g.be->set_n_threads) g.be->set_n_threads(g.be->backend, n_threads > 0 ? n_threads : g.n_threads);
-        if (g.gb) ggml_graph_reset(g.gb);  // loss grad = 1, other grads = 0
-        st = ggml_backend_graph_compute(g.be->backend, run);
-    }
-    if (st != GGML_STATUS_SUCCESS)
-        throw LlamaError(std::string("ggml_backend_graph_compute failed: ") + ggml_status_to_string(st));
 }
 
 static nb::dict type_table() {
@@ -348,23 +265,21 @@ static nb::dict type_table() {
 }
 
 void register_graph(nb::module_ & m) {
-    nb::class_<Graph>(m, "Graph", "A ggml compute graph on one backend device (see llamabind.ops).")
-        .def("__init__", &graph_init, nb::arg("device"), nb::arg("max_nodes") = 256)
+    auto cls = nb::class_<Graph>(m, "Graph", "A ggml compute graph on one backend device (see llamabind.ops).");
+    cls.def("__init__", &graph_init, nb::arg("device"), nb::arg("max_nodes") = 256)
         .def("input", &graph_input, nb::arg("type"), nb::arg("ne"),
              "New input tensor (ggml type id, ne[4]); its node id.")
         .def("op", &graph_op, nb::arg("name"), nb::arg("srcs"), nb::arg("ints"), nb::arg("floats"),
              "Apply ggml op `name` (see ops.cpp) to nodes; its node id. Shapes must be validated by the caller.")
         .def("info", &graph_info, nb::arg("id"), "(ggml type id, ne[4], is_contiguous) of a node.")
-        .def("build", &graph_build, nb::arg("outputs"), nb::arg("loss") = -1,
-             nb::arg("params") = std::vector<int64_t>{},
-             "Mark outputs (and a loss with params for gradients), check backend support, allocate (ggml_gallocr).")
-        .def("set", &graph_set, nb::arg("id"), nb::arg("data"), "Upload an input's bytes.")
-        .def("get", &graph_get, nb::arg("id"), nb::arg("out"), nb::arg("grad") = false,
-             "Download an output's bytes (or the gradient of an input) into `out`.")
-        .def("compute", &graph_compute, nb::arg("n_threads") = 0,
-             "Run the graph (GIL released). CPU: n_threads (0 = all cores).")
+        .def("build", &graph_build, nb::arg("inputs"), nb::arg("outputs"), nb::arg("loss") = -1,
+             nb::arg("params") = std::vector<int64_t>{}, nb::arg("external") = true,
+             "Fix what run() takes (inputs) and gives (outputs; with a loss, the params' gradients), check "
+             "backend support, allocate (ggml_gallocr). external: bind inputs/outputs to the caller's memory "
+             "at each run where possible (forward graphs).")
         .def_prop_ro("device", [](const Graph & g) { return std::string(ggml_backend_dev_name(g.be->dev)); })
         .def_prop_ro("n_nodes", [](const Graph & g) { return g.nodes.size(); });
+    register_graph_run(m, cls);
     m.def("ggml_types", &type_table, "ggml type name -> (id, block size, bytes per block, is_quantized).");
 }
 

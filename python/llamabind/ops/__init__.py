@@ -18,7 +18,9 @@ shape, conv, quant (the ops) <- autodiff (grad, vjp), check (NMSE) <- this packa
 from .autodiff import grad, vjp
 from .check import check, nmse
 from .conv import conv_1d, conv_2d, conv_transpose_1d, im2col, pool_1d, pool_2d, upscale
-from .graph import Graph, Tensor, clear_cache, default_backend, devices, graph
+from .array import DeviceArray, from_dlpack, to_device
+from .eager import clear_cache
+from .graph import Graph, Tensor, default_backend, devices, graph
 from .math import (
     abs,
     add,
@@ -66,6 +68,7 @@ from .quant import QUANT_TYPES, dequantize, quantize, row_size
 from .shape import cast, concat, cont, get_rows, pad, permute, repeat, reshape, set_rows, transpose
 
 __all__ = [
+    "DeviceArray",
     "Graph",
     "QUANT_TYPES",
     "ROPE_MODES",
@@ -90,6 +93,7 @@ __all__ = [
     "div",
     "exp",
     "flash_attn_ext",
+    "from_dlpack",
     "gelu",
     "get_rows",
     "grad",
@@ -132,6 +136,7 @@ __all__ = [
     "sum_rows",
     "tanh",
     "timestep_embedding",
+    "to_device",
     "top_k",
     "transpose",
     "upscale",

@@ -9,7 +9,6 @@ compute and download.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import contextvars
 import math
@@ -21,6 +20,7 @@ import numpy as np
 
 from .. import _core
 from .._validate import as_float, as_int, expect
+from .array import DeviceArray
 from ..build import devices  # one list for models and ops (RPC devices included)
 
 __all__ = [
@@ -28,8 +28,6 @@ __all__ = [
     "Tensor",
     "Blocks",
     "graph",
-    "apply",
-    "clear_cache",
     "default_backend",
     "devices",
     "resolve_device",
@@ -213,6 +211,10 @@ class Blocks:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return self.data
 
+    @property
+    def _lb_bytes(self) -> np.ndarray:  # what Graph.run uploads (graph_run.cpp)
+        return self.data
+
 
 _current_graph: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("llamabind_ops_graph", default=None)
 
@@ -263,6 +265,10 @@ class Graph:
         arr: Any = None
         if isinstance(value, Blocks):
             shape, ggml_type, arr = value.shape, value.dtype, value.data
+        elif isinstance(value, DeviceArray):
+            if value.device != self.device:
+                raise ValueError(f"{value} is not on the graph's device {self.device}")
+            arr, shape, dtype = value, value.shape, value.dtype
         elif value is not None:
             arr = as_array(value)
             shape, dtype = arr.shape, arr.dtype
@@ -362,7 +368,7 @@ class Graph:
         for t, v in (feed or {}).items():
             if t.id not in self._inputs:
                 raise ValueError(f"{t} is not an input of this graph")
-            arr = as_array(v)
+            arr = v if isinstance(v, DeviceArray) else as_array(v)
             if arr.shape != t.shape or arr.dtype != t.dtype:
                 raise ValueError(
                     f"feed for {t}: expected shape {t.shape} {dtype_name(t.dtype)}, "
@@ -385,12 +391,9 @@ def graph(backend: str | None = None, max_nodes: int = 512) -> Graph:
 # compiled graphs
 
 
-def _bytes(arr: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-
-
 class Executable:
-    """A built, allocated graph with fixed inputs and outputs (optionally a loss and params)."""
+    """A built, allocated graph with fixed inputs and outputs (optionally a loss and params).
+    Forward graphs bind inputs and outputs to the caller's memory at each run (graph_run.cpp)."""
 
     def __init__(
         self,
@@ -405,34 +408,41 @@ class Executable:
         outs = [g.op("cont", [t], shape=t.shape) if not t.contiguous else t for t in outputs]
         self.outputs = outs
         self.params = list(params)
-        g._ggml_graph.build([t.id for t in outs], loss.id if loss is not None else -1, [p.id for p in self.params])
+        g._ggml_graph.build(
+            [t.id for t in inputs],
+            [t.id for t in outs],
+            loss.id if loss is not None else -1,
+            [p.id for p in self.params],
+        )
+        self._specs = [(t.shape, t.dtype) for t in outs]
+        self._run = g._ggml_graph.run
         work = sum(t.size for t in outs) + sum(t.size for t in inputs)
         self.n_threads = 1 if work < (1 << 16) else 0  # tiny graphs: threads cost more than they save
-        self.lock = threading.Lock()
 
-    def run(self, arrays: Sequence[np.ndarray], n_threads: int | None = None, grads: bool = False):
-        gg = self.graph._ggml_graph
+    def run(self, arrays: Sequence[Any], n_threads: int | None = None, grads: bool = False) -> list:
+        """Outputs (then the params' gradients if ``grads``) for input ``arrays`` (numpy arrays,
+        Blocks or DeviceArrays of the inputs' shapes and dtypes, in order): numpy arrays, or
+        DeviceArrays on the graph's device when any input is a DeviceArray."""
         if self.graph._bounds:
-            pos = {t.id: i for i, t in enumerate(self.inputs)}
-            for tid, n, what in self.graph._bounds:
-                a = arrays[pos[tid]]
-                if a.size and (int(a.min()) < 0 or int(a.max()) >= n):
-                    raise ValueError(f"{what} values must lie in [0, {n}); got min {int(a.min())}, max {int(a.max())}")
-        with self.lock:
-            for t, a in zip(self.inputs, arrays):
-                gg.set(t.id, _bytes(a))
-            gg.compute(self.n_threads if n_threads is None else n_threads)
-            out = []
-            for t in self.outputs:
-                r = np.empty(t.shape, t.dtype)
-                gg.get(t.id, r.reshape(-1).view(np.uint8))
-                out.append(r)
-            if grads:
-                for p in self.params:
-                    r = np.empty(p.shape, p.dtype)
-                    gg.get(p.id, r.reshape(-1).view(np.uint8), True)
-                    out.append(r)
-        return out
+            self._check_bounds(arrays)
+        if any(type(a) is DeviceArray for a in arrays):
+            outs: list = [DeviceArray.empty(s, d, self.graph.device) for s, d in self._specs]
+            bufs = [o._buf for o in outs]
+        else:
+            outs = bufs = [np.empty(s, d) for s, d in self._specs]
+        if grads:
+            gs = [np.empty(p.shape, p.dtype) for p in self.params]
+            self._run(arrays, bufs, gs, self.n_threads if n_threads is None else n_threads)
+            return outs + gs
+        self._run(arrays, bufs, (), self.n_threads if n_threads is None else n_threads)
+        return outs
+
+    def _check_bounds(self, arrays: Sequence[Any]) -> None:
+        pos = {t.id: i for i, t in enumerate(self.inputs)}
+        for tid, n, what in self.graph._bounds:
+            a = np.asarray(arrays[pos[tid]])
+            if a.size and (int(a.min()) < 0 or int(a.max()) >= n):
+                raise ValueError(f"{what} values must lie in [0, {n}); got min {int(a.min())}, max {int(a.max())}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,61 +503,3 @@ def axis_index(axis: int, ndim: int, name: str = "axis") -> int:
     if not -ndim <= axis < ndim:
         raise ValueError(f"{name} {axis} is out of range for {ndim} dimensions")
     return int(axis) % ndim
-
-
-# ---------------------------------------------------------------------------------------------
-# eager calls, symbolic calls
-
-
-_cache: dict[tuple, tuple[Executable, list]] = {}
-_CACHE_MAX = 512
-
-
-def apply(
-    builder: Callable[..., Tensor],
-    args: Sequence[Any],
-    params: dict[str, Any],
-    backend: str | None,
-    name: str | None = None,
-):
-    """Run ``builder(g, *tensors, **params)``: symbolically if any arg is a Tensor or a graph is
-    active, else eagerly (cached per shapes, dtypes, params and device)."""
-    g = next((a.graph for a in args if isinstance(a, Tensor)), None) or _current_graph.get()
-    if g is not None:
-        if backend is not None and resolve_device(backend) != g.device:
-            raise ValueError(f"backend={backend!r} differs from the graph's device {g.device}")
-        ts = [a if isinstance(a, Tensor) or a is None else g.input(a) for a in args]
-        return builder(g, *ts, **params)
-    device = resolve_device(backend)
-    arrays = [a if a is None or isinstance(a, Blocks) else as_array(a) for a in args]
-    key = (
-        builder,
-        device,
-        tuple(sorted(params.items())),
-        tuple(None if a is None else (a.shape, a.dtype) for a in arrays),
-    )
-    hit = _cache.get(key)
-    if hit is None:
-        g = Graph(device)
-        ins = [None if a is None else _placeholder(g, a) for a in arrays]
-        out = builder(g, *ins, **params)
-        exe = Executable(g, [t for t in ins if t is not None], [out])
-        if len(_cache) >= _CACHE_MAX:
-            _cache.pop(next(iter(_cache)))
-        hit = _cache[key] = (exe, [i for i, a in enumerate(arrays) if a is not None])
-    exe, idx = hit
-    return exe.run([arrays[i] for i in idx])[0]  # Blocks upload their bytes through __array__
-
-
-def _placeholder(g: Graph, a: np.ndarray | Blocks) -> Tensor:
-    if isinstance(a, Blocks):
-        return g.input(shape=a.shape, ggml_type=a.dtype)
-    return g.input(shape=a.shape, dtype=a.dtype)
-
-
-def clear_cache() -> None:
-    """Free every cached eager graph (also done at interpreter exit)."""
-    _cache.clear()
-
-
-atexit.register(clear_cache)  # free the graphs before the extension is torn down

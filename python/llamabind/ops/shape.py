@@ -16,7 +16,6 @@ from .graph import (
     MAX_DIMS,
     Graph,
     Tensor,
-    apply,
     as_int,
     axis_index,
     check_dtype,
@@ -27,6 +26,7 @@ from .graph import (
     shape_to_ne,
     type_id,
 )
+from .eager import apply
 
 
 def _concat(g: Graph, a: Tensor, b: Tensor, axis: int) -> Tensor:

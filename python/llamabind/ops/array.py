@@ -1,0 +1,166 @@
+"""Arrays that stay in a backend device's memory between op calls, and DLPack in and out.
+
+    x = ops.to_device(np_array, "cuda")         # one copy in
+    y = ops.silu(ops.mul_mat(w, x))             # DeviceArray in -> DeviceArray out, no copies
+    y.numpy()                                   # one copy out
+    t = torch.from_dlpack(y)                    # CPU/CUDA: shares the memory
+    z = ops.from_dlpack(t)                      # and back, without a copy
+
+Numpy in gives numpy out, as before; an op given a DeviceArray returns DeviceArrays on the op's
+device. An op and its DeviceArray arguments must be on the same device (ValueError otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .. import _core
+
+__all__ = ["DeviceArray", "to_device", "from_dlpack"]
+
+try:
+    import ml_dtypes
+
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is optional
+    _BF16 = None
+
+# numpy dtype <-> DLPack (type code, bits): kDLInt 0, kDLFloat 2, kDLBfloat 4
+_DL = {np.dtype(t): (0, np.dtype(t).itemsize * 8) for t in (np.int8, np.int16, np.int32, np.int64)}
+_DL.update({np.dtype(np.float16): (2, 16), np.dtype(np.float32): (2, 32)})
+if _BF16 is not None:
+    _DL[_BF16] = (4, 16)
+_FROM_DL = {v: k for k, v in _DL.items()}
+
+
+class DeviceArray:
+    """An array in the memory of a ggml backend device (CUDA0, Vulkan0, CPU, RPC[...]).
+
+    shape: numpy order, dtype: a numpy dtype (float32, float16, bfloat16, int8..int64), device:
+    the ggml device name. ``numpy()`` / ``np.asarray(a)`` copy it to the host
+    (ggml_backend_tensor_get); ``__dlpack__`` shares it with torch, cupy or jax on CPU and CUDA
+    devices (TypeError on others). Made by :func:`to_device`, :func:`from_dlpack`, or an op that
+    was given a DeviceArray."""
+
+    __slots__ = ("_buf", "shape", "dtype")
+    __array_priority__ = 100  # numpy's operators defer to ours
+
+    def __init__(self, buf: Any, shape: tuple[int, ...], dtype: np.dtype):
+        self._buf, self.shape, self.dtype = buf, tuple(shape), np.dtype(dtype)
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], dtype: np.dtype, device: str) -> DeviceArray:
+        """Uninitialized memory for ``shape`` and ``dtype`` on ``device`` (a device name)."""
+        return cls(_core.DeviceBuffer(device, math.prod(shape) * np.dtype(dtype).itemsize), shape, dtype)
+
+    @property
+    def device(self) -> str:
+        return self._buf.device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.nbytes
+
+    def numpy(self) -> np.ndarray:
+        """A host copy (numpy array of the same shape and dtype)."""
+        out = np.empty(self.shape, self.dtype)
+        self._buf.download(out.reshape(-1).view(np.uint8))
+        return out
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def _dl(self):
+        code, bits = _DL[self.dtype]
+        return self._buf.dlpack(list(self.shape), code, bits)
+
+    def __dlpack__(self, **kwargs: Any):
+        return self._dl().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._dl().__dlpack_device__()
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d array")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        name = "bfloat16" if self.dtype == _BF16 else self.dtype.name
+        return f"<ops.DeviceArray {self.shape} {name} on {self.device}>"
+
+    # arithmetic sugar, as on ops.Tensor (the op functions are registered by .math)
+    def _op(self, name: str, *args: Any):
+        from .graph import OPERATORS
+
+        return OPERATORS[name](*args, backend=self.device)
+
+    def __add__(self, o: Any):
+        return self._op("add", self, o)
+
+    def __sub__(self, o: Any):
+        return self._op("sub", self, o)
+
+    def __mul__(self, o: Any):
+        return self._op("mul", self, o)
+
+    def __truediv__(self, o: Any):
+        return self._op("div", self, o)
+
+    def __matmul__(self, o: Any):
+        return self._op("mul_mat", self, o)
+
+    def __neg__(self):
+        return self._op("neg", self)
+
+
+def to_device(x: Any, backend: str | None = None) -> DeviceArray:
+    """Copy an array to ``backend`` (default: the current default backend; "cuda", "CUDA0",
+    "vulkan", "cpu" ...) and keep it there: a :class:`DeviceArray` (ggml_backend_tensor_set).
+    A DeviceArray already on that device is returned as it is. TypeError for unsupported dtypes,
+    ValueError for an unknown device."""
+    from .graph import as_array, resolve_device
+
+    device = resolve_device(backend)
+    if isinstance(x, DeviceArray):
+        if x.device == device:
+            return x
+        x = x.numpy()
+    arr = np.ascontiguousarray(as_array(x))
+    out = DeviceArray.empty(arr.shape, arr.dtype, device)
+    out._buf.upload(arr.reshape(-1).view(np.uint8))
+    return out
+
+
+def from_dlpack(x: Any) -> DeviceArray:
+    """A :class:`DeviceArray` sharing the memory of a C-contiguous DLPack array (torch, cupy,
+    jax, numpy) on the CPU or a CUDA device: no copy; the DeviceArray keeps ``x``'s memory
+    alive. Waits for the device to finish queued work first (cudaDeviceSynchronize), since
+    ggml's streams do not wait for the producer's. TypeError for other devices, non-contiguous
+    arrays and dtypes ggml has no type for (float64, bool, complex)."""
+    if isinstance(x, DeviceArray):
+        return x
+    try:
+        buf, shape, code, bits = _core.DeviceBuffer.from_dlpack(x)
+    except TypeError as e:
+        if "incompatible function arguments" not in str(e):
+            raise
+        raise TypeError(
+            f"from_dlpack: expected a C-contiguous array that supports DLPack (__dlpack__); got {type(x).__name__}"
+        ) from None
+    dtype = _FROM_DL.get((code, bits))
+    if dtype is None:
+        raise TypeError(f"from_dlpack: no ggml type for DLPack dtype code {code}, {bits} bits")
+    return DeviceArray(buf, tuple(shape), dtype)
