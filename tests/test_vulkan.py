@@ -6,8 +6,9 @@ same way). lavapipe comes from bookworm-backports (Mesa 25.0): Debian 12's own M
 corrupts its heap on its queue thread (`double free or corruption`, SIGSEGV in libvulkan_lvp.so)
 when a decode graph with llama.cpp's sampler follows one without (eval, then greedy generate):
 4 crashes in 4 runs under gdb, 0 in 6 with Mesa 25.0.7, 0 in either with backend sampling off,
-and the Khronos validation layer (synchronization validation on) reports nothing. Every op test runs on Vulkan0 against the CPU by NMSE (conftest's LLAMABIND_TEST_BACKEND
-check, as on CUDA), and the model's logits and greedy tokens on Vulkan0 match the CPU's.
+and the Khronos validation layer (synchronization validation on) reports nothing. Every op test
+runs on Vulkan0 against the CPU by NMSE (conftest's LLAMABIND_TEST_BACKEND check, as on CUDA), and
+the model's logits and greedy tokens on Vulkan0 match the CPU's.
 
 On a real GPU the same build runs the full op, gradient and model tests: tests/device/cuda_run.sh
 vulkan / vulkanmodels (NVIDIA's Vulkan driver on an H100; bench/results/h100-2026-11-23-vulkan).

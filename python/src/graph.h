@@ -69,6 +69,7 @@ struct Graph {
     std::vector<Slot> ins, outs;
     std::vector<ggml_tensor *> params;
     std::mutex run_mutex;
+    size_t bytes_copied = 0;  // by the last run: host <-> tensor copies (0: every array used in place)
 
     ~Graph() {
         for (auto * v : { &ins, &outs }) {

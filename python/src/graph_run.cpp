@@ -101,7 +101,8 @@ struct Arg {
     DeviceBuffer * dev = nullptr;
     Py_buffer view{};
     bool has_view = false;
-    nb::object owner;  // a contiguous copy made here
+    nb::object owner;  // a contiguous copy made here, or the array behind a DeviceArray/Blocks
+    bool made_contiguous = false;
     void * ptr() const { return dev ? dev->data : view.buf; }
     size_t size() const { return dev ? dev->size : (size_t) view.len; }
     ~Arg() {
@@ -151,6 +152,7 @@ static void take_arg(Arg & a, nb::handle h, const Graph & g, bool writable, cons
     if (writable) raise_type(std::string(what) + " " + std::to_string(i) + " must be a writable C-contiguous array");
     static auto * contiguous = new nb::object(nb::module_::import_("numpy").attr("ascontiguousarray"));
     a.owner = (*contiguous)(h);
+    a.made_contiguous = true;
     if (PyObject_GetBuffer(a.owner.ptr(), &a.view, PyBUF_C_CONTIGUOUS) != 0) {
         PyErr_Clear();
         raise_type(std::string(what) + " " + std::to_string(i) + " is not an array");
@@ -227,17 +229,20 @@ static void graph_run(Graph & g, nb::sequence inputs, nb::sequence outputs, nb::
         nb::gil_scoped_release release;
         std::lock_guard<std::mutex> lock_graph(g.run_mutex);
         std::lock_guard<std::mutex> lock(g.be->mutex);
+        size_t copied = 0;
         for (size_t i = 0; i < ni; ++i) {
             Slot & s = g.ins[i];
-            if (!s.external) {
-                copy_in(s.t, in[i]);
-            } else if (in_place(g, in[i])) {
+            if (in[i].made_contiguous) copied += in[i].size();
+            if (s.external && in_place(g, in[i])) {
                 bind(s, in[i].ptr(), in[i].dev ? in[i].dev->buffer() : nullptr);
-            } else {
+                continue;
+            }
+            if (s.external) {
                 ggml_backend_buffer_t b = scratch(g, s);
                 bind(s, ggml_backend_buffer_get_base(b), b);
-                copy_in(s.t, in[i]);
             }
+            copy_in(s.t, in[i]);
+            copied += in[i].size();
         }
         for (size_t i = 0; i < no; ++i) {
             Slot & s = g.outs[i];
@@ -256,7 +261,9 @@ static void graph_run(Graph & g, nb::sequence inputs, nb::sequence outputs, nb::
         st = ggml_backend_graph_compute(g.be->backend, g.gb ? g.gb : g.gf);
         if (st == GGML_STATUS_SUCCESS) {
             for (size_t i = 0; i < no; ++i) {
-                if (!g.outs[i].external || !in_place(g, out[i])) copy_out(g.outs[i].t, out[i]);
+                if (g.outs[i].external && in_place(g, out[i])) continue;
+                copy_out(g.outs[i].t, out[i]);
+                copied += out[i].size();
             }
             for (size_t i = 0; i < ng; ++i) {
                 auto it = g.grad_out.find(g.params[i]);
@@ -267,6 +274,7 @@ static void graph_run(Graph & g, nb::sequence inputs, nb::sequence outputs, nb::
                 }
             }
         }
+        g.bytes_copied = copied;
         for (auto * v : { &g.ins, &g.outs }) {  // no pointer into the caller's memory stays behind
             for (Slot & s : *v) {
                 if (s.external) bind(s, placeholder(g), nullptr);
@@ -328,7 +336,7 @@ static nb::object device_buffer_dlpack(nb::handle self, std::vector<size_t> shap
     for (size_t d : shape) n *= d;
     if (n != b.size) raise_value("dlpack: the shape and dtype do not match the buffer's size");
     nb::dlpack::dtype dt{ (uint8_t) code, (uint8_t) bits, 1 };
-    nb::ndarray<> arr(b.data, shape.size(), shape.data(), self, nullptr, dt, type, id);
+    nb::ndarray<nb::array_api> arr(b.data, shape.size(), shape.data(), self, nullptr, dt, type, id);
     return nb::cast(arr);
 }
 
@@ -364,13 +372,16 @@ void register_graph_run(nb::module_ & m, nb::class_<Graph> & cls) {
             "Run the graph (GIL released; ggml_backend_graph_compute). inputs/outputs/grads: arrays "
             "(buffer protocol, outputs and grads writable) or DeviceBuffers, in build() order. CPU: "
             "n_threads (0 = all cores).");
+    cls.def_prop_ro(
+        "bytes_copied", [](const Graph & g) { return g.bytes_copied; },
+        "Bytes the last run copied between the caller's arrays and the graph (0: all used in place).");
     nb::class_<DeviceBuffer>(m, "DeviceBuffer", "Bytes on a ggml backend device (llamabind.ops.DeviceArray's memory).")
         .def("__init__", &device_buffer_init, nb::arg("device"), nb::arg("nbytes"))
         .def("upload", &device_buffer_upload, nb::arg("data"), "Copy host bytes in (ggml_backend_tensor_set).")
         .def("download", &device_buffer_download, nb::arg("out"), "Copy the bytes out (ggml_backend_tensor_get).")
         .def("dlpack", &device_buffer_dlpack, nb::arg("shape"), nb::arg("code"), nb::arg("bits"),
              "An array object exporting the memory by DLPack (__dlpack__), numpy-order shape.")
-        .def_static("from_dlpack", &device_buffer_from_dlpack, nb::arg("array"),
+        .def_static("from_dlpack", &device_buffer_from_dlpack, nb::arg("array").noconvert(),
                     "(DeviceBuffer, shape, DLPack dtype code, bits) of a DLPack array, sharing its memory.")
         .def_prop_ro("device", [](const DeviceBuffer & b) { return std::string(ggml_backend_dev_name(b.be->dev)); })
         .def_prop_ro("nbytes", [](const DeviceBuffer & b) { return b.size; })

@@ -15,10 +15,10 @@ Modules, importing downward only: graph (tensors, graphs, devices, the eager cac
 shape, conv, quant (the ops) <- autodiff (grad, vjp), check (NMSE) <- this package.
 """
 
+from .array import DeviceArray, from_dlpack, to_device
 from .autodiff import grad, vjp
 from .check import check, nmse
 from .conv import conv_1d, conv_2d, conv_transpose_1d, im2col, pool_1d, pool_2d, upscale
-from .array import DeviceArray, from_dlpack, to_device
 from .eager import clear_cache
 from .graph import Graph, Tensor, default_backend, devices, graph
 from .math import (

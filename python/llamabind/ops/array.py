@@ -29,7 +29,9 @@ except ImportError:  # pragma: no cover - ml_dtypes is optional
     _BF16 = None
 
 # numpy dtype <-> DLPack (type code, bits): kDLInt 0, kDLFloat 2, kDLBfloat 4
-_DL = {np.dtype(t): (0, np.dtype(t).itemsize * 8) for t in (np.int8, np.int16, np.int32, np.int64)}
+_DL: dict[np.dtype, tuple[int, int]] = {
+    np.dtype(t): (0, np.dtype(t).itemsize * 8) for t in (np.int8, np.int16, np.int32, np.int64)
+}
 _DL.update({np.dtype(np.float16): (2, 16), np.dtype(np.float32): (2, 32)})
 if _BF16 is not None:
     _DL[_BF16] = (4, 16)
@@ -45,7 +47,7 @@ class DeviceArray:
     devices (TypeError on others). Made by :func:`to_device`, :func:`from_dlpack`, or an op that
     was given a DeviceArray."""
 
-    __slots__ = ("_buf", "shape", "dtype")
+    __slots__ = ("_buf", "shape", "dtype")  # graph_run.cpp binds ``_buf`` (a _core.DeviceBuffer)
     __array_priority__ = 100  # numpy's operators defer to ours
 
     def __init__(self, buf: Any, shape: tuple[int, ...], dtype: np.dtype):
@@ -139,9 +141,9 @@ def to_device(x: Any, backend: str | None = None) -> DeviceArray:
             return x
         x = x.numpy()
     arr = np.ascontiguousarray(as_array(x))
-    out = DeviceArray.empty(arr.shape, arr.dtype, device)
-    out._buf.upload(arr.reshape(-1).view(np.uint8))
-    return out
+    buf = _core.DeviceBuffer(device, arr.nbytes)
+    buf.upload(arr.reshape(-1).view(np.uint8))
+    return DeviceArray(buf, arr.shape, arr.dtype)
 
 
 def from_dlpack(x: Any) -> DeviceArray:

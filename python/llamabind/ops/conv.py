@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .graph import BF16, F16, F32, Graph, Tensor, as_int, dtype_name, expect, expect_dtype, shape_to_ne, type_id
 from .eager import apply
+from .graph import BF16, F16, F32, Graph, Tensor, as_int, dtype_name, expect, expect_dtype, shape_to_ne, type_id
 
 
 def _batched(g: Graph, data: Tensor, ndim: int) -> Tensor:

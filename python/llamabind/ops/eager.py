@@ -52,7 +52,7 @@ def apply(
         else:
             if plain is not None:  # numpy in and out, no index ranges to check
                 out = np.empty(plain[0], plain[1])
-                exe._run(args, (out,), (), exe.n_threads)
+                exe.native_run(args, (out,), (), exe.n_threads)
                 return out
             return exe.run(args if idx is None else [args[i] for i in idx])[0]
     return _apply(builder, args, params, backend)
@@ -77,8 +77,8 @@ def _apply(builder: Callable[..., Tensor], args: Sequence[Any], params: dict[str
         if len(_cache) >= _CACHE_MAX:
             _cache.pop(next(iter(_cache)))
         given = [i for i, a in enumerate(arrays) if a is not None]
-        simple = len(given) == len(arrays) and not g._bounds and all(type(a) is not DeviceArray for a in arrays)
-        hit = _cache[key] = (exe, None if len(given) == len(arrays) else given, exe._specs[0] if simple else None)
+        simple = len(given) == len(arrays) and not exe.checks_bounds and all(type(a) is not DeviceArray for a in arrays)
+        hit = _cache[key] = (exe, None if len(given) == len(arrays) else given, exe.out_specs[0] if simple else None)
     exe, idx, _ = hit
     return exe.run(arrays if idx is None else [arrays[i] for i in idx])[0]
 

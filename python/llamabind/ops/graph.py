@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,8 +19,8 @@ import numpy as np
 
 from .. import _core
 from .._validate import as_float, as_int, expect
-from .array import DeviceArray
 from ..build import devices  # one list for models and ops (RPC devices included)
+from .array import DeviceArray
 
 __all__ = [
     "Graph",
@@ -237,7 +236,7 @@ class Graph:
     def __init__(self, backend: str | None = None, max_nodes: int = 512):
         self.device = resolve_device(backend)
         self._ggml_graph = _core.Graph(self.device, max_nodes)
-        self._values: dict[int, np.ndarray] = {}  # input id -> bound array
+        self._values: dict[int, Any] = {}  # input id -> bound array (numpy, Blocks data or DeviceArray)
         self._inputs: dict[int, Tensor] = {}
         self._compiled: dict[tuple, Executable] = {}
         self._bounds: list[tuple[int, int, str]] = []  # (input id, n, what): values must lie in [0, n)
@@ -346,7 +345,7 @@ class Graph:
         """The graph's inputs, in the order they were made."""
         return list(self._inputs.values())
 
-    def value_of(self, t: Tensor) -> np.ndarray | None:
+    def value_of(self, t: Tensor) -> Any:
         """The array an input is bound to (``input(value)``), or None for a placeholder."""
         return self._values.get(t.id)
 
@@ -414,8 +413,9 @@ class Executable:
             loss.id if loss is not None else -1,
             [p.id for p in self.params],
         )
-        self._specs = [(t.shape, t.dtype) for t in outs]
-        self._run = g._ggml_graph.run
+        self.out_specs = [(t.shape, t.dtype) for t in outs]
+        self.native_run = g._ggml_graph.run  # _core.Graph.run(inputs, outputs, grads, n_threads)
+        self.checks_bounds = bool(g._bounds)  # index inputs whose range run() checks
         work = sum(t.size for t in outs) + sum(t.size for t in inputs)
         self.n_threads = 1 if work < (1 << 16) else 0  # tiny graphs: threads cost more than they save
 
@@ -423,18 +423,18 @@ class Executable:
         """Outputs (then the params' gradients if ``grads``) for input ``arrays`` (numpy arrays,
         Blocks or DeviceArrays of the inputs' shapes and dtypes, in order): numpy arrays, or
         DeviceArrays on the graph's device when any input is a DeviceArray."""
-        if self.graph._bounds:
+        if self.checks_bounds:
             self._check_bounds(arrays)
         if any(type(a) is DeviceArray for a in arrays):
-            outs: list = [DeviceArray.empty(s, d, self.graph.device) for s, d in self._specs]
+            outs: list = [DeviceArray.empty(s, d, self.graph.device) for s, d in self.out_specs]
             bufs = [o._buf for o in outs]
         else:
-            outs = bufs = [np.empty(s, d) for s, d in self._specs]
+            outs = bufs = [np.empty(s, d) for s, d in self.out_specs]
         if grads:
             gs = [np.empty(p.shape, p.dtype) for p in self.params]
-            self._run(arrays, bufs, gs, self.n_threads if n_threads is None else n_threads)
+            self.native_run(arrays, bufs, gs, self.n_threads if n_threads is None else n_threads)
             return outs + gs
-        self._run(arrays, bufs, (), self.n_threads if n_threads is None else n_threads)
+        self.native_run(arrays, bufs, (), self.n_threads if n_threads is None else n_threads)
         return outs
 
     def _check_bounds(self, arrays: Sequence[Any]) -> None:

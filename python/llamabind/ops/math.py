@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .graph import BF16, F16, F32, FLOATS, OPERATORS, Graph, Tensor, as_float, expect, expect_dtype, shape_to_ne
 from .eager import apply
+from .graph import BF16, F16, F32, FLOATS, OPERATORS, Graph, Tensor, as_float, expect, expect_dtype, shape_to_ne
 
 # dtype pairs (a, b) of ggml's binary kernels (ggml-cpu binary-ops.cpp); the result has a's dtype
 _BINARY_PAIRS = {(F32, F32), (F16, F16), (F16, F32)} | ({(BF16, BF16), (BF16, F32)} if BF16 is not None else set())

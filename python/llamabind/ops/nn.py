@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .graph import F16, F32, I32, Graph, Tensor, as_float, as_int, expect, expect_dtype, resolve_device
 from .eager import apply
+from .graph import F16, F32, I32, Graph, Tensor, as_float, as_int, expect, expect_dtype, resolve_device
 
 # ---- normalization over the last axis
 

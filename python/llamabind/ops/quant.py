@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _core
-from .graph import _TYPES, F32, Blocks, Graph, Tensor, as_array, expect
 from .eager import apply
+from .graph import _TYPES, F32, Blocks, Graph, Tensor, as_array, expect
 
 QUANT_TYPES = ("q4_0", "q4_1", "q8_0", "q4_K", "q6_K")
 

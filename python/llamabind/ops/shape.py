@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .eager import apply
 from .graph import (
     ALL,
     BF16,
@@ -26,7 +27,6 @@ from .graph import (
     shape_to_ne,
     type_id,
 )
-from .eager import apply
 
 
 def _concat(g: Graph, a: Tensor, b: Tensor, axis: int) -> Tensor:
