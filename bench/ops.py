@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Per-op latency and bandwidth of llamabind.ops beside numpy, and per-call overhead of a tiny op
-beside ggml-python 0.0.45, all in one run (rounds interleaved; the machine is noisy: read ratios).
+"""Per-op latency and bandwidth of llamabind.ops beside numpy (and PyTorch where installed), the
+per-call overhead of a tiny op beside ggml-python 0.0.45, and a 10-op chain on each device three
+ways: numpy round trips per op, ops.DeviceArray (one copy in, one out), PyTorch on the same device
+-- all in one run (rounds interleaved; the machine is noisy: read ratios).
 
     python bench/ops.py [--rounds 5] [--ggml-python bench/.venv-ggml-python/bin/python]
 
@@ -93,6 +95,71 @@ def cases(rng, dev: str, torch=None):
     ]
 
 
+def chain(x, b, dev: str):
+    """10 ops; numpy arrays in: numpy round trips per op, DeviceArrays in: no copies."""
+    y = ops.add(x, b, backend=dev)
+    y = ops.mul(y, b, backend=dev)
+    y = ops.silu(y, backend=dev)
+    y = ops.scale(y, 0.5, backend=dev)
+    y = ops.rms_norm(y, backend=dev)
+    y = ops.add(y, x, backend=dev)
+    y = ops.gelu(y, backend=dev)
+    y = ops.sub(y, b, backend=dev)
+    y = ops.soft_max(y, backend=dev)
+    return ops.sqr(y, backend=dev)
+
+
+def chain_torch(torch, x, b):
+    F = torch.nn.functional
+    y = F.silu((x + b) * b) * 0.5
+    y = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + 1e-5)
+    y = F.gelu(y + x, approximate="tanh") - b
+    return torch.square(torch.softmax(y, -1))
+
+
+def chain_f64(x, b):
+    """The chain in numpy float64 (the reference for NMSE)."""
+    x, b = x.astype(np.float64), b.astype(np.float64)
+    y = (x + b) * b
+    y = y / (1 + np.exp(-y)) * 0.5
+    y = y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-5) + x
+    y = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y**3))) - b
+    return np.square(_softmax(y))
+
+
+def chain_cases(rng, dev: str, torch=None):
+    """(name, llamabind numpy round trips, llamabind DeviceArray, torch or None, reference fn) per size;
+    each call starts from host arrays and ends with a host array."""
+    tdev = None
+    if torch is not None:
+        if dev.startswith("CUDA") and torch.cuda.is_available():
+            tdev = f"cuda:{int(dev[4:])}"
+        elif dev == "CPU":
+            tdev = "cpu"
+    out = []
+    for n in (512, 2048):
+        x = rng.standard_normal((n, n)).astype(np.float32)
+        b = rng.standard_normal((n, n)).astype(np.float32)
+
+        def dev_arrays(x=x, b=b):
+            return chain(ops.to_device(x, dev), ops.to_device(b, dev), dev).numpy()
+
+        def torch_fn(x=x, b=b):
+            r = chain_torch(torch, torch.from_numpy(x).to(tdev), torch.from_numpy(b).to(tdev))
+            return r.cpu().numpy()
+
+        out.append(
+            (
+                f"10-op chain {n}x{n}",
+                (lambda x=x, b=b: chain(x, b, dev)),
+                dev_arrays,
+                torch_fn if tdev else None,
+                (lambda x=x, b=b: chain_f64(x, b)),
+            )
+        )
+    return out
+
+
 def _softmax(x):
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
@@ -128,6 +195,12 @@ def main() -> int:
         for dev, cs in per_dev.items()
         for name, _, _, _, nbytes in cs
     }
+    per_chain = {dev: chain_cases(rng, dev, torch) for dev in devices}
+    chains = {
+        (dev, name): {"numpy_round_trips_us": [], "device_array_us": [], "torch_us": []}
+        for dev, cs in per_chain.items()
+        for name, *_ in cs
+    }
     ggp = {"per_call_us": [], "reused_graph_us": []}
     for r in range(args.rounds):  # interleaved: llamabind (each device), numpy, torch, ggml-python each round
         for dev, cs in per_dev.items():
@@ -136,6 +209,13 @@ def main() -> int:
                 res[(dev, name)]["numpy_us"].append(per_call_us(npf))
                 if tf is not None:
                     res[(dev, name)]["torch_us"].append(per_call_us(tf))
+        for dev, cs in per_chain.items():
+            for name, rt, da, tf, _ in cs:
+                d = chains[(dev, name)]
+                d["numpy_round_trips_us"].append(per_call_us(rt))
+                d["device_array_us"].append(per_call_us(da))
+                if tf is not None:
+                    d["torch_us"].append(per_call_us(tf))
         g = ggml_python_round(args.ggml_python)
         if g:
             ggp["per_call_us"].append(g["per_call_us"])
@@ -160,7 +240,30 @@ def main() -> int:
         tstr = f"{tq:9.1f}" if tq is not None else f"{'-':>9}"
         print(f"{dev:8} {name:32} {lb:13.1f} {npm:10.1f} {tstr} {lb / npm:6.2f} {gbs:7.2f}")
     overhead = rows[0]["llamabind_us"]
-    print(f"\nper-call overhead, 64x64 float32 add on CPU: llamabind {overhead:.1f} us (target < 20 us)")
+    print(f"\nper-call overhead, 64x64 float32 add on CPU: llamabind {overhead:.2f} us (target <= 3 us)")
+    chain_rows = []
+    print(
+        f"\n{'device':8} {'chain (host in, host out)':26} {'round trips us':>15} {'DeviceArray us':>15} "
+        f"{'torch us':>10} {'DA/torch':>9} {'NMSE vs f64':>12}"
+    )
+    for (dev, name), d in chains.items():
+        rt, da = statistics.median(d["numpy_round_trips_us"]), statistics.median(d["device_array_us"])
+        tq = statistics.median(d["torch_us"]) if d["torch_us"] else None
+        case = next(c for c in per_chain[dev] if c[0] == name)
+        err = float(ops.nmse(case[2](), case[4]()))
+        chain_rows.append(
+            {
+                "device": dev,
+                "chain": name,
+                "numpy_round_trips_us": rt,
+                "device_array_us": da,
+                "torch_us": tq,
+                "ratio_torch": da / tq if tq else None,
+                "nmse_vs_float64": err,
+            }
+        )
+        tstr = f"{tq:10.0f} {da / tq:9.2f}" if tq else f"{'-':>10} {'-':>9}"
+        print(f"{dev:8} {name:26} {rt:15.0f} {da:15.0f} {tstr} {err:12.2e}")
     if ggp["per_call_us"]:
         pc, rg = statistics.median(ggp["per_call_us"]), statistics.median(ggp["reused_graph_us"])
         print(
@@ -177,7 +280,9 @@ def main() -> int:
         "rounds": args.rounds,
         "build_info": {k: v for k, v in llamabind.build_info().items() if k != "devices"},
         "ops": rows,
+        "chains": chain_rows,
         "raw": {f"{d}|{n}": v for (d, n), v in res.items()},
+        "raw_chains": {f"{d}|{n}": v for (d, n), v in chains.items()},
         "ggml_python_0_0_45": {k: statistics.median(v) for k, v in ggp.items()} if ggp["per_call_us"] else None,
     }
     path = Path(args.out) if args.out else HERE / "results" / f"ops-{socket.gethostname()}-{datetime.date.today()}.json"

@@ -16,9 +16,11 @@
 
 namespace lb {
 
+static std::mutex backends_mutex;
+static std::map<std::string, std::unique_ptr<SharedBackend>> backends;
+
 SharedBackend & shared_backend(const std::string & name) {
-    static std::mutex m;
-    static std::map<std::string, std::unique_ptr<SharedBackend>> backends;
+    auto & m = backends_mutex;
     std::lock_guard<std::mutex> lock(m);
     auto it = backends.find(name);
     if (it != backends.end()) return *it->second;
@@ -280,6 +282,13 @@ void register_graph(nb::module_ & m) {
         .def_prop_ro("device", [](const Graph & g) { return std::string(ggml_backend_dev_name(g.be->dev)); })
         .def_prop_ro("n_nodes", [](const Graph & g) { return g.nodes.size(); });
     register_graph_run(m, cls);
+    m.def(
+        "free_device_buffers",
+        [] {
+            std::lock_guard<std::mutex> lock(backends_mutex);
+            for (auto & [name, be] : backends) be->drain();
+        },
+        "Free the memory that dropped DeviceArrays left for reuse (up to 512 MiB per device).");
     m.def("ggml_types", &type_table, "ggml type name -> (id, block size, bytes per block, is_quantized).");
 }
 

@@ -25,6 +25,14 @@ struct SharedBackend {
     ggml_backend_buffer_t tag = nullptr;  // a small buffer of the device's type, named by tensors on foreign memory
     int max_threads = 1;                  // CPU: the threadpool's size (n_threads is clamped to it)
     std::mutex mutex;
+    // buffers of dropped DeviceBuffers, kept for the next of the same size (an op chain allocates
+    // one per result: cudaMalloc/cudaFree per op would synchronize the device; fresh host pages fault)
+    std::mutex pool_mutex;
+    std::multimap<size_t, ggml_backend_buffer_t> pool;
+    size_t pool_bytes = 0;
+    ggml_backend_buffer_t take(size_t size);
+    void give(ggml_backend_buffer_t buf, size_t size);
+    void drain();
 };
 
 SharedBackend & shared_backend(const std::string & name);
@@ -39,7 +47,7 @@ struct DeviceBuffer {
     nb::object keep;  // the DLPack producer's array (imported memory)
 
     ~DeviceBuffer() {
-        if (buf) ggml_backend_buffer_free(buf);
+        if (buf) be->give(buf, size);
     }
     ggml_backend_buffer_t buffer() const { return buf ? buf : be->tag; }
 };

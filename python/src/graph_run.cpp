@@ -287,11 +287,51 @@ static void graph_run(Graph & g, nb::sequence inputs, nb::sequence outputs, nb::
 
 // ---- DeviceBuffer
 
+static constexpr size_t POOL_MAX_BYTES = size_t(512) << 20;  // per device
+
+ggml_backend_buffer_t SharedBackend::take(size_t size) {
+    {
+        std::lock_guard<std::mutex> lock(pool_mutex);
+        auto it = pool.find(size);
+        if (it != pool.end()) {
+            ggml_backend_buffer_t b = it->second;
+            pool.erase(it);
+            pool_bytes -= size;
+            return b;
+        }
+    }
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
+    ggml_backend_buffer_t b = ggml_backend_buft_alloc_buffer(buft, std::max<size_t>(size, 1));
+    if (!b && pool_bytes) {  // out of memory: what the pool holds first
+        drain();
+        b = ggml_backend_buft_alloc_buffer(buft, std::max<size_t>(size, 1));
+    }
+    return b;
+}
+
+void SharedBackend::give(ggml_backend_buffer_t buf, size_t size) {
+    {
+        std::lock_guard<std::mutex> lock(pool_mutex);
+        if (pool_bytes + size <= POOL_MAX_BYTES) {
+            pool.emplace(size, buf);
+            pool_bytes += size;
+            return;
+        }
+    }
+    ggml_backend_buffer_free(buf);
+}
+
+void SharedBackend::drain() {
+    std::lock_guard<std::mutex> lock(pool_mutex);
+    for (auto & [size, b] : pool) ggml_backend_buffer_free(b);
+    pool.clear();
+    pool_bytes = 0;
+}
+
 static void device_buffer_init(DeviceBuffer * self, const std::string & device, size_t nbytes) {
     new (self) DeviceBuffer();
     self->be = &shared_backend(device);
-    self->buf =
-        ggml_backend_buft_alloc_buffer(ggml_backend_dev_buffer_type(self->be->dev), std::max<size_t>(nbytes, 1));
+    self->buf = self->be->take(nbytes);
     if (!self->buf) throw LlamaError("could not allocate " + std::to_string(nbytes) + " bytes on " + device);
     self->data = ggml_backend_buffer_get_base(self->buf);
     self->size = nbytes;

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _core
 from .array import DeviceArray, from_dlpack
 from .graph import (
     Blocks,
@@ -118,8 +119,10 @@ def _placeholder(g: Graph, a: np.ndarray | Blocks) -> Tensor:
 
 
 def clear_cache() -> None:
-    """Free every cached eager graph (also done at interpreter exit)."""
+    """Free every cached eager graph (also done at interpreter exit) and the device memory kept
+    from dropped DeviceArrays for reuse."""
     _cache.clear()
+    _core.free_device_buffers()
 
 
 atexit.register(clear_cache)  # free the graphs before the extension is torn down
