@@ -10,6 +10,7 @@ import pytest
 from conftest import gpu_skip_reason
 
 from llamabind import ops
+from llamabind.ops import eager
 
 GPUS = [d["name"] for d in ops.devices() if d["type"] != "cpu"]
 pytestmark = pytest.mark.skipif(not GPUS, reason=gpu_skip_reason())
@@ -60,3 +61,43 @@ def test_gpu_concat_every_dtype(device, dtype):  # PR #24724, #24747
     except TypeError as err:
         pytest.skip(str(err))
     np.testing.assert_array_equal(out.view(np.uint8), np.concatenate([a, b], 1).view(np.uint8))
+
+
+# ---- arrays that stay on the device (issue 21)
+
+
+@pytest.mark.parametrize("device", GPUS)
+def test_device_arrays_chain_on_the_gpu_without_host_copies(device):
+    x, b = f32(64, 128), f32(64, 128)
+    dx, db = ops.to_device(x, device), ops.to_device(b, device)
+    assert dx.device == device and dx.shape == x.shape
+    ops.clear_cache()
+    y = ops.add(dx, db)
+    (exe, _, _), *rest = eager._cache.values()
+    assert not rest and exe.graph._ggml_graph.bytes_copied == 0  # bound to the device buffers in place
+    y = ops.soft_max(ops.rms_norm(ops.silu(ops.mul(y, db))))
+    assert isinstance(y, ops.DeviceArray) and y.device == device
+    ref = ops.soft_max(ops.rms_norm(ops.silu(ops.mul(ops.add(x, b), b))))  # the same ops on the CPU
+    assert ops.nmse(y.numpy(), ref) < 1e-7
+    with pytest.raises(ValueError, match="not on the op's device"):
+        ops.add(dx, dx, backend="cpu")
+
+
+@pytest.mark.parametrize("device", [d for d in GPUS if d.startswith("CUDA")] or ["none"])
+def test_dlpack_with_torch_on_cuda(device):
+    torch = pytest.importorskip("torch")
+    if device == "none" or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device in llamabind and in torch")
+    t = torch.randn(32, 64, device=f"cuda:{int(device[4:])}")
+    d = ops.from_dlpack(t)  # shares t's memory
+    assert d.device == device and d.shape == (32, 64)
+    r = ops.silu(d)
+    tr = torch.from_dlpack(r)  # shares r's memory
+    assert tr.device == t.device
+    torch.testing.assert_close(tr, torch.nn.functional.silu(t), rtol=1e-5, atol=1e-6)
+    t[0, 0] = 5.0
+    torch.cuda.synchronize()
+    assert d.numpy()[0, 0] == 5.0
+    r2 = ops.add(t, t, backend=device)  # torch tensors as op arguments: imported, not copied
+    assert isinstance(r2, ops.DeviceArray)
+    torch.testing.assert_close(torch.from_dlpack(r2), t + t)

@@ -34,13 +34,16 @@
 #         carried .debs, the Vulkan build, op and model tests on Vulkan0, pp/tg vs llama-bench.
 # server: (carry .device-b after build) tests/test_server.py and the fuzz with the model fully offloaded,
 #         then bench/server.py -ngl 99 (llamabind serve beside llama-server from the same build).
+# opsarrays: (carry .device after build) issue 21: the op tests on CUDA0 with inputs bound in place,
+#         DeviceArray/DLPack tests with torch, then bench/ops.py (per-call overhead, element-wise,
+#         the 10-op chain: numpy round trips vs DeviceArray vs PyTorch CUDA).
 # bench:  bench/generation.py on each model, full offload, llama-bench beside it in the same run
 #         (LB_ROUNDS x LB_REPS, default 5 x 20).
 # Logs, JSON and summaries go to $OUT (then bench/results/).
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: ops, models, train, trainbench, rss, cost, leak, build, server, e2e, vulkan or bench}
+phase=${1:?phase: ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -74,7 +77,15 @@ start_models() {
 case $phase in
 build)
   cp .device/smollm2.part-a .device/tokenizer.gguf /tmp/
-  start_models
+  [ -n "${LB_NO_MODELS:-}" ] || start_models
+  ;;
+opsarrays)
+  t0=$SECONDS
+  LLAMABIND_TEST_BACKEND=cuda LLAMABIND_OPS_CHECK_OUT="$OUT/ops-check.json" LLAMABIND_REQUIRE_GPU=1 \
+    python3 -m pytest tests/test_ops.py tests/test_ops_arrays.py tests/test_ops_backends.py $PYTEST_ARGS 2>&1 \
+    | tee "$OUT/ops-tests.log" | tail -30
+  echo "op tests in $((SECONDS - t0)) s"
+  python3 bench/ops.py --rounds ${LB_ROUNDS:-5} --out "$OUT/ops.json" 2>&1 | tee "$OUT/ops-bench.txt"
   ;;
 e2e)
   # (carry .device-b after build) generation tests with the model fully offloaded (backend sampling
