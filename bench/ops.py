@@ -239,7 +239,7 @@ def main() -> int:
         )
         tstr = f"{tq:9.1f}" if tq is not None else f"{'-':>9}"
         print(f"{dev:8} {name:32} {lb:13.1f} {npm:10.1f} {tstr} {lb / npm:6.2f} {gbs:7.2f}")
-    overhead = rows[0]["llamabind_us"]
+    overhead = next(r["llamabind_us"] for r in rows if r["device"] == "CPU")
     print(f"\nper-call overhead, 64x64 float32 add on CPU: llamabind {overhead:.2f} us (target <= 3 us)")
     chain_rows = []
     print(

@@ -77,6 +77,28 @@ def test_rpc_devices_are_listed_and_run_ops(servers):
     assert ops.check(ops.silu, a, backend=names[1][0]) < 1e-7
 
 
+def test_device_arrays_stay_on_an_rpc_device(servers):
+    """A device that is not host memory (ggml-rpc): arrays kept there between ops (issue 21)."""
+    from llamabind.ops import eager
+
+    dev = rpc.connect(servers[0].endpoint)[0]
+    rng = np.random.default_rng(2)
+    x, b = rng.standard_normal((16, 24)).astype(np.float32), rng.standard_normal((16, 24)).astype(np.float32)
+    dx, db = ops.to_device(x, dev), ops.to_device(b, dev)
+    ops.clear_cache()
+    y = ops.mul(dx, db)  # no backend=: the arrays' device
+    (exe, _, _), *rest = eager._cache.values()
+    assert not rest and exe.graph.device == dev and exe.graph._ggml_graph.bytes_copied == 0
+    y = ops.silu(ops.add(y, x))  # a numpy argument goes up; the result stays on the device
+    assert isinstance(y, ops.DeviceArray) and y.device == dev
+    ref = (x * b + x).astype(np.float64)
+    np.testing.assert_allclose(y.numpy(), ref / (1 + np.exp(-ref)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not on the op's device"):
+        ops.add(dx, ops.to_device(x, "cpu"))
+    with pytest.raises(TypeError, match="CPU and CUDA"):
+        y.__dlpack__()
+
+
 def test_cli_generate_over_two_servers_matches_local(model_path):
     """From the shell, with its own servers (a ggml RPC server serves one client at a time, and this
     test process keeps its connections to the module's servers open)."""

@@ -66,8 +66,14 @@ def _apply(builder: Callable[..., Tensor], args: Sequence[Any], params: dict[str
             raise ValueError(f"backend={backend!r} differs from the graph's device {g.device}")
         ts = [a if isinstance(a, Tensor) or a is None else g.input(a) for a in args]
         return builder(g, *ts, **params)
-    device = resolve_device(backend)
-    arrays = [_eager_arg(a, device) for a in args]
+    arrays = [_eager_arg(a) for a in args]
+    on = next((a.device for a in arrays if isinstance(a, DeviceArray)), None)
+    device = on if backend is None and on is not None else resolve_device(backend)  # an array's device
+    for a in arrays:
+        if isinstance(a, DeviceArray) and a.device != device:
+            raise ValueError(
+                f"{a} is not on the op's device {device}: move it with ops.to_device(a, {device!r}) or a.numpy()"
+            )
     key = (builder, device, tuple(params.items()) if params else (), _signature(arrays))
     hit = _cache.get(key)
     if hit is None:
@@ -98,14 +104,8 @@ def _signature(args: Sequence[Any]) -> tuple:
     return tuple([None if a is None else (type(a), a.shape, a.dtype) for a in args])
 
 
-def _eager_arg(a: Any, device: str) -> Any:
-    if a is None or isinstance(a, Blocks):
-        return a
-    if isinstance(a, DeviceArray):
-        if a.device != device:
-            raise ValueError(
-                f"{a} is not on the op's device {device}: move it with ops.to_device(a, {device!r}) or a.numpy()"
-            )
+def _eager_arg(a: Any) -> Any:
+    if a is None or isinstance(a, (Blocks, DeviceArray)):
         return a
     if not isinstance(a, np.ndarray) and hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__"):
         return from_dlpack(a)  # torch/cupy/jax arrays: shared, not copied (CPU, CUDA)
