@@ -51,47 +51,77 @@ def cases(rng, dev: str, torch=None):
     small, large = f32(64, 64), f32(2048, 2048)
     a, b = f32(1024, 1024), f32(1024, 1024)
     x = f32(512, 4096)
-    T = (lambda v: torch.from_numpy(v)) if torch else (lambda v: None)
+    tdev = torch_device(torch, dev)
+    T = (lambda v: torch.from_numpy(v)) if tdev else (lambda v: None)  # host tensors: torch copies in, as we do
     ts, tl, ta, tb, tx = T(small), T(large), T(a), T(b), T(x)
-    tch = (lambda f: f) if torch else (lambda f: None)
-    return [
+
+    def tch(f):  # host in, host out on tdev (the llamabind column takes numpy arrays and returns them)
+        if not tdev:
+            return None
+        if tdev == "cpu":
+            return f
+        return lambda: f().cpu()
+
+    def U(t):  # the copy in that a host-in call makes on a GPU
+        return t if tdev == "cpu" else t.to(tdev)
+
+    extra = []
+    if dev != "CPU":  # per-call cost with the data already on the device: DeviceArray vs torch tensors
+        ds = ops.to_device(small, dev)
+        rs = torch.from_numpy(small).to(tdev) if tdev else None
+        extra.append(
+            (
+                "add 64x64 on-device arrays",
+                lambda: ops.add(ds, ds),
+                lambda: np.add(small, small),
+                (lambda: (rs + rs, torch.cuda.synchronize())) if tdev else None,  # ours returns finished work
+                3 * small.nbytes,
+            )
+        )
+    return extra + [
         # name, llamabind call, numpy call, torch call (or None), bytes moved (for GB/s)
         (
             "add 64x64 (per-call overhead)",
             lambda: ops.add(small, small, backend=dev),
             lambda: np.add(small, small),
-            tch(lambda: ts + ts),
+            tch(lambda: U(ts) + U(ts)),
             3 * small.nbytes,
         ),
         (
             "add 2048x2048",
             lambda: ops.add(large, large, backend=dev),
             lambda: np.add(large, large),
-            tch(lambda: tl + tl),
+            tch(lambda: U(tl) + U(tl)),
             3 * large.nbytes,
         ),
         (
             "silu 2048x2048",
             lambda: ops.silu(large, backend=dev),
             lambda: large / (1 + np.exp(-large)),
-            tch(lambda: torch.nn.functional.silu(tl)),
+            tch(lambda: torch.nn.functional.silu(U(tl))),
             2 * large.nbytes,
         ),
         (
             "soft_max 512x4096",
             lambda: ops.soft_max(x, backend=dev),
             lambda: _softmax(x),
-            tch(lambda: tx.softmax(-1)),
+            tch(lambda: U(tx).softmax(-1)),
             2 * x.nbytes,
         ),
         (
             "rms_norm 512x4096",
             lambda: ops.rms_norm(x, backend=dev),
             lambda: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5),
-            tch(lambda: tx * torch.rsqrt((tx * tx).mean(-1, keepdim=True) + 1e-5)),
+            tch(lambda: _rms_torch(torch, U(tx))),
             2 * x.nbytes,
         ),
-        ("mul_mat 1024^3", lambda: ops.mul_mat(a, b, backend=dev), lambda: a @ b, tch(lambda: ta @ tb), 3 * a.nbytes),
+        (
+            "mul_mat 1024^3",
+            lambda: ops.mul_mat(a, b, backend=dev),
+            lambda: a @ b,
+            tch(lambda: U(ta) @ U(tb)),
+            3 * a.nbytes,
+        ),
     ]
 
 
@@ -130,12 +160,7 @@ def chain_f64(x, b):
 def chain_cases(rng, dev: str, torch=None):
     """(name, llamabind numpy round trips, llamabind DeviceArray, torch or None, reference fn) per size;
     each call starts from host arrays and ends with a host array."""
-    tdev = None
-    if torch is not None:
-        if dev.startswith("CUDA") and torch.cuda.is_available():
-            tdev = f"cuda:{int(dev[4:])}"
-        elif dev == "CPU":
-            tdev = "cpu"
+    tdev = torch_device(torch, dev)
     out = []
     for n in (512, 2048):
         x = rng.standard_normal((n, n)).astype(np.float32)
@@ -158,6 +183,21 @@ def chain_cases(rng, dev: str, torch=None):
             )
         )
     return out
+
+
+def torch_device(torch, dev: str) -> str | None:
+    """torch's device for a ggml device name: "cpu", "cuda:N", or None (no torch, or no such device)."""
+    if torch is None:
+        return None
+    if dev == "CPU":
+        return "cpu"
+    if dev.startswith("CUDA") and torch.cuda.is_available():
+        return f"cuda:{int(dev[4:])}"
+    return None
+
+
+def _rms_torch(torch, t):
+    return t * torch.rsqrt((t * t).mean(-1, keepdim=True) + 1e-5)
 
 
 def _softmax(x):

@@ -11,15 +11,16 @@ Shapes are numpy's (at most 4 axes; ggml's ne[0] is numpy's last axis). Every op
 ``g.compute(...)`` runs them as one ggml graph. :func:`grad` and :func:`vjp` use ggml's backward
 graph. Misuse raises ValueError or TypeError before ggml sees it.
 
-Modules, importing downward only: graph (tensors, graphs, devices, the eager cache) <- math, nn,
-shape, conv, quant (the ops) <- autodiff (grad, vjp), check (NMSE) <- this package.
+Modules, importing downward only: array (DeviceArray, DLPack) <- graph (tensors, graphs, devices)
+<- eager (the eager-call cache, to_device) <- math, nn, shape, conv, quant (the ops) <- autodiff
+(grad, vjp), check (NMSE) <- this package.
 """
 
-from .array import DeviceArray, from_dlpack, to_device
+from .array import DeviceArray, from_dlpack
 from .autodiff import grad, vjp
 from .check import check, nmse
 from .conv import conv_1d, conv_2d, conv_transpose_1d, im2col, pool_1d, pool_2d, upscale
-from .eager import clear_cache
+from .eager import clear_cache, to_device
 from .graph import Graph, Tensor, default_backend, devices, graph
 from .math import (
     abs,

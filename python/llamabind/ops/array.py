@@ -1,6 +1,6 @@
 """Arrays that stay in a backend device's memory between op calls, and DLPack in and out.
 
-    x = ops.to_device(np_array, "cuda")         # one copy in
+    x = ops.to_device(np_array, "cuda")         # one copy in (ops.eager.to_device)
     y = ops.silu(ops.mul_mat(w, x))             # DeviceArray in -> DeviceArray out, no copies
     y.numpy()                                   # one copy out
     t = torch.from_dlpack(y)                    # CPU/CUDA: shares the memory
@@ -13,13 +13,18 @@ device. An op and its DeviceArray arguments must be on the same device (ValueErr
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .. import _core
 
-__all__ = ["DeviceArray", "to_device", "from_dlpack"]
+__all__ = ["DeviceArray", "from_dlpack", "OPERATORS"]
+
+# Tensor's and DeviceArray's operators -> the op functions: .math registers add, sub, mul, div,
+# mul_mat, neg (the modules here sit below the op modules and do not import them).
+OPERATORS: dict[str, Callable[..., Any]] = {}
 
 try:
     import ml_dtypes
@@ -105,8 +110,6 @@ class DeviceArray:
 
     # arithmetic sugar, as on ops.Tensor (the op functions are registered by .math)
     def _op(self, name: str, *args: Any):
-        from .graph import OPERATORS
-
         return OPERATORS[name](*args, backend=self.device)
 
     def __add__(self, o: Any):
@@ -126,24 +129,6 @@ class DeviceArray:
 
     def __neg__(self):
         return self._op("neg", self)
-
-
-def to_device(x: Any, backend: str | None = None) -> DeviceArray:
-    """Copy an array to ``backend`` (default: the current default backend; "cuda", "CUDA0",
-    "vulkan", "cpu" ...) and keep it there: a :class:`DeviceArray` (ggml_backend_tensor_set).
-    A DeviceArray already on that device is returned as it is. TypeError for unsupported dtypes,
-    ValueError for an unknown device."""
-    from .graph import as_array, resolve_device
-
-    device = resolve_device(backend)
-    if isinstance(x, DeviceArray):
-        if x.device == device:
-            return x
-        x = x.numpy()
-    arr = np.ascontiguousarray(as_array(x))
-    buf = _core.DeviceBuffer(device, arr.nbytes)
-    buf.upload(arr.reshape(-1).view(np.uint8))
-    return DeviceArray(buf, arr.shape, arr.dtype)
 
 
 def from_dlpack(x: Any) -> DeviceArray:

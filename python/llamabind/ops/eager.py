@@ -24,9 +24,11 @@ from .graph import (
     resolve_device,
 )
 
-__all__ = ["apply", "clear_cache"]
+__all__ = ["apply", "clear_cache", "to_device"]
 
-_cache: dict[tuple, tuple[Executable, list[int] | None, tuple | None]] = {}  # (exe, arg positions, out spec)
+# key -> (executable, positions of the non-None args or None, (run, out shape, out dtype, n_threads) for
+# plain numpy calls or None)
+_cache: dict[tuple, tuple[Executable, list[int] | None, tuple | None]] = {}
 _CACHE_MAX = 512
 
 
@@ -52,8 +54,9 @@ def apply(
             pass  # Python scalars and lists, Tensors, a new signature: the full path below
         else:
             if plain is not None:  # numpy in and out, no index ranges to check
-                out = np.empty(plain[0], plain[1])
-                exe.native_run(args, (out,), (), exe.n_threads)
+                run, shape, dtype, n_threads = plain
+                out = np.empty(shape, dtype)
+                run(args, (out,), (), n_threads)
                 return out
             return exe.run(args if idx is None else [args[i] for i in idx])[0]
     return _apply(builder, args, params, backend)
@@ -85,7 +88,8 @@ def _apply(builder: Callable[..., Tensor], args: Sequence[Any], params: dict[str
             _cache.pop(next(iter(_cache)))
         given = [i for i, a in enumerate(arrays) if a is not None]
         simple = len(given) == len(arrays) and not exe.checks_bounds and all(type(a) is not DeviceArray for a in arrays)
-        hit = _cache[key] = (exe, None if len(given) == len(arrays) else given, exe.out_specs[0] if simple else None)
+        plain = (exe.native_run, *exe.out_specs[0], exe.n_threads)
+        hit = _cache[key] = (exe, None if len(given) == len(arrays) else given, plain if simple else None)
     exe, idx, _ = hit
     return exe.run(arrays if idx is None else [arrays[i] for i in idx])[0]
 
@@ -126,3 +130,19 @@ def clear_cache() -> None:
 
 
 atexit.register(clear_cache)  # free the graphs before the extension is torn down
+
+
+def to_device(x: Any, backend: str | None = None) -> DeviceArray:
+    """Copy an array to ``backend`` (default: the current default backend; "cuda", "CUDA0",
+    "vulkan", "cpu" ...) and keep it there: a :class:`DeviceArray` (ggml_backend_tensor_set).
+    A DeviceArray already on that device is returned as it is. TypeError for unsupported dtypes,
+    ValueError for an unknown device."""
+    device = resolve_device(backend)
+    if isinstance(x, DeviceArray):
+        if x.device == device:
+            return x
+        x = x.numpy()
+    arr = np.ascontiguousarray(as_array(x))
+    buf = _core.DeviceBuffer(device, arr.nbytes)
+    buf.upload(arr.reshape(-1).view(np.uint8))
+    return DeviceArray(buf, arr.shape, arr.dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ import numpy as np
 from .. import _core
 from .._validate import as_float, as_int, expect
 from ..build import devices  # one list for models and ops (RPC devices included)
-from .array import DeviceArray
+from .array import OPERATORS, DeviceArray
 
 __all__ = [
     "Graph",
@@ -189,11 +189,6 @@ class Tensor:
 
     def __neg__(self) -> Tensor:
         return OPERATORS["neg"](self)
-
-
-# Tensor's operators -> the op functions: .math registers add, sub, mul, div, mul_mat, neg (this
-# module sits below the op modules and does not import them).
-OPERATORS: dict[str, Callable[..., Any]] = {}
 
 
 class Blocks:
