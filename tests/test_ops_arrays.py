@@ -170,3 +170,60 @@ def test_device_array_dtypes_round_trip():
     if BF16 is not None:
         b = np.arange(6, dtype=np.float32).astype(BF16)
         np.testing.assert_array_equal(ops.to_device(b, "cpu").numpy(), b)
+
+
+def test_a_lazy_graph_takes_and_gives_device_arrays():
+    x = f32(8, 16)
+    d = ops.to_device(x, "cpu")
+    with ops.graph("cpu") as g:
+        t = g.input(d)
+        y = ops.silu(ops.scale(t, 2.0))
+    r = g.compute(y)
+    assert isinstance(r, ops.DeviceArray)
+    ref = 2.0 * x.astype(np.float64)
+    np.testing.assert_allclose(r.numpy(), ref / (1 + np.exp(-ref)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g.compute(y, feed={t: x}), r.numpy(), rtol=0, atol=0)  # numpy feed: numpy out
+
+
+def test_a_device_array_that_lies_about_its_size_is_refused():
+    d = ops.to_device(f32(4, 4), "cpu")
+    fake = ops.DeviceArray(d._buf, (8, 4), np.float32)  # 128 bytes claimed, 64 held
+    with pytest.raises(ValueError, match="expected 128 bytes, got 64"):
+        ops.add(fake, fake)
+
+
+JUNK = st.one_of(
+    st.none(),
+    st.integers(),
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.lists(st.floats(-1e3, 1e3), max_size=5),
+    st.builds(
+        lambda shape, dt: np.zeros(shape, dt),
+        st.lists(st.integers(0, 3), max_size=5).map(tuple),
+        st.sampled_from([np.float64, np.bool_, np.complex64, np.uint16, np.float32, np.int32]),
+    ),
+)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # huge ints -> float32 inf
+@settings(max_examples=150, deadline=None)
+@given(x=JUNK, backend=st.sampled_from([None, "cpu", "CPU", "cuda:7", "", "nope"]))
+def test_junk_to_the_array_entry_points_raises_cleanly(x, backend):
+    """to_device / from_dlpack / ops on DeviceArrays: TypeError or ValueError, or a right answer."""
+    try:
+        d = ops.to_device(x, backend)
+    except (TypeError, ValueError):
+        pass
+    else:
+        np.testing.assert_array_equal(d.numpy(), np.asarray(x, d.dtype))
+        try:
+            np.testing.assert_array_equal(ops.neg(d).numpy(), -np.asarray(x, d.dtype))
+        except (TypeError, ValueError):
+            pass
+    try:
+        e = ops.from_dlpack(x)
+    except (TypeError, ValueError):
+        pass
+    else:
+        np.testing.assert_array_equal(e.numpy(), x)
