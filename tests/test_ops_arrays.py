@@ -65,6 +65,15 @@ def test_element_wise_at_any_offset_matches_numpy(shape, offset, op):
     np.testing.assert_allclose(getattr(ops, op)(a, b), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(1023, 513), (512, 1024), (3, 5, 7, 11)])
+def test_element_wise_over_threads_is_exact(shape):
+    """Large enough for every core (patch 0022's flat ranges split across threads), sizes that do
+    not divide evenly; float32 add/mul/sub/div are exact against numpy's float32."""
+    a, b = f32(*shape), f32(*shape) + 3.0
+    for op, ref in ((ops.add, np.add), (ops.mul, np.multiply), (ops.sub, np.subtract), (ops.div, np.divide)):
+        np.testing.assert_array_equal(op(a, b), ref(a, b))
+
+
 def test_an_op_that_writes_into_its_input_leaves_the_callers_array_alone():
     dst = f32(6, 8)
     keep = dst.copy()
