@@ -145,11 +145,23 @@ def vulkan_env(sdk, tmp_path_factory) -> dict:
 def test_the_vulkan_build_runs_every_op_like_the_cpu(vulkan_env, tmp_path):
     """tests/test_ops.py with every op on Vulkan0 (lavapipe), each call compared with the CPU by
     NMSE; patch 0021's bf16 product of 8 columns is test_mul_mat_half_types. Ops ggml-vulkan has
-    no kernel for raise TypeError there (skips), which the table records."""
+    no kernel for raise TypeError there (skips), which the table records. Then
+    tests/test_ops_backends.py with Vulkan0 as the GPU: DeviceArrays kept there between ops, and
+    the queued (async) copies of numpy arguments on a device that is not host memory."""
     table = tmp_path / "ops-check.json"
     env = {**vulkan_env, "LLAMABIND_TEST_BACKEND": "vulkan", "LLAMABIND_OPS_CHECK_OUT": str(table)}
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/test_ops.py", "-q", "-p", "no:cacheprovider", "-x"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/test_ops.py",
+            "tests/test_ops_backends.py",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-x",
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -179,25 +179,31 @@ static bool in_place(const Graph & g, const Arg & a) {
     return a.dev || (g.be->host && ((uintptr_t) a.ptr() % 16) == 0);
 }
 
-// host or device memory of `a` <- tensor t (after compute)
-static void copy_out(const ggml_tensor * t, Arg & a) {
+// host or device memory of `a` <- tensor t (after compute). `async`: a GPU/RPC backend whose queue
+// the copy joins (ggml_backend_tensor_get_async); the caller synchronizes it before reading `a`.
+static void copy_out(const ggml_tensor * t, Arg & a, ggml_backend_t async) {
     if (!t->buffer) {  // a view of an input bound to host memory (CPU backend: all memory is host memory)
         std::memcpy(a.ptr(), t->data, a.size());
-    } else if (a.dev) {
+    } else if (a.dev) {  // device to device: after the queued work (the copy runs on its own stream)
+        if (async) ggml_backend_synchronize(async);
         ggml_tensor dst = raw_tensor(a.dev->data, a.dev->size, a.dev->buffer());
         ggml_tensor src = raw_tensor(t->data, ggml_nbytes(t), t->buffer);
         ggml_backend_tensor_copy(&src, &dst);
+    } else if (async) {
+        ggml_backend_tensor_get_async(async, t, a.ptr(), 0, a.size());
     } else {
         ggml_backend_tensor_get(t, a.ptr(), 0, a.size());
     }
 }
 
-static void copy_in(ggml_tensor * t, const Arg & a) {
+static void copy_in(ggml_tensor * t, const Arg & a, ggml_backend_t async) {
     if (!t->buffer && !t->data) return;  // an input no op uses
-    if (a.dev) {
+    if (a.dev) {  // finished when it returns: the compute queued after it sees the bytes
         ggml_tensor src = raw_tensor(a.dev->data, a.dev->size, a.dev->buffer());
         ggml_tensor dst = raw_tensor(t->data, ggml_nbytes(t), t->buffer);
         ggml_backend_tensor_copy(&src, &dst);
+    } else if (async) {
+        ggml_backend_tensor_set_async(async, t, a.ptr(), 0, a.size());
     } else {
         ggml_backend_tensor_set(t, a.ptr(), 0, a.size());
     }
@@ -229,6 +235,9 @@ static void graph_run(Graph & g, nb::sequence inputs, nb::sequence outputs, nb::
         nb::gil_scoped_release release;
         std::lock_guard<std::mutex> lock_graph(g.run_mutex);
         std::lock_guard<std::mutex> lock(g.be->mutex);
+        // GPU/RPC: copies in, the graph and copies out are queued and synchronized once at the end
+        // (three to four synchronizations per call before); the caller's arrays outlive the call
+        ggml_backend_t async = g.be->host ? nullptr : g.be->backend;
         size_t copied = 0;
         for (size_t i = 0; i < ni; ++i) {
             Slot & s = g.ins[i];
@@ -241,7 +250,7 @@ static void graph_run(Graph & g, nb::sequence inputs, nb::sequence outputs, nb::
                 ggml_backend_buffer_t b = scratch(g, s);
                 bind(s, ggml_backend_buffer_get_base(b), b);
             }
-            copy_in(s.t, in[i]);
+            copy_in(s.t, in[i], async);
             copied += in[i].size();
         }
         for (size_t i = 0; i < no; ++i) {
@@ -258,11 +267,11 @@ static void graph_run(Graph & g, nb::sequence inputs, nb::sequence outputs, nb::
             g.be->set_n_threads(g.be->backend, std::min(n_threads > 0 ? n_threads : g.n_threads, g.be->max_threads));
         }
         if (g.gb) ggml_graph_reset(g.gb);  // loss grad = 1, other grads = 0
-        st = ggml_backend_graph_compute(g.be->backend, g.gb ? g.gb : g.gf);
+        st = ggml_backend_graph_compute_async(g.be->backend, g.gb ? g.gb : g.gf);
         if (st == GGML_STATUS_SUCCESS) {
             for (size_t i = 0; i < no; ++i) {
                 if (g.outs[i].external && in_place(g, out[i])) continue;
-                copy_out(g.outs[i].t, out[i]);
+                copy_out(g.outs[i].t, out[i], async);
                 copied += out[i].size();
             }
             for (size_t i = 0; i < ng; ++i) {
@@ -270,10 +279,11 @@ static void graph_run(Graph & g, nb::sequence inputs, nb::sequence outputs, nb::
                 if (it == g.grad_out.end()) {  // the loss does not depend on this input
                     std::memset(gr[i].ptr(), 0, gr[i].size());
                 } else {
-                    copy_out(it->second, gr[i]);
+                    copy_out(it->second, gr[i], async);
                 }
             }
         }
+        ggml_backend_synchronize(g.be->backend);
         g.bytes_copied = copied;
         for (auto * v : { &g.ins, &g.outs }) {  // no pointer into the caller's memory stays behind
             for (Slot & s : *v) {
