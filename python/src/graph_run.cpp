@@ -198,7 +198,7 @@ static void copy_out(const ggml_tensor * t, Arg & a, ggml_backend_t async) {
 
 static void copy_in(ggml_tensor * t, const Arg & a, ggml_backend_t async) {
     if (!t->buffer && !t->data) return;  // an input no op uses
-    if (a.dev) {  // finished when it returns: the compute queued after it sees the bytes
+    if (a.dev) {                         // finished when it returns: the compute queued after it sees the bytes
         ggml_tensor src = raw_tensor(a.dev->data, a.dev->size, a.dev->buffer());
         ggml_tensor dst = raw_tensor(t->data, ggml_nbytes(t), t->buffer);
         ggml_backend_tensor_copy(&src, &dst);
