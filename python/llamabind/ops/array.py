@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import _core
 
-__all__ = ["DeviceArray", "from_dlpack", "OPERATORS"]
+__all__ = ["ArrayOps", "DeviceArray", "from_dlpack", "OPERATORS"]
 
 # Tensor's and DeviceArray's operators -> the op functions: .math registers add, sub, mul, div,
 # mul_mat, neg (the modules here sit below the op modules and do not import them).
@@ -43,7 +43,44 @@ if _BF16 is not None:
 _FROM_DL = {v: k for k, v in _DL.items()}
 
 
-class DeviceArray:
+class ArrayOps:
+    """ndim, size and the arithmetic operators shared by ops.Tensor and DeviceArray: each operator
+    calls the op function registered in OPERATORS (``_op`` adds the arguments' device)."""
+
+    __slots__ = ()
+    shape: tuple[int, ...]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def _op(self, name: str, *args: Any) -> Any:
+        return OPERATORS[name](*args)
+
+    def __add__(self, o: Any) -> Any:
+        return self._op("add", self, o)
+
+    def __sub__(self, o: Any) -> Any:
+        return self._op("sub", self, o)
+
+    def __mul__(self, o: Any) -> Any:
+        return self._op("mul", self, o)
+
+    def __truediv__(self, o: Any) -> Any:
+        return self._op("div", self, o)
+
+    def __matmul__(self, o: Any) -> Any:
+        return self._op("mul_mat", self, o)
+
+    def __neg__(self) -> Any:
+        return self._op("neg", self)
+
+
+class DeviceArray(ArrayOps):
     """An array in the memory of a ggml backend device (CUDA0, Vulkan0, CPU, RPC[...]).
 
     shape: numpy order, dtype: a numpy dtype (float32, float16, bfloat16, int8..int64), device:
@@ -66,14 +103,6 @@ class DeviceArray:
     @property
     def device(self) -> str:
         return self._buf.device
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -108,27 +137,8 @@ class DeviceArray:
         name = "bfloat16" if self.dtype == _BF16 else self.dtype.name
         return f"<ops.DeviceArray {self.shape} {name} on {self.device}>"
 
-    # arithmetic sugar, as on ops.Tensor (the op functions are registered by .math)
     def _op(self, name: str, *args: Any):
         return OPERATORS[name](*args, backend=self.device)
-
-    def __add__(self, o: Any):
-        return self._op("add", self, o)
-
-    def __sub__(self, o: Any):
-        return self._op("sub", self, o)
-
-    def __mul__(self, o: Any):
-        return self._op("mul", self, o)
-
-    def __truediv__(self, o: Any):
-        return self._op("div", self, o)
-
-    def __matmul__(self, o: Any):
-        return self._op("mul_mat", self, o)
-
-    def __neg__(self):
-        return self._op("neg", self)
 
 
 def from_dlpack(x: Any) -> DeviceArray:

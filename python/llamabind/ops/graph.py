@@ -20,7 +20,7 @@ import numpy as np
 from .. import _core
 from .._validate import as_float, as_int, expect
 from ..build import devices  # one list for models and ops (RPC devices included)
-from .array import OPERATORS, DeviceArray
+from .array import OPERATORS, ArrayOps, DeviceArray
 
 __all__ = [
     "Graph",
@@ -151,8 +151,9 @@ def shape_to_ne(shape: tuple[int, ...]) -> list[int]:
     return ne + [1] * (MAX_DIMS - len(ne))
 
 
-class Tensor:
-    """A node of a :class:`Graph`: the lazy result of an op. Shape in numpy order."""
+class Tensor(ArrayOps):
+    """A node of a :class:`Graph`: the lazy result of an op. Shape in numpy order; the operators
+    + - * / @ and unary - apply the ops (:class:`ArrayOps`)."""
 
     __slots__ = ("graph", "id", "shape", "dtype", "contiguous", "bound")
 
@@ -160,35 +161,8 @@ class Tensor:
         self.graph, self.id, self.shape, self.dtype, self.contiguous = graph, id, shape, dtype, contiguous
         self.bound: int | None = None  # int tensors: all values are known to lie in [0, bound)
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
     def __repr__(self) -> str:
         return f"<ops.Tensor #{self.id} {self.shape} {dtype_name(self.dtype)} on {self.graph.device}>"
-
-    # arithmetic sugar for notebooks: the ops of OPERATORS (filled in by .math)
-    def __add__(self, o: Any) -> Tensor:
-        return OPERATORS["add"](self, o)
-
-    def __sub__(self, o: Any) -> Tensor:
-        return OPERATORS["sub"](self, o)
-
-    def __mul__(self, o: Any) -> Tensor:
-        return OPERATORS["mul"](self, o)
-
-    def __truediv__(self, o: Any) -> Tensor:
-        return OPERATORS["div"](self, o)
-
-    def __matmul__(self, o: Any) -> Tensor:
-        return OPERATORS["mul_mat"](self, o)
-
-    def __neg__(self) -> Tensor:
-        return OPERATORS["neg"](self)
 
 
 class Blocks:
