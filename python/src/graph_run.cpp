@@ -125,7 +125,8 @@ struct Args {
     Arg & operator[](size_t i) { return p[i]; }
 };
 
-static void take_arg(Arg & a, nb::handle h, const Graph & g, bool writable, const char * what, size_t i) {
+static void take_arg(Arg & a, nb::handle h, const Graph & g, bool writable, const char * what, size_t i,
+                     bool unwrap = true) {
     if (nb::isinstance<DeviceBuffer>(h)) {
         a.dev = nb::inst_ptr<DeviceBuffer>(h);
         if (a.dev->be != g.be) {
@@ -141,10 +142,10 @@ static void take_arg(Arg & a, nb::handle h, const Graph & g, bool writable, cons
         return;
     }
     PyErr_Clear();
-    for (const char * attr : { "_buf", "_lb_bytes" }) {  // llamabind.ops.DeviceArray, Blocks
-        if (nb::hasattr(h, attr)) {
+    for (const char * attr : { "_buf", "_lb_bytes" }) {  // llamabind.ops.DeviceArray, Blocks (one level)
+        if (unwrap && nb::hasattr(h, attr)) {
             nb::object inner = h.attr(attr);
-            take_arg(a, inner, g, writable, what, i);
+            take_arg(a, inner, g, writable, what, i, false);
             if (!a.owner.is_valid()) a.owner = inner;
             return;
         }
