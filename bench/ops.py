@@ -122,6 +122,35 @@ def cases(rng, dev: str, torch=None):
             tch(lambda: U(ta) @ U(tb)),
             3 * a.nbytes,
         ),
+        # small shapes: the per-call cost of each kind of op
+        (
+            "silu 64x64",
+            lambda: ops.silu(small, backend=dev),
+            lambda: small / (1 + np.exp(-small)),
+            tch(lambda: torch.nn.functional.silu(U(ts))),
+            2 * small.nbytes,
+        ),
+        (
+            "soft_max 64x64",
+            lambda: ops.soft_max(small, backend=dev),
+            lambda: _softmax(small),
+            tch(lambda: U(ts).softmax(-1)),
+            2 * small.nbytes,
+        ),
+        (
+            "rms_norm 64x64",
+            lambda: ops.rms_norm(small, backend=dev),
+            lambda: small / np.sqrt((small * small).mean(-1, keepdims=True) + 1e-5),
+            tch(lambda: _rms_torch(torch, U(ts))),
+            2 * small.nbytes,
+        ),
+        (
+            "mul_mat 64^3",
+            lambda: ops.mul_mat(small, small, backend=dev),
+            lambda: small @ small,
+            tch(lambda: U(ts) @ U(ts)),
+            3 * small.nbytes,
+        ),
     ]
 
 
