@@ -65,6 +65,18 @@ def cases(rng, dev: str, torch=None):
     def U(t):  # the copy in that a host-in call makes on a GPU
         return t if tdev == "cpu" else t.to(tdev)
 
+    def unary(v, tv, names):  # (name, llamabind, numpy, torch, bytes) rows of one-input ops on v
+        fns = {
+            "silu": (ops.silu, lambda: v / (1 + np.exp(-v)), lambda: torch.nn.functional.silu(U(tv))),
+            "soft_max": (ops.soft_max, lambda: _softmax(v), lambda: U(tv).softmax(-1)),
+            "rms_norm": (ops.rms_norm, lambda: _rms_numpy(v), lambda: _rms_torch(torch, U(tv))),
+        }
+        shape = "x".join(map(str, v.shape))
+        return [
+            (f"{n} {shape}", lambda op=fns[n][0]: op(v, backend=dev), fns[n][1], tch(fns[n][2]), 2 * v.nbytes)
+            for n in names
+        ]
+
     extra = []
     if dev != "CPU":  # per-call cost with the data already on the device: DeviceArray vs torch tensors
         ds = ops.to_device(small, dev)
@@ -94,27 +106,8 @@ def cases(rng, dev: str, torch=None):
             tch(lambda: U(tl) + U(tl)),
             3 * large.nbytes,
         ),
-        (
-            "silu 2048x2048",
-            lambda: ops.silu(large, backend=dev),
-            lambda: large / (1 + np.exp(-large)),
-            tch(lambda: torch.nn.functional.silu(U(tl))),
-            2 * large.nbytes,
-        ),
-        (
-            "soft_max 512x4096",
-            lambda: ops.soft_max(x, backend=dev),
-            lambda: _softmax(x),
-            tch(lambda: U(tx).softmax(-1)),
-            2 * x.nbytes,
-        ),
-        (
-            "rms_norm 512x4096",
-            lambda: ops.rms_norm(x, backend=dev),
-            lambda: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5),
-            tch(lambda: _rms_torch(torch, U(tx))),
-            2 * x.nbytes,
-        ),
+        *unary(large, tl, ("silu",)),
+        *unary(x, tx, ("soft_max", "rms_norm")),
         (
             "mul_mat 1024^3",
             lambda: ops.mul_mat(a, b, backend=dev),
@@ -122,28 +115,7 @@ def cases(rng, dev: str, torch=None):
             tch(lambda: U(ta) @ U(tb)),
             3 * a.nbytes,
         ),
-        # small shapes: the per-call cost of each kind of op
-        (
-            "silu 64x64",
-            lambda: ops.silu(small, backend=dev),
-            lambda: small / (1 + np.exp(-small)),
-            tch(lambda: torch.nn.functional.silu(U(ts))),
-            2 * small.nbytes,
-        ),
-        (
-            "soft_max 64x64",
-            lambda: ops.soft_max(small, backend=dev),
-            lambda: _softmax(small),
-            tch(lambda: U(ts).softmax(-1)),
-            2 * small.nbytes,
-        ),
-        (
-            "rms_norm 64x64",
-            lambda: ops.rms_norm(small, backend=dev),
-            lambda: small / np.sqrt((small * small).mean(-1, keepdims=True) + 1e-5),
-            tch(lambda: _rms_torch(torch, U(ts))),
-            2 * small.nbytes,
-        ),
+        *unary(small, ts, ("silu", "soft_max", "rms_norm")),  # small shapes: the per-call cost of each op
         (
             "mul_mat 64^3",
             lambda: ops.mul_mat(small, small, backend=dev),
@@ -223,6 +195,10 @@ def torch_device(torch, dev: str) -> str | None:
     if dev.startswith("CUDA") and torch.cuda.is_available():
         return f"cuda:{int(dev[4:])}"
     return None
+
+
+def _rms_numpy(v):
+    return v / np.sqrt((v * v).mean(-1, keepdims=True) + 1e-5)
 
 
 def _rms_torch(torch, t):

@@ -96,6 +96,13 @@ static ggml_tensor raw_tensor(void * data, size_t n, ggml_backend_buffer_t buf) 
     return t;
 }
 
+// n bytes from one place in a device buffer to another (ggml_backend_tensor_copy; synchronous)
+static void copy_bytes(void * dst, ggml_backend_buffer_t dst_buf, void * src, ggml_backend_buffer_t src_buf, size_t n) {
+    ggml_tensor s = raw_tensor(src, n, src_buf);
+    ggml_tensor d = raw_tensor(dst, n, dst_buf);
+    ggml_backend_tensor_copy(&s, &d);
+}
+
 // What the caller gave for one slot: host bytes (a buffer-protocol object) or a DeviceBuffer.
 struct Arg {
     DeviceBuffer * dev = nullptr;
@@ -187,9 +194,7 @@ static void copy_out(const ggml_tensor * t, Arg & a, ggml_backend_t async) {
         std::memcpy(a.ptr(), t->data, a.size());
     } else if (a.dev) {  // device to device: after the queued work (the copy runs on its own stream)
         if (async) ggml_backend_synchronize(async);
-        ggml_tensor dst = raw_tensor(a.dev->data, a.dev->size, a.dev->buffer());
-        ggml_tensor src = raw_tensor(t->data, ggml_nbytes(t), t->buffer);
-        ggml_backend_tensor_copy(&src, &dst);
+        copy_bytes(a.dev->data, a.dev->buffer(), t->data, t->buffer, a.size());
     } else if (async) {
         ggml_backend_tensor_get_async(async, t, a.ptr(), 0, a.size());
     } else {
@@ -200,9 +205,7 @@ static void copy_out(const ggml_tensor * t, Arg & a, ggml_backend_t async) {
 static void copy_in(ggml_tensor * t, const Arg & a, ggml_backend_t async) {
     if (!t->buffer && !t->data) return;  // an input no op uses
     if (a.dev) {                         // finished when it returns: the compute queued after it sees the bytes
-        ggml_tensor src = raw_tensor(a.dev->data, a.dev->size, a.dev->buffer());
-        ggml_tensor dst = raw_tensor(t->data, ggml_nbytes(t), t->buffer);
-        ggml_backend_tensor_copy(&src, &dst);
+        copy_bytes(t->data, t->buffer, a.dev->data, a.dev->buffer(), a.size());
     } else if (async) {
         ggml_backend_tensor_set_async(async, t, a.ptr(), 0, a.size());
     } else {

@@ -26,20 +26,27 @@ __all__ = ["ArrayOps", "DeviceArray", "from_dlpack", "OPERATORS"]
 # mul_mat, neg (the modules here sit below the op modules and do not import them).
 OPERATORS: dict[str, Callable[..., Any]] = {}
 
-try:
+try:  # bfloat16 for numpy (graph.py and the op modules take it from here)
     import ml_dtypes
 
-    _BF16 = np.dtype(ml_dtypes.bfloat16)
+    bfloat16 = np.dtype(ml_dtypes.bfloat16)
 except ImportError:  # pragma: no cover - ml_dtypes is optional
-    _BF16 = None
+    ml_dtypes = None  # type: ignore[assignment]
+    bfloat16 = None
+
+
+def dtype_name(dtype) -> str:
+    """numpy's name of a dtype, "bfloat16" for ml_dtypes' (whose numpy name is not that)."""
+    return "bfloat16" if bfloat16 is not None and np.dtype(dtype) == bfloat16 else np.dtype(dtype).name
+
 
 # numpy dtype <-> DLPack (type code, bits): kDLInt 0, kDLFloat 2, kDLBfloat 4
 _DL: dict[np.dtype, tuple[int, int]] = {
     np.dtype(t): (0, np.dtype(t).itemsize * 8) for t in (np.int8, np.int16, np.int32, np.int64)
 }
 _DL.update({np.dtype(np.float16): (2, 16), np.dtype(np.float32): (2, 32)})
-if _BF16 is not None:
-    _DL[_BF16] = (4, 16)
+if bfloat16 is not None:
+    _DL[bfloat16] = (4, 16)
 _FROM_DL = {v: k for k, v in _DL.items()}
 
 
@@ -109,12 +116,14 @@ class DeviceArray(ArrayOps):
         return self._buf.nbytes
 
     def numpy(self) -> np.ndarray:
-        """A host copy (numpy array of the same shape and dtype)."""
+        """A host copy: a numpy array of the same shape and dtype (ggml_backend_tensor_get)."""
         out = np.empty(self.shape, self.dtype)
         self._buf.download(out.reshape(-1).view(np.uint8))
         return out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if copy is False:
+            raise ValueError("a DeviceArray reaches numpy as a copy; use np.from_dlpack for shared memory")
         a = self.numpy()
         return a if dtype is None else a.astype(dtype, copy=False)
 
@@ -134,8 +143,7 @@ class DeviceArray(ArrayOps):
         return self.shape[0]
 
     def __repr__(self) -> str:
-        name = "bfloat16" if self.dtype == _BF16 else self.dtype.name
-        return f"<ops.DeviceArray {self.shape} {name} on {self.device}>"
+        return f"<ops.DeviceArray {self.shape} {dtype_name(self.dtype)} on {self.device}>"
 
     def _op(self, name: str, *args: Any):
         return OPERATORS[name](*args, backend=self.device)

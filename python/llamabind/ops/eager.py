@@ -37,18 +37,18 @@ def apply(
     args: Sequence[Any],
     params: dict[str, Any],
     backend: str | None,
-    name: str | None = None,
 ):
     """Run ``builder(g, *tensors, **params)``: symbolically if any arg is a Tensor or a graph is
     active, else eagerly (cached per argument types, shapes, dtypes, params and device)."""
     if _current_graph.get() is None:  # the eager fast path: a cache hit skips every Python check
         try:  # (a hit means this builder validated these types, shapes, dtypes and params)
-            key = (
-                builder,
-                _resolved[_default_backend.get() if backend is None else backend],
-                tuple(params.items()) if params else (),
-                _signature(args),
-            )
+            if backend is not None:
+                device = _resolved[backend]
+            elif args and type(args[0]) is DeviceArray:  # an op runs on its DeviceArray arguments' device
+                device = args[0].device
+            else:
+                device = _resolved[_default_backend.get()]
+            key = (builder, device, tuple(params.items()) if params else (), _signature(args))
             exe, idx, plain = _cache[key]
         except (AttributeError, KeyError, TypeError):
             pass  # Python scalars and lists, Tensors, a new signature: the full path below
@@ -87,9 +87,10 @@ def _apply(builder: Callable[..., Tensor], args: Sequence[Any], params: dict[str
         if len(_cache) >= _CACHE_MAX:
             _cache.pop(next(iter(_cache)))
         given = [i for i, a in enumerate(arrays) if a is not None]
-        simple = len(given) == len(arrays) and not exe.checks_bounds and all(type(a) is not DeviceArray for a in arrays)
-        plain = (exe.native_run, *exe.out_specs[0], exe.n_threads)
-        hit = _cache[key] = (exe, None if len(given) == len(arrays) else given, plain if simple else None)
+        idx = None if len(given) == len(arrays) else given
+        numpy_only = idx is None and not exe.checks_bounds and DeviceArray not in map(type, arrays)
+        plain = (exe.native_run, *exe.out_specs[0], exe.n_threads) if numpy_only else None
+        hit = _cache[key] = (exe, idx, plain)
     exe, idx, _ = hit
     return exe.run(arrays if idx is None else [arrays[i] for i in idx])[0]
 
@@ -116,7 +117,7 @@ def _eager_arg(a: Any) -> Any:
     return as_array(a)
 
 
-def _placeholder(g: Graph, a: np.ndarray | Blocks) -> Tensor:
+def _placeholder(g: Graph, a: np.ndarray | Blocks | DeviceArray) -> Tensor:
     if isinstance(a, Blocks):
         return g.input(shape=a.shape, ggml_type=a.dtype)
     return g.input(shape=a.shape, dtype=a.dtype)

@@ -20,7 +20,7 @@ import numpy as np
 from .. import _core
 from .._validate import as_float, as_int, expect
 from ..build import devices  # one list for models and ops (RPC devices included)
-from .array import OPERATORS, ArrayOps, DeviceArray
+from .array import OPERATORS, ArrayOps, DeviceArray, bfloat16, dtype_name
 
 __all__ = [
     "Graph",
@@ -36,14 +36,6 @@ __all__ = [
     "expect",
     "OPERATORS",
 ]
-
-try:  # bfloat16 for numpy
-    import ml_dtypes
-
-    bfloat16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is optional
-    ml_dtypes = None  # type: ignore[assignment]
-    bfloat16 = None
 
 _TYPES = _core.ggml_types()  # name -> (id, block size, bytes per block, quantized)
 _ID2NAME: dict[int, str] = {v[0]: k for k, v in _TYPES.items()}
@@ -71,10 +63,6 @@ MAX_DIMS = 4
 
 def type_id(dtype: np.dtype) -> int:
     return _TYPES[_NP2GGML[np.dtype(dtype)]][0]
-
-
-def dtype_name(dtype) -> str:
-    return "bfloat16" if bfloat16 is not None and np.dtype(dtype) == bfloat16 else np.dtype(dtype).name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,12 +212,13 @@ class Graph:
     def input(
         self, value: Any = None, *, shape: Sequence[int] | None = None, dtype: Any = None, ggml_type: str | None = None
     ) -> Tensor:
-        """A graph input: bound to ``value`` (an array, or :class:`Blocks` of quantized rows), or a
+        """A graph input: bound to ``value`` (an array, a :class:`DeviceArray` on the graph's device,
+        or :class:`Blocks` of quantized rows), or a
         placeholder of ``shape`` (numpy order) with a numpy ``dtype`` or a ggml type name
         ``ggml_type`` (e.g. "q4_0": the tensor has that type and takes raw blocks, its Tensor
         dtype is uint8). Wraps ggml_new_tensor. TypeError for a missing shape/dtype or an
-        unsupported dtype, ValueError for a bad shape, an unknown ggml type or a row length that
-        is not a whole number of blocks."""
+        unsupported dtype, ValueError for a bad shape, an unknown ggml type, a row length that
+        is not a whole number of blocks, or a DeviceArray on another device."""
         arr: Any = None
         if isinstance(value, Blocks):
             shape, ggml_type, arr = value.shape, value.dtype, value.data
@@ -320,7 +309,11 @@ class Graph:
 
     # running
     def compute(self, *outputs: Tensor, feed: dict[Tensor, Any] | None = None, n_threads: int | None = None):
-        """Values of ``outputs`` as numpy arrays (one array if one output)."""
+        """Values of ``outputs`` (one array if one output): numpy arrays of the outputs' shapes and
+        dtypes, or DeviceArrays on the graph's device when an input is bound to a DeviceArray.
+        ``feed``: new values for inputs (same shape and dtype; ValueError otherwise). Runs the
+        graph with ggml_backend_graph_compute; CPU: ``n_threads`` (None: 1 for small graphs, else
+        every core)."""
         if not outputs:
             raise TypeError("compute() needs at least one output tensor")
         for t in outputs:
@@ -399,12 +392,9 @@ class Executable:
             bufs = [o._buf for o in outs]
         else:
             outs = bufs = [np.empty(s, d) for s, d in self.out_specs]
-        if grads:
-            gs = [np.empty(p.shape, p.dtype) for p in self.params]
-            self.native_run(arrays, bufs, gs, self.n_threads if n_threads is None else n_threads)
-            return outs + gs
-        self.native_run(arrays, bufs, (), self.n_threads if n_threads is None else n_threads)
-        return outs
+        gs = [np.empty(p.shape, p.dtype) for p in self.params] if grads else []
+        self.native_run(arrays, bufs, gs, self.n_threads if n_threads is None else n_threads)
+        return outs + gs
 
     def _check_bounds(self, arrays: Sequence[Any]) -> None:
         pos = {t.id: i for i, t in enumerate(self.inputs)}
