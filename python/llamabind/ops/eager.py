@@ -135,9 +135,12 @@ atexit.register(clear_cache)  # free the graphs before the extension is torn dow
 
 def to_device(x: Any, backend: str | None = None) -> DeviceArray:
     """Copy an array to ``backend`` (default: the current default backend; "cuda", "CUDA0",
-    "vulkan", "cpu" ...) and keep it there: a :class:`DeviceArray` (ggml_backend_tensor_set).
-    A DeviceArray already on that device is returned as it is. TypeError for unsupported dtypes,
-    ValueError for an unknown device."""
+    "vulkan", "cpu" ...) and keep it there: a :class:`DeviceArray` of the same shape (numpy
+    order, at most 4 axes) and dtype (float32, float16, bfloat16, int8/16/32/64; Python floats and
+    lists become float32), copied with ggml_backend_tensor_set. A DeviceArray already on that
+    device is returned as it is; one on another device goes through the host. TypeError for
+    unsupported dtypes, ValueError for a bad shape or an unknown device, LlamaError when the
+    device has no room."""
     device = resolve_device(backend)
     if isinstance(x, DeviceArray):
         if x.device == device:
