@@ -1,23 +1,27 @@
 #!/usr/bin/env python3
-"""Fine-tuning throughput and peak memory: llamabind (full and LoRA), upstream's llama-finetune built
-from the same tree, and PyTorch on the CPU (transformers' LlamaForCausalLM from the same F32 GGUF), in
-one run, on the same windows of the same text.
+"""Fine-tuning throughput and peak memory: llamabind (full, LoRA over F32, QLoRA over the quantized
+GGUF, at batch 1 and --batch B), upstream's llama-finetune from the same tree, and PyTorch
+(transformers' LlamaForCausalLM from the same F32 GGUF; f32, tf32 and bf16 autocast; full and
+peft LoRA) on the CPU or the GPU, in one run, on the same windows of the same text.
 
-    python bench/train.py [--threads 2] [--ctx 256] [--chars 12000] [-ngl 0] [--torch PYTHON]
-                          [--runners full,lora,qlora]
+    python bench/train.py [--threads 2] [--ctx 256] [--chars 12000] [-ngl 0] [--batch 4]
+        [--model smollm2-135m-instruct | --size 1b] [--runners full,lora,qlora,finetune]
+        [--torch PYTHON] [--torch-device cpu|cuda] [--torch-runs f32,tf32,bf16,lora]
+        [--steps N] [--out FILE.json]
 
-The data is the pinned tree's docs/build.md (its first --chars characters; repeated to reach a
-larger --chars: on a GPU llama-finetune's epoch must last long enough for its whole-second
-timings), cut as upstream's
-common_opt_dataset_init does: windows of ctx + 1 tokens every ctx / 2, the last 10% held out for
-validation; one AdamW step (lr 1e-5) per window, in order, 1 epoch. Every runner is its own process, so its
-peak RSS (ru_maxrss; llama-finetune runs first, as this process's first child) is its own. Tokens/s counts the training
-tokens (ctx per window) over the time of the epoch: its training and validation windows, as
-llama-finetune's progress bars time them (whole seconds there); "train tok/s" counts the training
-steps only (llamabind's and PyTorch's).
---torch: a python with torch + transformers + accelerate (tests/embed/requirements.txt: the side
-venv the tests build); without it the PyTorch row is left out. Prints a table and writes
-bench/results/train-<host>-<date>.json.
+Data: the pinned tree's docs/build.md (its first --chars characters, repeated for more), cut as
+upstream's common_opt_dataset_init does: windows of ctx + 1 tokens every ctx / 2, the last 10% held
+out. Full fine-tunes take AdamW lr 1e-5, LoRA r8 (attn_q, attn_v; alpha 16) lr 1e-4, windows in
+order. The model: the default SmolLM2-135M (Q4_1, token_embd Q8_0, tied output: its QLoRA base as
+shipped; the F32 copy for full and LoRA) or, with --size, a random-weight llama of that shape
+(bench/make_model.py: Q4_0 for QLoRA, its F32 copy for the rest).
+
+Every runner is its own process. "train tok/s" counts the training tokens of the optimizer steps
+after the first (its graph allocation and warm-up left out) over their time; --steps steps per
+runner (default: one pass over the train windows; the JSON keeps every step's time). Peak memory: RSS (ru_maxrss) and, on a GPU, the process's GPU memory
+as nvidia-smi reports it (the CUDA context included, for every runner alike), sampled every 0.2 s.
+llama-finetune's row (full fine-tune, its whole-second timings: give it a long text on a GPU) is
+the native reference. Prints a table and writes bench/results/train-<host>-<date>.json (--out).
 """
 
 from __future__ import annotations
@@ -28,16 +32,18 @@ import json
 import platform
 import re
 import resource
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-LR = 1e-5
+LR_FULL, LR_LORA, RANK = 1e-5, 1e-4, 8
 
 
 def worker_llamabind(args) -> dict:
@@ -46,22 +52,32 @@ def worker_llamabind(args) -> dict:
 
     text = Path(args.data).read_text(encoding="utf-8")
     lora = args.mode == "lora"
+    times: list[float] = []
     kw = dict(n_threads=args.threads, n_gpu_layers=args.ngl, repack=False)
-    t0 = time.perf_counter()
     with llamabind.Model(args.model, use_mmap=lora, **kw) as m:
-        t_load = time.perf_counter() - t0
         r = train.finetune(
-            m, text, ctx_size=args.ctx, lr=LR if not lora else 1e-4, val_split=0.1, progress=False,
-            n_threads=args.threads, lora_rank=8 if lora else None, shuffle=False,
+            m, text, ctx_size=args.ctx, lr=LR_LORA if lora else LR_FULL, val_split=0.1, progress=False,
+            n_threads=args.threads, lora_rank=RANK if lora else None, shuffle=False, batch_size=args.batch,
+            iters=args.steps, on_step=lambda step, loss: times.append(time.perf_counter()),
         )  # fmt: skip
-    e = r.epochs[0]
-    wall = time.perf_counter() - t0 - t_load
+    e = r.epochs[-1]
+    tok_per_step = args.batch * args.ctx
     return dict(
-        steps=r.steps, tokens=r.steps * args.ctx, seconds=e.seconds + e.val_seconds, wall_with_setup=wall,
-        train_tok_s=e.tokens_per_s,
+        steps=r.steps, batch=args.batch, train_tok_s=_steady(times, tok_per_step), step_times=_diffs(times),
         val_loss_before=r.val_loss_before, val_loss=e.val_loss, train_loss=e.train_loss,
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )  # fmt: skip
+
+
+def _diffs(times: list[float]) -> list[float]:
+    return [round(b - a, 5) for a, b in zip(times, times[1:])]
+
+
+def _steady(times: list[float], tok_per_step: int) -> float:
+    """Tokens/s over the steps after the first (times: the end of each step)."""
+    if len(times) < 2:
+        return float("nan")
+    return (len(times) - 1) * tok_per_step / (times[-1] - times[0])
 
 
 TORCH_WORKER = r"""
@@ -71,54 +87,91 @@ from transformers import AutoModelForCausalLM
 from pathlib import Path
 cfg = json.loads(sys.argv[1])
 torch.set_num_threads(cfg["threads"])
+dev = torch.device(cfg["device"])
+prec = cfg["precision"]
+torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
+torch.backends.cudnn.allow_tf32 = prec == "tf32"
 p = Path(cfg["model"])
-m = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).train()
+m = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).to(dev).train()
 m.model.embed_tokens.weight.requires_grad_(False)  # as llama.cpp: token_embd is not trained
+if cfg["lora"]:
+    from peft import LoraConfig, get_peft_model
+    m = get_peft_model(m, LoraConfig(r=cfg["rank"], lora_alpha=2 * cfg["rank"], lora_dropout=0.0,
+                                     target_modules=["q_proj", "v_proj"]))
 opt = torch.optim.AdamW([q for q in m.parameters() if q.requires_grad], lr=cfg["lr"], weight_decay=0.0)
-wins = torch.tensor(cfg["windows"])
-n_train = cfg["n_train"]
-t0 = time.perf_counter()
-losses = []
-for w in wins[:n_train]:
-    opt.zero_grad()
-    loss = F.cross_entropy(m(w[None, :-1]).logits[0], w[1:])
+wins = torch.tensor(cfg["windows"], device=dev)
+B, n_train, steps = cfg["batch"], cfg["n_train"], cfg["steps"]
+times, losses = [], []
+for s in range(steps):
+    idx = [(s * B + j) % n_train for j in range(B)]
+    w = wins[idx]
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=prec == "bf16"):
+        logits = m(w[:, :-1]).logits
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
     loss.backward()
     opt.step()
-    losses.append(loss.item())
-t_train = time.perf_counter() - t0
+    losses.append(loss.item())  # synchronizes
+    times.append(time.perf_counter())
 with torch.no_grad():
-    val = [F.cross_entropy(m(w[None, :-1]).logits[0], w[1:]).item() for w in wins[n_train:]]
-wall = time.perf_counter() - t0
-print(json.dumps(dict(steps=n_train, tokens=n_train * (wins.shape[1] - 1), seconds=wall,
-      train_tok_s=n_train * (wins.shape[1] - 1) / t_train, train_loss=sum(losses) / len(losses),
-      val_loss=sum(val) / max(1, len(val)),
+    val = [F.cross_entropy(m(w[None, :-1]).logits[0].float(), w[1:]).item() for w in wins[n_train:]]
+T = wins.shape[1] - 1
+tps = (len(times) - 1) * B * T / (times[-1] - times[0]) if len(times) > 1 else float("nan")
+print(json.dumps(dict(steps=steps, batch=B, train_tok_s=tps, train_loss=sum(losses) / len(losses),
+      val_loss=sum(val) / max(1, len(val)), step_times=[round(b - a, 5) for a, b in zip(times, times[1:])],
+      peak_alloc_mb=torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else None,
       peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
 """
+
+
+class GpuPeak:
+    """The largest GPU memory nvidia-smi reports for a process, sampled every 0.2 s."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.peak_mb = proc, None
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        if shutil.which("nvidia-smi"):
+            self.thread.start()
+
+    def _poll(self) -> None:
+        q = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+        while self.proc.poll() is None:
+            try:
+                out = subprocess.run(q, capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.SubprocessError):
+                return
+            for line in out.splitlines():
+                pid, _, mb = line.partition(",")
+                if pid.strip() == str(self.proc.pid) and mb.strip().isdigit():
+                    self.peak_mb = max(self.peak_mb or 0, int(mb))
+            time.sleep(0.2)
+
+
+def run_process(cmd: list[str], timeout: float = 3600) -> tuple[str, str, float | None]:
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    gpu = GpuPeak(p)
+    out, err = p.communicate(timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{cmd[:3]} failed:\n{err[-3000:]}")
+    return out, err, gpu.peak_mb
 
 
 def run_llama_finetune(exe: Path, model: Path, data: Path, args, out: Path) -> dict:
     cmd = [
         str(exe), "-m", str(model), "-f", str(data), "-c", str(args.ctx),
         "-b", str(args.ctx), "-ub", str(args.ctx), "-t", str(args.threads), "-ngl", str(args.ngl),
-        "-lr", str(LR), "-val-split", "0.1", "-epochs", "1", "-o", str(out),
+        "-lr", str(LR_FULL), "-val-split", "0.1", "-epochs", "1", "-o", str(out),
     ]  # fmt: skip
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise RuntimeError(f"llama-finetune failed:\n{p.stderr[-3000:]}")
-    # the epoch: from llama_opt_epoch's progress bars (train: ... data=N/M loss=...; val: ...)
-    train = re.findall(r"train: \[.*?data=(\d+)/(\d+) loss=([\d.]+).*?t=(\d+):(\d+):(\d+)", p.stderr)
-    val = re.findall(r"val:   \[.*?data=(\d+)/(\d+) loss=([\d.]+).*?t=(\d+):(\d+):(\d+)", p.stderr)
-    n_win = int(train[-1][0]) if train else 0  # data= counts windows (one ubatch of ctx tokens each)
-    n_tok = n_win * args.ctx
-    secs = lambda m: int(m[3]) * 3600 + int(m[4]) * 60 + int(m[5])  # noqa: E731
-    epoch_s = (secs(train[-1]) if train else 0) + (secs(val[-1]) if val else 0)
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the first child of this process
+    _, err, gpu_mb = run_process(cmd)
+    # the epoch's training part, from llama_opt_epoch's progress bar (train: ... data=N/M loss=... t=H:M:S)
+    train = re.findall(r"train: \[.*?data=(\d+)/(\d+) loss=([\d.]+).*?t=(\d+):(\d+):(\d+)", err)
+    val = re.findall(r"val:   \[.*?data=(\d+)/(\d+) loss=([\d.]+)", err)
+    n_win = int(train[-1][0]) if train else 0
+    secs = int(train[-1][3]) * 3600 + int(train[-1][4]) * 60 + int(train[-1][5]) if train else 0
     return dict(
-        steps=n_win, tokens=n_tok, seconds=epoch_s or wall, wall_with_load=wall,
+        steps=n_win, batch=1, train_tok_s=n_win * args.ctx / secs if secs else float("nan"),
         train_loss=float(train[-1][2]) if train else None, val_loss=float(val[-1][2]) if val else None,
-        peak_rss_mb=rss,
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, peak_gpu_mb=gpu_mb,
     )  # fmt: skip
 
 
@@ -128,12 +181,16 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chars", type=int, default=12000)
     ap.add_argument("-ngl", type=int, default=0)
-    ap.add_argument("--torch", default=None, help="python of a venv with torch + transformers + accelerate")
-    ap.add_argument(
-        "--runners", default="full,lora,qlora", help="llamabind rows: full, lora (F32 base), qlora (Q4_1 base)"
-    )
+    ap.add_argument("--batch", type=int, default=4, help="the batched rows' windows per step (besides batch 1)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per runner (default: one epoch)")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a model name or a quantized GGUF")
+    ap.add_argument("--size", default=None, help="a random-weight llama of this bench/make_model.py shape instead")
+    ap.add_argument("--runners", default="full,lora,qlora,finetune", help="full, lora, qlora, finetune (llama-finetune)")
+    ap.add_argument("--torch", default=None, help="python with torch + transformers (+ peft for the LoRA row)")
+    ap.add_argument("--torch-device", default="cpu")
+    ap.add_argument("--torch-runs", default="f32", help="f32, tf32, bf16 (full fine-tunes) and lora (peft, f32)")
+    ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=["full", "lora"], default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -144,65 +201,76 @@ def main() -> int:
     import llamabind
     from llamabind import models, train
 
-    exe = llamabind.tool_path("llama-finetune")
-    if exe is None:
-        print("llama-finetune not built: ./dev setup (LLAMABIND_BUILD_TOOLS=ON)", file=sys.stderr)
-        return 1
-    q4 = models.resolve("smollm2-135m-instruct")
     rows: dict[str, dict] = {}
+    runners = args.runners.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         tmpd = Path(tmp)
-        f32 = tmpd / "smollm2-f32.gguf"
-        train.to_f32(q4, f32)
+        if args.size:
+            quant = tmpd / f"llama-{args.size}-q4_0.gguf"
+            subprocess.run([sys.executable, str(HERE / "make_model.py"), "--size", args.size, "--type", "q4_0",
+                            "-o", str(quant)], check=True)  # fmt: skip
+        else:
+            quant = Path(models.resolve(args.model))
+        f32 = tmpd / "f32.gguf"
+        train.to_f32(quant, f32)
+        with llamabind.Model(quant, vocab_only=True) as v:
+            qtype = next(t for name, t, _ in v.tensor_info() if name == "blk.0.attn_q.weight").upper()
+            desc = f"{quant.name} ({v.n_params / 1e6:.0f} M parameters, attn_q {qtype})"
         data = tmpd / "data.txt"
         doc = (ROOT / "vendor/llama.cpp/docs/build.md").read_text(encoding="utf-8")
-        data.write_text((doc * (args.chars // len(doc) + 1))[: args.chars])  # repeated for large --chars
+        data.write_text((doc * (args.chars // len(doc) + 1))[: args.chars])
 
-        def ours(mode, model):
+        def ours(mode: str, model: Path, batch: int) -> dict:
             cmd = [sys.executable, __file__, "--worker", mode, "--model", str(model), "--data", str(data)]
             cmd += ["--threads", str(args.threads), "--ctx", str(args.ctx), "-ngl", str(args.ngl)]
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-            if p.returncode != 0:
-                raise RuntimeError(p.stderr[-3000:])
-            return json.loads(p.stdout.strip().splitlines()[-1])
+            cmd += ["--batch", str(batch)] + (["--steps", str(args.steps)] if args.steps else [])
+            out, _, gpu_mb = run_process(cmd)
+            return {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
 
-        rows["llama-finetune (full)"] = run_llama_finetune(exe, f32, data, args, tmpd / "out.gguf")  # first child
-        runners = args.runners.split(",")
-        if "full" in runners:
-            rows["llamabind full"] = ours("full", f32)
-        if "lora" in runners:
-            rows["llamabind LoRA r8 (F32 base)"] = ours("lora", f32)
-        if "qlora" in runners:
-            rows["llamabind QLoRA r8 (Q4_1 base)"] = ours("lora", q4)
+        if "finetune" in runners:
+            exe = llamabind.tool_path("llama-finetune")
+            if exe is None:
+                print("llama-finetune not built: ./dev setup (LLAMABIND_BUILD_TOOLS=ON)", file=sys.stderr)
+                return 1
+            rows["llama-finetune full, batch 1"] = run_llama_finetune(exe, f32, data, args, tmpd / "out.gguf")
+        for b in sorted({1, args.batch}):
+            if "full" in runners:
+                rows[f"llamabind full, batch {b}"] = ours("full", f32, b)
+            if "lora" in runners:
+                rows[f"llamabind LoRA r{RANK} (F32 base), batch {b}"] = ours("lora", f32, b)
+            if "qlora" in runners:
+                rows[f"llamabind QLoRA r{RANK} ({qtype} base), batch {b}"] = ours("lora", quant, b)
         if args.torch:
             with llamabind.Model(f32, vocab_only=True) as v:
                 win = train.windows(v.tokenize(data.read_text(encoding="utf-8"), add_special=True), args.ctx)
             n_train = int(len(win) * 0.9)
-            cfg = dict(model=str(f32), threads=args.threads, lr=LR, windows=win.tolist(), n_train=n_train)
-            p = subprocess.run([args.torch, "-c", TORCH_WORKER, json.dumps(cfg)], capture_output=True, text=True)
-            if p.returncode != 0:
-                raise RuntimeError(p.stderr[-3000:])
-            rows["PyTorch CPU full"] = json.loads(p.stdout.strip().splitlines()[-1])
-    ref = rows["llama-finetune (full)"]
-    print(f"\nSmolLM2-135M, ctx {args.ctx}, {args.threads} threads, -ngl {args.ngl}, 1 epoch, AdamW")
-    print(f"| {'runner':32s} | steps | tok/s (epoch) | vs llama-finetune | train tok/s | peak RSS MiB | val loss |")
-    print(f"|{'-' * 34}|-------|---------------|-------------------|-------------|--------------|----------|")
+            for run in args.torch_runs.split(","):
+                for b in sorted({1, args.batch}):
+                    lora = run == "lora"
+                    steps = args.steps or -(-n_train // b)
+                    cfg = dict(model=str(f32), threads=args.threads, lr=LR_LORA if lora else LR_FULL, lora=lora,
+                               rank=RANK, windows=win.tolist(), n_train=n_train, batch=b, steps=steps,
+                               device=args.torch_device, precision="f32" if lora else run)  # fmt: skip
+                    out, _, gpu_mb = run_process([args.torch, "-c", TORCH_WORKER, json.dumps(cfg)])
+                    name = f"PyTorch {args.torch_device} " + (f"LoRA r{RANK} (peft, f32)" if lora else f"full {run}")
+                    rows[f"{name}, batch {b}"] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
+
+    print(f"\n{desc}, ctx {args.ctx}, {args.threads} threads, -ngl {args.ngl}, AdamW (full lr {LR_FULL}, LoRA {LR_LORA})")
+    print(f"| {'runner':44s} | steps | train tok/s | peak RSS MiB | peak GPU MiB | val loss |")
+    print(f"|{'-' * 46}|-------|-------------|--------------|--------------|----------|")
     for name, r in rows.items():
-        tps = r["tokens"] / r["seconds"]
-        ratio = tps / (ref["tokens"] / ref["seconds"]) if "full" in name or "finetune" in name else float("nan")
-        ttps = r.get("train_tok_s", float("nan"))
-        vl = r.get("val_loss")
+        vl, gm = r.get("val_loss"), r.get("peak_gpu_mb")
         print(
-            f"| {name:32s} | {r['steps']:5d} | {tps:13.1f} | {ratio:17.3f} | {ttps:11.1f} | "
-            f"{r['peak_rss_mb']:12.0f} | {vl if vl is None else round(vl, 4)!s:>8} |"
+            f"| {name:44s} | {r['steps']:5d} | {r['train_tok_s']:11.1f} | {r['peak_rss_mb']:12.0f} | "
+            f"{'-' if gm is None else gm:>12} | {'-' if vl is None else round(vl, 4)!s:>8} |"
         )
-    out = {
+    result = {
         "host": socket.gethostname(), "platform": platform.platform(), "date": datetime.date.today().isoformat(),
-        "args": vars(args), "build": llamabind.build_info(), "rows": rows,
+        "model": desc, "args": vars(args), "build": llamabind.build_info(), "rows": rows,
     }  # fmt: skip
-    res = HERE / "results" / f"train-{socket.gethostname()}-{datetime.date.today().isoformat()}.json"
-    res.write_text(json.dumps(out, indent=1, default=str))
-    print(f"wrote {res}")
+    out_path = Path(args.out) if args.out else HERE / "results" / f"train-{socket.gethostname()}-{result['date']}.json"
+    out_path.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {out_path}")
     return 0
 
 

@@ -151,12 +151,15 @@ def test_cli_finetune(model_path, text, tmp_path):
     assert bad.returncode == 2 and "cannot write" in bad.stderr, bad.stderr
     lora = tmp_path / "lora.gguf"
     p = subprocess.run(
-        [*cmd[:-1], str(lora), "--lora-rank", "4", "--lora-targets", "attn_v", "--val-split", "0.25", "--no-progress"],
+        [*cmd[:-1], str(lora), "--lora-rank", "4", "--lora-targets", "attn_v", "--val-split", "0.25", "--no-progress"]
+        + ["--batch", "3"],
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert p.returncode == 0 and "a LoRA adapter" in p.stdout, p.stderr[-3000:]
+    # 4,000 characters: 7 windows of 257 tokens every 128, 5 to train on: batches of 3 -> 2 steps
+    assert "2 optimizer steps of 3 window(s)" in p.stdout, p.stdout
     with llamabind.Model(model_path, n_threads=2) as m:
         m.load_lora(lora)  # loads as an adapter of this model
     bad = subprocess.run([*cmd, "--lora-rank", "0"], capture_output=True, text=True, timeout=300)
@@ -170,17 +173,21 @@ def _window(f32_path, text) -> np.ndarray:
 
 
 def _opt_steps(m, window, optimizer, lr, wd, steps, params="model", adapter=None):
-    """(loss before, [loss of each step]) of `steps` optimizer steps on one window in a training context."""
+    """(loss before, [loss of each step]) of `steps` optimizer steps on one window (or, for a 2-D
+    `window`, on a batch of windows: gradient accumulation) in a training context."""
+    batch = window if window.ndim == 2 else window[None]
     with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
         if adapter is not None:
             ctx.set_lora(adapter)
-        ctx.opt_init(optimizer, lr, wd, params=params)
-        ctx.opt_step(window, train=False)
+        ctx.opt_init(optimizer, lr, wd, params=params, grad_accum=len(batch))
+        for w in batch:
+            ctx.opt_step(w, train=False)
         before = ctx.opt_result(train=False)[0]
         losses = []
         for _ in range(steps):
             ctx.opt_reset()
-            ctx.opt_step(window, train=True)
+            for w in batch:
+                ctx.opt_step(w, train=True)
             losses.append(ctx.opt_result(train=True)[0])
     return before, losses
 
@@ -234,6 +241,63 @@ def test_matches_pytorch(f32_path, text, reference_python, tmp_path):
     np.testing.assert_allclose(adamw_losses, ref["adamw_losses"], rtol=5e-4)  # the losses on the way
     assert len(cos) == 30 * 9 + 1 and min(cos.values()) >= 0.9999, worst  # 9 per layer + output_norm
     assert max(rel.values()) <= 1e-4, rel
+
+
+def test_batched_step_matches_pytorch(f32_path, text, reference_python, tmp_path):
+    """patch 0025: a step over a batch of 2 windows (grad_accum=2: ggml-opt accumulates both
+    windows' gradients, each loss scaled by 1/2) equals PyTorch's step on the batch's mean loss:
+    the loss, every tensor's gradient (SGD lr 1) and the weights after 3 AdamW steps."""
+    lr, wd, n_steps = 1e-4, 0.01, 3
+    with llamabind.Model(f32_path, vocab_only=True) as v:
+        batch = train.windows(v.tokenize(text[:5000], add_special=True), 256)[[0, 2]]  # two windows, no overlap
+
+    def run(optimizer, lr, wd, steps, out):
+        with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
+            result = _opt_steps(m, batch, optimizer, lr, wd, steps)
+            m.save(out)
+        return result
+
+    loss0, _ = run("sgd", 1.0, 0.0, 1, tmp_path / "sgd.gguf")
+    _, adamw_losses = run("adamw", lr, wd, n_steps, tmp_path / "adamw.gguf")
+    job = dict(f32=str(f32_path), sgd=str(tmp_path / "sgd.gguf"), adamw=str(tmp_path / "adamw.gguf"))
+    job.update(window=batch.tolist(), adamw_steps=n_steps, lr=lr, weight_decay=wd)
+    ref = _reference(reference_python, "train_reference.py", tmp_path, job)
+    cos, rel = ref["grad_cosine"], ref["adamw_rel"]
+    print(f"batch-2 loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
+    print("AdamW step losses:", [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw_losses, ref["adamw_losses"])])
+    print("lowest gradient cosine", min(cos.values()), "largest weight difference", max(rel.values()))
+    assert abs(loss0 - ref["loss"]) <= 1e-4 * ref["loss"]
+    np.testing.assert_allclose(adamw_losses, ref["adamw_losses"], rtol=5e-4)
+    assert len(cos) == 30 * 9 + 1 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
+    assert max(rel.values()) <= 1e-4, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
+
+
+def test_validation_between_accumulated_windows_does_not_move_the_step(f32_path, text):
+    """patch 0025: with grad_accum=2, a forward-only (validation) eval between the two windows of
+    a batch leaves the step where it was: the same weights as without it (ggml-opt counted
+    forward evals towards the optimizer period, so the step came one window early)."""
+    with llamabind.Model(f32_path, vocab_only=True) as v:
+        w = train.windows(v.tokenize(text[:6000], add_special=True), 256)[[0, 2, 4]]
+
+    def held_out_loss(validate_between: bool) -> float:
+        with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
+            with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
+                ctx.opt_init("sgd", 0.05, 0.0, grad_accum=2)
+                ctx.opt_step(w[0], train=True)
+                if validate_between:
+                    ctx.opt_step(w[2], train=False)
+                ctx.opt_step(w[1], train=True)  # the step: the mean gradient of w[0] and w[1]
+                ctx.opt_reset()
+                ctx.opt_step(w[2], train=False)
+                return ctx.opt_result(train=False)[0]
+
+    plain, with_validation = held_out_loss(False), held_out_loss(True)
+    print(f"held-out loss after one batch-2 step: {plain:.6f}; with a validation eval inside it: {with_validation:.6f}")
+    assert with_validation == pytest.approx(plain, rel=1e-6)
+    with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
+        with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, training=True) as ctx:
+            with pytest.raises(ValueError, match="grad_accum"):
+                ctx.opt_init(grad_accum=0)
 
 
 def test_lora_over_the_quantized_model(model_path, text, tmp_path):

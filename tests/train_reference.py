@@ -3,7 +3,8 @@
     python train_reference.py WORK
 
 WORK/job.json: {"f32": GGUF, "sgd": GGUF after one SGD step (lr 1, no weight decay) in llamabind,
-"adamw": GGUF after the AdamW steps in llamabind, "window": token ids, "adamw_steps": n, "lr": x,
+"adamw": GGUF after the AdamW steps in llamabind, "window": token ids (or a list of windows: a
+batch, whose loss is the mean over all its positions), "adamw_steps": n, "lr": x,
 "weight_decay": w}. The token embeddings stay frozen, as llama.cpp keeps them. transformers loads
 each GGUF as LlamaForCausalLM in float32 (it undoes the
 converter's Q/K row permutation), PyTorch computes the loss and gradients of the same window and runs
@@ -29,8 +30,10 @@ def load(path: str):
 
 
 def loss_of(model, window: torch.Tensor) -> torch.Tensor:
-    logits = model(window[None, :-1]).logits[0]
-    return F.cross_entropy(logits, window[1:], reduction="mean")  # mean over the n_ctx positions
+    batch = window if window.ndim == 2 else window[None]  # (B, n_ctx + 1)
+    logits = model(batch[:, :-1]).logits  # (B, n_ctx, n_vocab)
+    # mean over the B * n_ctx positions (windows of one length: the mean of the windows' means)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="mean")
 
 
 def main(work: Path) -> None:

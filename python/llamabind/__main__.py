@@ -170,10 +170,12 @@ def _finetune(args) -> int:
                 text,
                 ctx_size=args.ctx_size,
                 epochs=args.epochs,
+                iters=args.iters,
                 lr=args.lr,
                 optimizer=args.optimizer,
                 weight_decay=args.weight_decay,
                 val_split=args.val_split,
+                batch_size=args.batch,
                 seed=args.seed,
                 n_threads=args.threads,
                 progress=not args.no_progress,
@@ -182,6 +184,7 @@ def _finetune(args) -> int:
                 lora_targets=args.lora_targets.split(","),
             )
             print(f"validation loss before: {res.val_loss_before:.4f}")
+            print(f"{res.steps} optimizer steps of {args.batch} window(s) of {args.ctx_size} tokens")
             for e in res.epochs:
                 print(
                     f"epoch {e.epoch}: train loss {e.train_loss:.4f}, validation loss {e.val_loss:.4f}, "
@@ -321,11 +324,13 @@ def main(argv=None) -> int:
         "--lora-targets", default="attn_q,attn_v", help="comma-separated matrices (attn_q,attn_k,attn_v,...)"
     )
     f.add_argument("--epochs", type=int, default=1)
+    f.add_argument("--iters", type=int, default=None, help="optimizer steps in all (instead of --epochs)")
     f.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
     f.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     f.add_argument("--weight-decay", type=float, default=0.0)
     f.add_argument("--ctx-size", "-c", type=int, default=256, help="tokens per window, a multiple of 256")
     f.add_argument("--val-split", type=float, default=0.1, help="fraction of windows held out (default 0.1)")
+    f.add_argument("--batch", "-b", type=int, default=1, help="windows per optimizer step (gradient accumulation)")
     f.add_argument("--seed", "-s", type=int, default=0, help="shuffling seed")
     f.add_argument("--threads", type=int, default=None)
     f.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")

@@ -327,21 +327,28 @@ class Context:
 
     # --- training (llama_opt_*; the loop is llamabind.train's)
     def opt_init(
-        self, optimizer: str = "adamw", lr: float = 1e-5, weight_decay: float = 0.0, params: str = "model"
+        self,
+        optimizer: str = "adamw",
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        params: str = "model",
+        grad_accum: int = 1,
     ) -> None:
         """Prepare training with ggml-opt's ``"adamw"`` or ``"sgd"`` (wraps llama_opt_init).
         params ``"model"``: every F32 weight of the model (token embeddings are excluded by
         llama.cpp); ``"lora"``: only the A/B tensors of the LoRA adapters applied with
-        :meth:`set_lora` (F32), the model frozen (it may be quantized). Needs a context made with
-        ``training=True``; once per context. Raises ValueError/TypeError."""
+        :meth:`set_lora` (F32), the model frozen (it may be quantized). ``grad_accum``: training
+        windows per optimizer step (gradient accumulation: the step takes the mean of their
+        gradients, a batch of that many sequences; llama_opt_params.n_grad_accum). Needs a
+        context made with ``training=True``; once per context. Raises ValueError/TypeError."""
         lr = as_float(lr, "lr")
         wd = as_float(weight_decay, "weight_decay")
-        _core.opt_init(self._llama_context, optimizer, lr, wd, params)
+        _core.opt_init(self._llama_context, optimizer, lr, wd, params, as_int(grad_accum, "grad_accum", 1))
 
     def opt_step(self, window: Sequence[int] | np.ndarray, train: bool = True) -> None:
         """One window: token ids, shape (n_ctx + 1,), any integer dtype. Next-token cross-entropy of
         window[:-1] against window[1:] (accumulated for :meth:`opt_result`); ``train`` adds the
-        backward pass and an optimizer step (wraps llama_opt_epoch on a one-window
+        backward pass and, every ``grad_accum``-th training window, an optimizer step (wraps llama_opt_epoch on a one-window
         ggml_opt_dataset). Raises TypeError for a non-integer or non-1-D window, ValueError for a
         wrong length or an id outside [0, n_vocab), or before :meth:`opt_init`."""
         w = np.asarray(window)

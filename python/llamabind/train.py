@@ -10,8 +10,10 @@ llama_opt_epoch: ggml's backward graph, ggml-opt's AdamW or SGD).
 
 The data is cut into windows of ``ctx_size + 1`` tokens every ``ctx_size // 2`` tokens (as
 upstream's ``common_opt_dataset_init``); the last ``val_split`` of them are held out for the
-validation loss. One optimizer step per window (next-token cross-entropy over its ctx_size
-positions). The model's weights change in place: generate with it afterwards, or save it.
+validation loss. One optimizer step per ``batch_size`` windows (the mean next-token
+cross-entropy over their ctx_size positions each, as PyTorch's mean loss of a batch: the windows
+run one after the other and ggml-opt accumulates their gradients). The model's weights change in
+place: generate with it afterwards, or save it.
 
 Full fine-tuning needs F32 weights (ggml-opt updates them in place; quantized weights have no
 gradient): convert a quantized model with :func:`to_f32`. LoRA (``lora_rank=``) trains F32
@@ -160,10 +162,12 @@ def finetune(
     *,
     ctx_size: int = 256,
     epochs: int = 1,
+    iters: int | None = None,
     lr: float = 1e-5,
     optimizer: str = "adamw",
     weight_decay: float = 0.0,
     val_split: float = 0.1,
+    batch_size: int = 1,
     seed: int = 0,
     shuffle: bool = True,
     n_threads: int | None = None,
@@ -183,9 +187,14 @@ def finetune(
             multiple of 256 (llama.cpp pads contexts to 256).
         epochs: passes over the train windows (shuffled each epoch with ``seed`` unless
             ``shuffle`` is False: then in order, as llama-finetune).
+        iters: optimizer steps in all (mlx-lm's ``--iters``), instead of ``epochs``: as many
+            passes as they need, the last one cut short.
         lr, optimizer, weight_decay: ggml-opt's ``"adamw"`` (beta1 0.9, beta2 0.999) or ``"sgd"``.
         val_split: fraction of the windows (the last ones) held out for the validation loss;
             0 for none.
+        batch_size: windows per optimizer step (gradient accumulation, patch 0025: the step
+            follows the mean loss of the batch). An epoch's last batch is filled up with windows
+            from the start of its order, so every train window counts at least once per epoch.
         progress: a tqdm bar with the loss and tokens/s.
         on_step: called as on_step(step, loss) after each optimizer step.
         lora_rank, lora_alpha, lora_targets: train a LoRA adapter of this rank (alpha default
@@ -204,10 +213,13 @@ def finetune(
     ctx_size = as_int(ctx_size, "ctx_size", 256)
     expect(ctx_size % 256 == 0, f"ctx_size must be a multiple of 256 (llama.cpp pads n_ctx to 256); got {ctx_size}")
     epochs = as_int(epochs, "epochs", 1)
+    if iters is not None:
+        iters = as_int(iters, "iters", 1)
     lr = as_float(lr, "lr")
     expect(lr > 0, f"lr must be > 0; got {lr}")
     one_of(optimizer, "optimizer", ("adamw", "sgd"))
     val_split = as_float(val_split, "val_split", 0.0, 0.9)
+    batch_size = as_int(batch_size, "batch_size", 1)
     if isinstance(data, str):
         tokens = np.asarray(model.tokenize(data, add_special=True), dtype=np.int64)
     else:
@@ -220,6 +232,9 @@ def finetune(
     n_train = int(len(win) * (1.0 - val_split))  # as llama-finetune's idata_split
     if n_train < 1:
         raise ValueError(f"{len(win)} window(s) leave none to train on with val_split={val_split}")
+    n_batches = -(-n_train // batch_size)
+    if iters is not None:
+        epochs = -(-iters // n_batches)
     rng = np.random.default_rng(seed)
     result = TrainResult()
     if lora:
@@ -232,11 +247,14 @@ def finetune(
     try:
         if result.adapter is not None:
             ctx.set_lora(result.adapter, 1.0)
-        ctx.opt_init(optimizer, lr, weight_decay, "lora" if lora else "model")
+        ctx.opt_init(optimizer, lr, weight_decay, "lora" if lora else "model", grad_accum=batch_size)
         result.val_loss_before = _validate(ctx, win[n_train:])[0]
         for epoch in range(epochs):
             order = rng.permutation(n_train) if shuffle else np.arange(n_train)
-            stats = _epoch(ctx, win[:n_train], win[n_train:], order, epoch, epochs, progress, on_step, result)
+            batches = np.resize(order, n_batches * batch_size).reshape(-1, batch_size)
+            if iters is not None:
+                batches = batches[: iters - result.steps]
+            stats = _epoch(ctx, win[:n_train], win[n_train:], batches, epoch, epochs, progress, on_step, result)
             if stats is not None:
                 result.epochs.append(stats)
             if result.interrupted:
@@ -246,17 +264,19 @@ def finetune(
     return result
 
 
-def _epoch(ctx, train_w, val_w, order, epoch, epochs, progress, on_step, result) -> EpochStats | None:
+def _epoch(ctx, train_w, val_w, batches, epoch, epochs, progress, on_step, result) -> EpochStats | None:
+    """One pass over ``batches`` (rows of window indices, one optimizer step each)."""
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(train_w), desc=f"epoch {epoch + 1}/{epochs}", unit="step", leave=False)
+        bar = tqdm(total=len(batches), desc=f"epoch {epoch + 1}/{epochs}", unit="step", leave=False)
     t0, n_tok, losses, accs = time.perf_counter(), 0, [], []
     try:
-        for i in order:
+        for batch in batches:
             ctx.opt_reset()
-            ctx.opt_step(train_w[i], train=True)
+            for i in batch:
+                ctx.opt_step(train_w[i], train=True)
             loss, acc, n = ctx.opt_result(train=True)
             result.steps += 1
             if not math.isfinite(loss):
@@ -264,7 +284,7 @@ def _epoch(ctx, train_w, val_w, order, epoch, epochs, progress, on_step, result)
             losses.append(loss)
             accs.append(acc)
             result.losses.append(loss)
-            n_tok += train_w.shape[1] - 1
+            n_tok += len(batch) * (train_w.shape[1] - 1)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}")
                 bar.update(1)

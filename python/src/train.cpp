@@ -67,7 +67,8 @@ static bool no_model_params(const ggml_tensor *, void *) {
 // tensors of the LoRA adapters applied to this context; the base model stays frozen and may be
 // quantized). llama_opt_init marks only model tensors, through param_filter; the adapters' are
 // flagged here (ggml_set_param) before it, which is all ggml's backward pass looks at.
-static void opt_init(Context & c, const std::string & optimizer, float lr, float wd, const std::string & params) {
+static void opt_init(Context & c, const std::string & optimizer, float lr, float wd, const std::string & params,
+                     int grad_accum) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (c.train) raise_value("opt_init was already called on this context (llama_opt_init runs once)");
@@ -77,6 +78,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     if (!(lr > 0) || !std::isfinite(lr)) raise_value("lr must be a finite number > 0; got " + std::to_string(lr));
     if (!(wd >= 0 && wd <= 1))  // ggml-opt asserts it
         raise_value("weight_decay must be in [0, 1]; got " + std::to_string(wd));
+    if (grad_accum < 1 || grad_accum > 65536)
+        raise_value("grad_accum (windows per optimizer step) must be in [1, 65536]; got " + std::to_string(grad_accum));
     auto st = std::make_shared<TrainState>();
     if (optimizer == "adamw")
         st->optimizer = GGML_OPT_OPTIMIZER_TYPE_ADAMW;
@@ -108,6 +111,7 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     p.get_opt_pars = opt_pars;
     p.get_opt_pars_ud = st.get();
     p.optimizer_type = st->optimizer;
+    p.n_grad_accum = (uint32_t) grad_accum;  // patch 0025: ggml-opt's opt_period
     {
         nb::gil_scoped_release release;
         llama_opt_init(ctx, c.owner->get(), p);
@@ -118,7 +122,7 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
 using Tokens = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 // One window of n_ctx + 1 tokens: inputs tokens[:-1], labels tokens[1:]. train: forward, backward
-// and an optimizer step; else forward only (validation loss).
+// and, every grad_accum-th training window, an optimizer step; else forward only (validation loss).
 static void opt_step(Context & c, Tokens tokens, bool train) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
@@ -266,10 +270,11 @@ static void quantize_model(const std::string & src, const std::string & dst, int
 
 void register_train(nb::module_ & m) {
     m.def("opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
-          nb::arg("params") = "model",
+          nb::arg("params") = "model", nb::arg("grad_accum") = 1,
           "llama_opt_init on a training context, ggml-opt's AdamW or SGD. params 'model': every F32 weight "
           "(llama_opt_param_filter_all; token embeddings excluded by llama.cpp); 'lora': only the A/B tensors "
-          "of the adapters applied to the context.");
+          "of the adapters applied to the context. grad_accum: training windows per optimizer step (their "
+          "gradients averaged; llama_opt_params.n_grad_accum, patch 0025).");
     m.def("lora_write", &lora_write, nb::arg("path"), nb::arg("arch"), nb::arg("alpha"), nb::arg("tensors"),
           "Write a LoRA adapter GGUF: [(name, float32 (rows, cols))], names ending .lora_a / .lora_b.");
     m.def("lora_save", &lora_save, nb::arg("adapter"), nb::arg("path"),

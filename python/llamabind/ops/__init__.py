@@ -21,7 +21,7 @@ from .autodiff import grad, vjp
 from .check import check, nmse
 from .conv import conv_1d, conv_2d, conv_transpose_1d, im2col, pool_1d, pool_2d, upscale
 from .eager import clear_cache, to_device
-from .graph import Graph, Tensor, default_backend, devices, graph
+from .graph import Blocks, Graph, Tensor, default_backend, devices, graph
 from .math import (
     abs,
     add,
@@ -65,10 +65,11 @@ from .nn import (
     timestep_embedding,
     top_k,
 )
-from .quant import QUANT_TYPES, dequantize, quantize, row_size
+from .quant import QUANT_TYPES, as_blocks, dequantize, quantize, row_size
 from .shape import cast, concat, cont, get_rows, pad, permute, repeat, reshape, set_rows, transpose
 
 __all__ = [
+    "Blocks",
     "DeviceArray",
     "Graph",
     "QUANT_TYPES",
@@ -79,6 +80,7 @@ __all__ = [
     "arange",
     "argmax",
     "argsort",
+    "as_blocks",
     "cast",
     "check",
     "clamp",

@@ -143,11 +143,12 @@ class Tensor(ArrayOps):
     """A node of a :class:`Graph`: the lazy result of an op. Shape in numpy order; the operators
     + - * / @ and unary - apply the ops (:class:`ArrayOps`)."""
 
-    __slots__ = ("graph", "id", "shape", "dtype", "contiguous", "bound")
+    __slots__ = ("graph", "id", "shape", "dtype", "contiguous", "bound", "ggml_type")
 
     def __init__(self, graph: Graph, id: int, shape: tuple[int, ...], dtype: np.dtype, contiguous: bool = True):
         self.graph, self.id, self.shape, self.dtype, self.contiguous = graph, id, shape, dtype, contiguous
         self.bound: int | None = None  # int tensors: all values are known to lie in [0, bound)
+        self.ggml_type: str | None = None  # quantized inputs (Blocks): the ggml type name, e.g. "q4_0"
 
     def __repr__(self) -> str:
         return f"<ops.Tensor #{self.id} {self.shape} {dtype_name(self.dtype)} on {self.graph.device}>"
@@ -244,6 +245,7 @@ class Graph:
             tid = type_id(np_dtype)
         nid = self._ggml_graph.input(tid, shape_to_ne(shape))
         t = Tensor(self, nid, shape, np_dtype)
+        t.ggml_type = ggml_type if ggml_type is not None and _TYPES[ggml_type][3] else None
         self._inputs[nid] = t
         if arr is not None:
             self._values[nid] = arr

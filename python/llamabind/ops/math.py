@@ -173,7 +173,24 @@ def argmax(a, *, backend: str | None = None):
 # ---- matrix products
 
 
+def _mul_mat_quantized(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    # a: quantized rows (M, K) as a model stores a weight; numpy c = a @ b  <=>  ggml: c^T =
+    # mul_mat(a, b^T contiguous), ne [K, M] x [K, N] -> [M, N]. Its backward pass reaches b
+    # through ggml_out_prod(a, grad^T): the quantized OUT_PROD of QLoRA training.
+    expect_dtype("mul_mat", "b", b, (F32,), g.device)
+    expect(a.ndim == 2 and b.ndim in (1, 2), f"mul_mat: quantized a must be 2-D and b 1-D or 2-D; got {a.shape}, {b.shape}")
+    b2 = b if b.ndim == 2 else g.op("reshape_4d", [b], shape_to_ne(b.shape + (1,)), shape=b.shape + (1,))
+    (m, k), (k2, n) = a.shape, b2.shape
+    expect(k == k2, f"mul_mat: a {a.shape} @ b {b.shape}: inner dimensions {k} and {k2} differ")
+    bt = g.op("cont", [g.op("transpose", [b2], shape=(n, k), contiguous_srcs=False)], shape=(n, k))
+    ct = g.op("mul_mat", [a, bt], shape=(n, m))
+    c = g.op("cont", [g.op("transpose", [ct], shape=(m, n), contiguous_srcs=False)], shape=(m, n))
+    return c if b.ndim == 2 else g.op("reshape_4d", [c], shape_to_ne((m,)), shape=(m,))
+
+
 def _mul_mat(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    if a.ggml_type is not None:
+        return _mul_mat_quantized(g, a, b)
     ok_b = FLOATS
     expect_dtype("mul_mat", "b", b, ok_b, g.device)
     allowed_a = {F32, b.dtype} | ({BF16} if b.dtype == F32 and BF16 is not None else set())
@@ -209,15 +226,20 @@ def mul_mat(a, b, *, backend: str | None = None):
     operand convention is handled here).
 
     a: (..., M, K), b: (..., K, N), 1-D operands as in numpy; batch axes broadcast (at most 2).
-    dtypes: b float32/float16/bfloat16 and a float32 or b's dtype (also bfloat16 a with float32 b).
-    Returns float32 (..., M, N). Raises ValueError (shapes), TypeError (dtypes).
+    dtypes: b float32/float16/bfloat16 and a float32 or b's dtype (also bfloat16 a with float32 b);
+    or a quantized weight, :class:`ops.Blocks` of M rows of K values (``ops.quantize``), with a
+    float32 b (K, N) or (K,) — a model's ``W @ x``; its gradient w.r.t. b runs ggml_out_prod of
+    the quantized W. Returns float32 (..., M, N). Raises ValueError (shapes), TypeError (dtypes).
     """
     return apply(_mul_mat, (a, b), {}, backend)
 
 
 def _out_prod(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     expect_dtype("out_prod", "a", a, (F32,), g.device)
-    expect_dtype("out_prod", "b", b, (F32,), g.device)
+    if b.ggml_type is None:
+        expect_dtype("out_prod", "b", b, (F32,) + tuple(t for t in (F16, BF16) if t is not None), g.device)
+    else:
+        expect(b.ndim == 2, f"out_prod: quantized b must be 2-D; got {b.shape}")
     a2 = a if a.ndim >= 2 else g.op("reshape_4d", [a], shape_to_ne((1,) + a.shape), shape=(1,) + a.shape)
     b2 = b if b.ndim >= 2 else g.op("reshape_4d", [b], shape_to_ne((1,) + b.shape), shape=(1,) + b.shape)
     expect(a2.ndim == 2 and b2.ndim == 2, f"out_prod: a and b must be 1-D or 2-D; got {a.shape} and {b.shape}")
@@ -229,7 +251,9 @@ def _out_prod(g: Graph, a: Tensor, b: Tensor) -> Tensor:
 def out_prod(a, b, *, backend: str | None = None):
     """Sum of outer products over the first axis: ``a.T @ b`` (wraps ggml_out_prod).
 
-    a: (K, M) or (M,), b: (K, N) or (N,), float32. Returns float32 (M, N); for vectors,
+    a: (K, M) or (M,), float32; b: (K, N) or (N,), float32, float16 or bfloat16, or quantized rows
+    (:class:`ops.Blocks`, K rows of N values: ggml's src0 of another type, as in MUL_MAT's
+    backward pass through a frozen quantized weight). Returns float32 (M, N); for vectors,
     numpy.outer(a, b)."""
     return apply(_out_prod, (a, b), {}, backend)
 

@@ -10,7 +10,7 @@ from .graph import _TYPES, F32, Blocks, Graph, Tensor, as_array, expect
 
 QUANT_TYPES = ("q4_0", "q4_1", "q8_0", "q4_K", "q6_K")
 
-__all__ = ["quantize", "dequantize", "row_size", "QUANT_TYPES"]
+__all__ = ["quantize", "dequantize", "as_blocks", "row_size", "QUANT_TYPES"]
 
 
 def _qtype(type: str) -> tuple[int, int, int]:
@@ -41,6 +41,15 @@ def quantize(x, type: str) -> np.ndarray:
     out = np.empty((a2.shape[0], row_size(type, a2.shape[1])), np.uint8)
     _core.quantize_rows(_TYPES[type][0], np.ascontiguousarray(a2), out)
     return out
+
+
+def as_blocks(x, type: str) -> Blocks:
+    """float32 rows (rows, n) quantized into ggml's ``type`` blocks as an op argument: a
+    :class:`Blocks` standing for (rows, n) values, e.g. a frozen weight for ``ops.mul_mat(w, x)``
+    (wraps ggml_quantize_chunk). Raises TypeError/ValueError as :func:`quantize`."""
+    a = as_array(x)
+    expect(a.ndim == 2, f"as_blocks: x must be 2-D (rows, n); got {a.shape}")
+    return Blocks(quantize(a, type), type, a.shape)
 
 
 def _dequantize(g: Graph, q: Tensor, idx: Tensor) -> Tensor:
