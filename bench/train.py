@@ -18,8 +18,9 @@ shipped; the F32 copy for full and LoRA) or, with --size, a random-weight llama 
 
 Every runner is its own process. "train tok/s" counts the training tokens of the optimizer steps
 after the first (its graph allocation and warm-up left out) over their time; --steps steps per
-runner (default: one pass over the train windows; the JSON keeps every step's time). Peak memory: RSS (ru_maxrss) and, on a GPU, the process's GPU memory
-as nvidia-smi reports it (the CUDA context included, for every runner alike), sampled every 0.2 s.
+runner (default: one pass over the train windows; the JSON keeps every step's time). Peak memory:
+RSS (ru_maxrss) and, on a GPU, the process's GPU memory as nvidia-smi reports it (the CUDA context
+included, for every runner alike), sampled every 0.2 s.
 llama-finetune's row (full fine-tune, its whole-second timings: give it a long text on a GPU) is
 the native reference. Prints a table and writes bench/results/train-<host>-<date>.json (--out).
 """
@@ -185,7 +186,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per runner (default: one epoch)")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a model name or a quantized GGUF")
     ap.add_argument("--size", default=None, help="a random-weight llama of this bench/make_model.py shape instead")
-    ap.add_argument("--runners", default="full,lora,qlora,finetune", help="full, lora, qlora, finetune (llama-finetune)")
+    ap.add_argument(
+        "--runners", default="full,lora,qlora,finetune", help="full, lora, qlora, finetune (llama-finetune)"
+    )
     ap.add_argument("--torch", default=None, help="python with torch + transformers (+ peft for the LoRA row)")
     ap.add_argument("--torch-device", default="cpu")
     ap.add_argument("--torch-runs", default="f32", help="f32, tf32, bf16 (full fine-tunes) and lora (peft, f32)")
@@ -255,7 +258,9 @@ def main() -> int:
                     name = f"PyTorch {args.torch_device} " + (f"LoRA r{RANK} (peft, f32)" if lora else f"full {run}")
                     rows[f"{name}, batch {b}"] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
 
-    print(f"\n{desc}, ctx {args.ctx}, {args.threads} threads, -ngl {args.ngl}, AdamW (full lr {LR_FULL}, LoRA {LR_LORA})")
+    print(
+        f"\n{desc}, ctx {args.ctx}, {args.threads} threads, -ngl {args.ngl}, AdamW (full lr {LR_FULL}, LoRA {LR_LORA})"
+    )
     print(f"| {'runner':44s} | steps | train tok/s | peak RSS MiB | peak GPU MiB | val loss |")
     print(f"|{'-' * 46}|-------|-------------|--------------|--------------|----------|")
     for name, r in rows.items():

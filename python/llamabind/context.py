@@ -348,9 +348,10 @@ class Context:
     def opt_step(self, window: Sequence[int] | np.ndarray, train: bool = True) -> None:
         """One window: token ids, shape (n_ctx + 1,), any integer dtype. Next-token cross-entropy of
         window[:-1] against window[1:] (accumulated for :meth:`opt_result`); ``train`` adds the
-        backward pass and, every ``grad_accum``-th training window, an optimizer step (wraps llama_opt_epoch on a one-window
-        ggml_opt_dataset). Raises TypeError for a non-integer or non-1-D window, ValueError for a
-        wrong length or an id outside [0, n_vocab), or before :meth:`opt_init`."""
+        backward pass and, every ``grad_accum``-th training window, an optimizer step (wraps
+        llama_opt_epoch on a one-window ggml_opt_dataset). Raises TypeError for a non-integer or
+        non-1-D window, ValueError for a wrong length or an id outside [0, n_vocab), or before
+        :meth:`opt_init`."""
         w = np.asarray(window)
         if w.ndim != 1 or not (np.issubdtype(w.dtype, np.integer) or w.size == 0):
             raise TypeError(f"window must be a 1-D sequence of token ids; got {w.dtype} of shape {w.shape}")

@@ -178,7 +178,9 @@ def _mul_mat_quantized(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     # mul_mat(a, b^T contiguous), ne [K, M] x [K, N] -> [M, N]. Its backward pass reaches b
     # through ggml_out_prod(a, grad^T): the quantized OUT_PROD of QLoRA training.
     expect_dtype("mul_mat", "b", b, (F32,), g.device)
-    expect(a.ndim == 2 and b.ndim in (1, 2), f"mul_mat: quantized a must be 2-D and b 1-D or 2-D; got {a.shape}, {b.shape}")
+    expect(
+        a.ndim == 2 and b.ndim in (1, 2), f"mul_mat: quantized a must be 2-D and b 1-D or 2-D; got {a.shape}, {b.shape}"
+    )
     b2 = b if b.ndim == 2 else g.op("reshape_4d", [b], shape_to_ne(b.shape + (1,)), shape=b.shape + (1,))
     (m, k), (k2, n) = a.shape, b2.shape
     expect(k == k2, f"mul_mat: a {a.shape} @ b {b.shape}: inner dimensions {k} and {k2} differ")
