@@ -86,7 +86,7 @@ import json, resource, sys, time
 import torch, torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from pathlib import Path
-cfg = json.loads(sys.argv[1])
+cfg = json.loads(Path(sys.argv[1]).read_text())
 torch.set_num_threads(cfg["threads"])
 dev = torch.device(cfg["device"])
 prec = cfg["precision"]
@@ -254,7 +254,9 @@ def main() -> int:
                     cfg = dict(model=str(f32), threads=args.threads, lr=LR_LORA if lora else LR_FULL, lora=lora,
                                rank=RANK, windows=win.tolist(), n_train=n_train, batch=b, steps=steps,
                                device=args.torch_device, precision="f32" if lora else run)  # fmt: skip
-                    out, _, gpu_mb = run_process([args.torch, "-c", TORCH_WORKER, json.dumps(cfg)])
+                    job = tmpd / "torch-job.json"  # the windows: too long for a command line
+                    job.write_text(json.dumps(cfg))
+                    out, _, gpu_mb = run_process([args.torch, "-c", TORCH_WORKER, str(job)])
                     name = f"PyTorch {args.torch_device} " + (f"LoRA r{RANK} (peft, f32)" if lora else f"full {run}")
                     rows[f"{name}, batch {b}"] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
 
