@@ -38,14 +38,15 @@
 #         DeviceArray/DLPack tests with torch, then bench/ops.py (per-call overhead, element-wise,
 #         the 10-op chain: numpy round trips vs DeviceArray vs PyTorch CUDA).
 # qlora:  (carry .device-b after build) issue 27: tests/test_qlora.py on CUDA0, the gradient-accumulation
-#         test, bench/train.py on the GPU with PyTorch beside it (SmolLM2); qlora1b: the 1B shape.
+#         test, bench/train.py on the GPU with PyTorch beside it (SmolLM2); qlora1b: the 1B shape;
+#         ctx: SmolLM2 training at ctx 512-4096.
 # bench:  bench/generation.py on each model, full offload, llama-bench beside it in the same run
 #         (LB_ROUNDS x LB_REPS, default 5 x 20).
 # Logs, JSON and summaries go to $OUT (then bench/results/).
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: qlora, qlora1b, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: qlora, qlora1b, ctx, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -92,6 +93,15 @@ qlora)
   python3 bench/train.py -ngl 99 --threads 8 --chars ${LB_TRAIN_CHARS:-400000} --batch 8 --steps ${LB_TRAIN_STEPS:-48} \
     --torch python3 --torch-device cuda --torch-runs ${LB_TORCH_RUNS:-f32,tf32,bf16,lora} --out "$OUT/train-smollm2.json" \
     2>&1 | grep -vE "^(llama|load|print_info|common|main|ggml|init|srv|slot)" | tail -30 | tee "$OUT/bench-train-smollm2.txt"
+  ;;
+ctx)
+  # (carry .device-b after build) issue 27: longer training contexts (n_ctx = n_batch = n_ubatch),
+  # SmolLM2 full / LoRA / QLoRA at ctx 512-4096: tokens/s and peak GPU memory
+  join_model
+  for c in ${LB_CTXS:-512 1024 2048 4096}; do
+    python3 bench/train.py -ngl 99 --threads 8 --ctx $c --chars 400000 --batch 1 --steps ${LB_CTX_STEPS:-8} \
+      --runners full,lora,qlora --out "$OUT/train-ctx$c.json" 2>&1 | grep -E "^\| llamabind|^[A-Za-z].*ctx|rror" | tee -a "$OUT/bench-train-ctx.txt"
+  done
   ;;
 qlora1b)
   # (after qlora) the 1B llama shape (bench/make_model.py, Q4_0 QLoRA base, its F32 copy): llamabind LoRA,
