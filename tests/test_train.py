@@ -211,13 +211,11 @@ def test_steps_in_one_context_equal_steps_in_fresh_contexts(f32_path, text, tmp_
     np.testing.assert_allclose(one_context, fresh, rtol=1e-5)
 
 
-def test_matches_pytorch(f32_path, text, reference_python, tmp_path):
-    """The same F32 weights in PyTorch (transformers' LlamaForCausalLM from the GGUF), the same
-    window: loss, every trained tensor's gradient, and the weights after 5 AdamW steps. (llama.cpp
-    never trains token_embd.weight, SmolLM2's tied input/output matrix: frozen on both sides.)"""
-
-    lr, wd, n_steps = 1e-4, 0.01, 5
-    window = _window(f32_path, text)
+def _full_parity(f32_path, window, reference_python, tmp_path, n_steps, lr=1e-4, wd=0.01):
+    """A full fine-tune of the F32 model on `window` (or a batch of windows) in llamabind and in
+    PyTorch (tests/train_reference.py): (loss before, llamabind's AdamW step losses, the reference's
+    result: loss, per-tensor gradient cosines from an SGD lr-1 step, AdamW losses and weight
+    differences after n_steps)."""
 
     def run(optimizer, lr, wd, steps, out):
         with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
@@ -229,7 +227,15 @@ def test_matches_pytorch(f32_path, text, reference_python, tmp_path):
     _, adamw_losses = run("adamw", lr, wd, n_steps, tmp_path / "adamw.gguf")
     job = dict(f32=str(f32_path), sgd=str(tmp_path / "sgd.gguf"), adamw=str(tmp_path / "adamw.gguf"))
     job.update(window=window.tolist(), adamw_steps=n_steps, lr=lr, weight_decay=wd)
-    ref = _reference(reference_python, "train_reference.py", tmp_path, job)
+    return loss0, adamw_losses, _reference(reference_python, "train_reference.py", tmp_path, job)
+
+
+def test_matches_pytorch(f32_path, text, reference_python, tmp_path):
+    """The same F32 weights in PyTorch (transformers' LlamaForCausalLM from the GGUF), the same
+    window: loss, every trained tensor's gradient, and the weights after 5 AdamW steps. (llama.cpp
+    never trains token_embd.weight, SmolLM2's tied input/output matrix: frozen on both sides.)"""
+
+    loss0, adamw_losses, ref = _full_parity(f32_path, _window(f32_path, text), reference_python, tmp_path, 5)
     print(f"loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
     print("AdamW step losses:", [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw_losses, ref["adamw_losses"])])
     cos = ref["grad_cosine"]
@@ -247,21 +253,9 @@ def test_batched_step_matches_pytorch(f32_path, text, reference_python, tmp_path
     """patch 0025: a step over a batch of 2 windows (grad_accum=2: ggml-opt accumulates both
     windows' gradients, each loss scaled by 1/2) equals PyTorch's step on the batch's mean loss:
     the loss, every tensor's gradient (SGD lr 1) and the weights after 3 AdamW steps."""
-    lr, wd, n_steps = 1e-4, 0.01, 3
     with llamabind.Model(f32_path, vocab_only=True) as v:
         batch = train.windows(v.tokenize(text[:5000], add_special=True), 256)[[0, 2]]  # two windows, no overlap
-
-    def run(optimizer, lr, wd, steps, out):
-        with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
-            result = _opt_steps(m, batch, optimizer, lr, wd, steps)
-            m.save(out)
-        return result
-
-    loss0, _ = run("sgd", 1.0, 0.0, 1, tmp_path / "sgd.gguf")
-    _, adamw_losses = run("adamw", lr, wd, n_steps, tmp_path / "adamw.gguf")
-    job = dict(f32=str(f32_path), sgd=str(tmp_path / "sgd.gguf"), adamw=str(tmp_path / "adamw.gguf"))
-    job.update(window=batch.tolist(), adamw_steps=n_steps, lr=lr, weight_decay=wd)
-    ref = _reference(reference_python, "train_reference.py", tmp_path, job)
+    loss0, adamw_losses, ref = _full_parity(f32_path, batch, reference_python, tmp_path, 3)
     cos, rel = ref["grad_cosine"], ref["adamw_rel"]
     print(f"batch-2 loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
     print("AdamW step losses:", [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw_losses, ref["adamw_losses"])])

@@ -111,33 +111,34 @@ def test_conflicting_patch_names_file_and_hunk(vendor_mod, vendor_dir, tmp_path)
 
 
 def test_refresh_reexports_an_edited_tree(vendor_mod, vendor_dir, tmp_path, monkeypatch):
-    # Work on a copy of patches/ so the real patch file is untouched.
+    # Work on a copy of patches/ so the real patch file is untouched. 0022 is the last patch to
+    # touch binary-ops.cpp (refresh re-exports a patch from the tree's files as they are).
+    patch = "0022-ggml-cpu-binary-ops-flat-range-for-contiguous-operands.patch"
     pdir = tmp_path / "patches"
     shutil.copytree(ROOT / "patches", pdir)
     monkeypatch.setattr(vendor_mod, "PATCHES", pdir)
     tree = tmp_path / "tree"
-    rel = "ggml/src/ggml-cpu/ops.cpp"
+    rel = "ggml/src/ggml-cpu/binary-ops.cpp"
     (tree / rel).parent.mkdir(parents=True)
-    text = (
-        (vendor_dir / rel)
-        .read_text()
-        .replace(
-            "        for (int i = 0; i < nc; ++i) {\n            dx[i] = ((dy[i] - dot_y_dy)*y[i])*scale;",
-            "        for (int i = 0; i < nc; ++i) { // refreshed\n            dx[i] = ((dy[i] - dot_y_dy)*y[i])*scale;",
-        )
-    )
+    line = "    // One shape and all three contiguous (no broadcast): a flat range of elements per thread. The"
+    text = (vendor_dir / rel).read_text().replace(line, line + " // refreshed")
     assert "// refreshed" in text
     (tree / rel).write_text(text)
     monkeypatch.setattr(vendor_mod, "TREE", tree)
-    assert vendor_mod.main(["refresh", PATCH]) == 0
-    new = (pdir / PATCH).read_text()
-    assert "+        for (int i = 0; i < nc; ++i) { // refreshed" in new
-    assert new.startswith((ROOT / "patches" / PATCH).read_text().split("---\n", 1)[0])  # DEP-3 header kept
+    assert vendor_mod.main(["refresh", patch]) == 0
+    new = (pdir / patch).read_text()
+    assert "+" + line + " // refreshed" in new
+    assert new.startswith((ROOT / "patches" / patch).read_text().split("---\n", 1)[0])  # DEP-3 header kept
     # and the refreshed patch applies to the pin's file
     pristine = tmp_path / "pristine"
     vendor_mod.pristine_files(vendor_mod.load_lock(), {rel}, pristine)
-    vendor_mod.apply_patch(pdir / PATCH, pristine)
+    vendor_mod.apply_patch(pdir / patch, pristine)
     assert (pristine / rel).read_text() == text
+    # a patch whose files a later patch also changes (0001 and 0023: ggml-cpu/ops.cpp) is refused:
+    # the tree holds both, and the earlier patch would swallow the later one's hunks
+    before = (pdir / PATCH).read_text()
+    assert vendor_mod.main(["refresh", PATCH]) != 0
+    assert (pdir / PATCH).read_text() == before
 
 
 class _Index(http.server.BaseHTTPRequestHandler):
