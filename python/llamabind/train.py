@@ -204,7 +204,8 @@ def finetune(
     Returns a :class:`TrainResult`. Ctrl-C stops between steps and returns what was trained
     (``interrupted``: True); the model stays usable.
 
-    Raises TypeError/ValueError for bad arguments (rank <= 0, an unknown target), data shorter
+    Raises TypeError/ValueError for bad arguments (rank <= 0, an unknown target, batch_size
+    outside [1, 65536], iters < 1), data shorter
     than one window, a full fine-tune of a model that is not F32 or is memory-mapped;
     FloatingPointError naming the step if the loss becomes NaN/inf.
     """

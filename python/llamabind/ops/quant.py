@@ -46,7 +46,8 @@ def quantize(x, type: str) -> np.ndarray:
 def as_blocks(x, type: str) -> Blocks:
     """float32 rows (rows, n) quantized into ggml's ``type`` blocks as an op argument: a
     :class:`Blocks` standing for (rows, n) values, e.g. a frozen weight for ``ops.mul_mat(w, x)``
-    (wraps ggml_quantize_chunk). Raises TypeError/ValueError as :func:`quantize`."""
+    (wraps ggml_quantize_chunk). Raises ValueError for x not 2-D, n not a multiple of the type's
+    block (32; 256 for the K types) or an unknown type, TypeError for x not float32."""
     a = as_array(x)
     expect(a.ndim == 2, f"as_blocks: x must be 2-D (rows, n); got {a.shape}")
     return Blocks(quantize(a, type), type, a.shape)
