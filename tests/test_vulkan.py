@@ -147,7 +147,10 @@ def test_the_vulkan_build_runs_every_op_like_the_cpu(vulkan_env, tmp_path):
     NMSE; patch 0021's bf16 product of 8 columns is test_mul_mat_half_types. Ops ggml-vulkan has
     no kernel for raise TypeError there (skips), which the table records. Then
     tests/test_ops_backends.py with Vulkan0 as the GPU: DeviceArrays kept there between ops, and
-    the queued (async) copies of numpy arguments on a device that is not host memory."""
+    the queued (async) copies of numpy arguments on a device that is not host memory. Then
+    tests/test_qlora.py (patch 0026): OUT_PROD of every block type, F16 and BF16 on Vulkan0 against
+    float64 and the CPU, and a QLoRA step of a tiny Q4_0 llama with no node on the CPU but the
+    input embedding lookup."""
     table = tmp_path / "ops-check.json"
     env = {**vulkan_env, "LLAMABIND_TEST_BACKEND": "vulkan", "LLAMABIND_OPS_CHECK_OUT": str(table)}
     p = subprocess.run(
@@ -157,6 +160,7 @@ def test_the_vulkan_build_runs_every_op_like_the_cpu(vulkan_env, tmp_path):
             "pytest",
             "tests/test_ops.py",
             "tests/test_ops_backends.py",
+            "tests/test_qlora.py",
             "-q",
             "-p",
             "no:cacheprovider",

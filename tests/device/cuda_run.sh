@@ -32,6 +32,8 @@
 #         model (issue 20: end-to-end vs decode, per-token breakdown, CPU vs backend sampling).
 # vulkan: (carry .device-v after e2e) tests/device/vulkan.sh: Debian 12's Vulkan SDK from the
 #         carried .debs, the Vulkan build, op and model tests on Vulkan0, pp/tg vs llama-bench.
+# vulkanqlora: (carry .device-v after qlora) issue 27 on Vulkan: the Vulkan build, tests/test_qlora.py on
+#         Vulkan0 (NVIDIA's driver), bench/train.py's full/LoRA/QLoRA rows on Vulkan0.
 # server: (carry .device-b after build) tests/test_server.py and the fuzz with the model fully offloaded,
 #         then bench/server.py -ngl 99 (llamabind serve beside llama-server from the same build).
 # opsarrays: (carry .device after build) issue 21: the op tests on CUDA0 with inputs bound in place,
@@ -46,7 +48,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: qlora, qlora1b, ctx, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -223,7 +225,7 @@ leak)
   done
   LLAMABIND_REQUIRE_GPU=1 python3 -m pytest $PYTEST_ARGS tests/test_multi_gpu.py tests/test_rpc.py 2>&1 | tee "$OUT/tests-multi-gpu-rpc.log" | grep -E "^E  |passed|failed" | head -40
   ;;
-vulkan|vulkanmodels)
+vulkan|vulkanmodels|vulkanqlora)
   # Debian 12's Vulkan SDK pieces (carried .debs: glslc 2023.2, libshaderc1, libvulkan 1.3.239 with
   # headers, spirv-headers) unpacked into /tmp/vk, the GL dispatch libraries the NVIDIA ICD loads into /
   VK=/tmp/vk
@@ -248,7 +250,20 @@ vulkan|vulkanmodels)
   fi
   export PYTHONPATH=$PWD/build/lb-vulkan:/tmp/site
   python3 -m llamabind info | grep -iE "vulkan|device|GGML_VULKAN" | head -8
-  if [ $phase = vulkan ]; then
+  if [ $phase = vulkanqlora ]; then
+    # issue 27 on Vulkan (patch 0026): OUT_PROD of every block type on Vulkan0 against float64 and the
+    # CPU, the QLoRA step's node placement (SmolLM2 Q4_1 and the tiny Q4_0 llama), then bench/train.py
+    # on Vulkan0: full, LoRA over F32 and QLoRA over the Q4_1 file, batch 1 and 8, peak GPU memory
+    [ -f .device-b/smollm2.part-b ] && join_model
+    t0=$SECONDS
+    LLAMABIND_TEST_BACKEND=vulkan LLAMABIND_REQUIRE_GPU=1 python3 -m pytest tests/test_qlora.py $PYTEST_ARGS 2>&1 \
+      | tee "$OUT/qlora-tests-vulkan.log" | tail -15
+    echo "Vulkan qlora tests in $((SECONDS - t0)) s"
+    [ -n "${LB_NO_BENCH:-}" ] && exit 0
+    python3 bench/train.py -ngl 99 --threads 8 --chars ${LB_TRAIN_CHARS:-400000} --batch 8 --steps ${LB_TRAIN_STEPS:-24} \
+      --runners ${LB_VK_RUNNERS:-full,lora,qlora} --out "$OUT/train-vulkan-smollm2.json" 2>&1 \
+      | grep -vE "^(llama|load|print_info|common|main|ggml|init)" | tail -20 | tee "$OUT/bench-train-vulkan.txt"
+  elif [ $phase = vulkan ]; then
     t0=$SECONDS
     LLAMABIND_TEST_BACKEND=vulkan LLAMABIND_OPS_CHECK_OUT="$OUT/ops-check-vulkan.json" LLAMABIND_REQUIRE_GPU=1 \
       LLAMABIND_REFERENCE_PYTHON=python3 python3 -m pytest tests/test_ops.py tests/test_ops_grad.py tests/test_ops_errors.py \

@@ -1,4 +1,5 @@
-"""Quantize and dequantize rows in ggml's block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)."""
+"""Quantize and dequantize rows in ggml's block formats: the legacy types (Q4_0 ... Q8_0, Q1_0,
+Q2_0), the K-quants, IQ4_NL/IQ4_XS, TQ1_0/TQ2_0, MXFP4 and NVFP4."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from .. import _core
 from .eager import apply
 from .graph import _TYPES, F32, Blocks, Graph, Tensor, as_array, expect
 
-QUANT_TYPES = ("q4_0", "q4_1", "q8_0", "q4_K", "q6_K")
+# the block types ggml_quantize_chunk fills without an importance matrix and without aborting on
+# any finite input: IQ2_XXS, IQ2_XS and IQ1_S need an importance matrix, and the grid searches of
+# IQ3_XXS, IQ3_S, IQ2_S and IQ1_M abort (GGML_ASSERT(grid_index >= 0)) on values near float32's
+# range, so they are left out
+QUANT_TYPES = (
+    "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q1_0", "q2_0",
+    "q2_K", "q3_K", "q4_K", "q5_K", "q6_K",
+    "iq4_nl", "iq4_xs", "tq1_0", "tq2_0", "mxfp4", "nvfp4",
+)  # fmt: skip
 
 __all__ = ["quantize", "dequantize", "as_blocks", "row_size", "QUANT_TYPES"]
 
@@ -30,7 +39,8 @@ def row_size(type: str, n: int) -> int:
 def quantize(x, type: str) -> np.ndarray:
     """Quantize float32 rows into ggml's ``type`` blocks, on the host (wraps ggml_quantize_chunk).
 
-    x: float32 (rows, n) or (n,), n a multiple of the block size (32; 256 for the K types).
+    x: float32 (rows, n) or (n,), n a multiple of the type's block size (32 for the legacy types,
+    IQ4_NL and MXFP4; 64 for NVFP4 and Q2_0; 128 for Q1_0; 256 for the others; ``row_size`` checks).
     Returns uint8 (rows, row_size(type, n)) — the exact bytes ggml stores in a GGUF tensor."""
     a = as_array(x)
     if a.dtype != F32:
@@ -47,7 +57,7 @@ def as_blocks(x, type: str) -> Blocks:
     """float32 rows (rows, n) quantized into ggml's ``type`` blocks as an op argument: a
     :class:`Blocks` standing for (rows, n) values, e.g. a frozen weight for ``ops.mul_mat(w, x)``
     (wraps ggml_quantize_chunk). Raises ValueError for x not 2-D, n not a multiple of the type's
-    block (32; 256 for the K types) or an unknown type, TypeError for x not float32."""
+    block (see :func:`quantize`) or an unknown type, TypeError for x not float32."""
     a = as_array(x)
     expect(a.ndim == 2, f"as_blocks: x must be 2-D (rows, n); got {a.shape}")
     return Blocks(quantize(a, type), type, a.shape)
