@@ -49,8 +49,12 @@ def main(work: Path) -> None:
         mod.register_forward_hook(lambda m, inp, out, a=a, b=b: out + scale * (inp[0] @ a.T) @ b.T)
     window = torch.tensor(job["window"], dtype=torch.long)
 
+    # "labels" (optional): n_ctx ids, -1 = left out of the loss (PyTorch's ignore_index -100)
+    labels = torch.tensor(job["labels"], dtype=torch.long) if job.get("labels") else window[1:]
+    labels = torch.where(labels < 0, -100, labels)
+
     def loss_of():
-        return F.cross_entropy(model(window[None, :-1]).logits[0], window[1:], reduction="mean")
+        return F.cross_entropy(model(window[None, :-1]).logits[0], labels, ignore_index=-100, reduction="mean")
 
     loss = loss_of()
     loss.backward()

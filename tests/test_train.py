@@ -172,22 +172,23 @@ def _window(f32_path, text) -> np.ndarray:
         return train.windows(v.tokenize(text[:3000], add_special=True), 256)[0]
 
 
-def _opt_steps(m, window, optimizer, lr, wd, steps, params="model", adapter=None):
+def _opt_steps(m, window, optimizer, lr, wd, steps, params="model", adapter=None, labels=None):
     """(loss before, [loss of each step]) of `steps` optimizer steps on one window (or, for a 2-D
-    `window`, on a batch of windows: gradient accumulation) in a training context."""
+    `window`, on a batch of windows: gradient accumulation) in a training context; `labels`: one
+    window's masked labels (-1 = not counted)."""
     batch = window if window.ndim == 2 else window[None]
     with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
         if adapter is not None:
             ctx.set_lora(adapter)
         ctx.opt_init(optimizer, lr, wd, params=params, grad_accum=len(batch))
         for w in batch:
-            ctx.opt_step(w, train=False)
+            ctx.opt_step(w, train=False, labels=labels)
         before = ctx.opt_result(train=False)[0]
         losses = []
         for _ in range(steps):
             ctx.opt_reset()
             for w in batch:
-                ctx.opt_step(w, train=True)
+                ctx.opt_step(w, train=True, labels=labels)
             losses.append(ctx.opt_result(train=True)[0])
     return before, losses
 
@@ -211,7 +212,7 @@ def test_steps_in_one_context_equal_steps_in_fresh_contexts(f32_path, text, tmp_
     np.testing.assert_allclose(one_context, fresh, rtol=1e-5)
 
 
-def _full_parity(f32_path, window, reference_python, tmp_path, n_steps, lr=1e-4, wd=0.01):
+def _full_parity(f32_path, window, reference_python, tmp_path, n_steps, lr=1e-4, wd=0.01, labels=None):
     """A full fine-tune of the F32 model on `window` (or a batch of windows) in llamabind and in
     PyTorch (tests/train_reference.py): (loss before, llamabind's AdamW step losses, the reference's
     result: loss, per-tensor gradient cosines from an SGD lr-1 step, AdamW losses and weight
@@ -219,7 +220,7 @@ def _full_parity(f32_path, window, reference_python, tmp_path, n_steps, lr=1e-4,
 
     def run(optimizer, lr, wd, steps, out):
         with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
-            result = _opt_steps(m, window, optimizer, lr, wd, steps)
+            result = _opt_steps(m, window, optimizer, lr, wd, steps, labels=labels)
             m.save(out)
         return result
 
@@ -227,6 +228,7 @@ def _full_parity(f32_path, window, reference_python, tmp_path, n_steps, lr=1e-4,
     _, adamw_losses = run("adamw", lr, wd, n_steps, tmp_path / "adamw.gguf")
     job = dict(f32=str(f32_path), sgd=str(tmp_path / "sgd.gguf"), adamw=str(tmp_path / "adamw.gguf"))
     job.update(window=window.tolist(), adamw_steps=n_steps, lr=lr, weight_decay=wd)
+    job.update(labels=None if labels is None else labels.tolist())
     return loss0, adamw_losses, _reference(reference_python, "train_reference.py", tmp_path, job)
 
 
@@ -264,6 +266,48 @@ def test_batched_step_matches_pytorch(f32_path, text, reference_python, tmp_path
     np.testing.assert_allclose(adamw_losses, ref["adamw_losses"], rtol=5e-4)
     assert len(cos) == 30 * 9 + 1 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
     assert max(rel.values()) <= 1e-4, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
+
+
+def _masked_labels(window: np.ndarray) -> np.ndarray:
+    """window[1:] with the first 100 positions and every 7th after them left out (-1), as a prompt
+    followed by an answer (and a few scattered masked positions)."""
+    labels = window[1:].astype(np.int32).copy()
+    labels[:100] = -1
+    labels[107::7] = -1
+    return labels
+
+
+def test_masked_loss_matches_pytorch(f32_path, text, reference_python, tmp_path):
+    """patch 0027: labels -1 leave positions out of the loss; the loss is the mean over the
+    others. Against PyTorch's cross-entropy with ignore_index on the same window: the loss, every
+    tensor's gradient (SGD lr 1) and the weights after 3 AdamW steps."""
+    window = _window(f32_path, text)
+    labels = _masked_labels(window)
+    loss0, adamw_losses, ref = _full_parity(f32_path, window, reference_python, tmp_path, 3, labels=labels)
+    cos, rel = ref["grad_cosine"], ref["adamw_rel"]
+    print(f"masked loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
+    print("lowest gradient cosine", min(cos.values()), "largest weight difference", max(rel.values()))
+    assert abs(loss0 - ref["loss"]) <= 1e-4 * ref["loss"]
+    np.testing.assert_allclose(adamw_losses, ref["adamw_losses"], rtol=5e-4)
+    assert len(cos) == 30 * 9 + 1 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
+    assert max(rel.values()) <= 1e-4, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
+
+
+def test_masked_labels_are_checked(f32_path, text):
+    window = _window(f32_path, text)
+    with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
+        with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
+            ctx.opt_init("sgd", 0.1, 0.0)
+            with pytest.raises(ValueError, match="every label"):
+                ctx.opt_step(window, labels=np.full(256, -1, np.int32))
+            with pytest.raises(ValueError, match="n_ctx"):
+                ctx.opt_step(window, labels=window[1:100])
+            with pytest.raises(ValueError, match="outside"):
+                ctx.opt_step(window, labels=np.full(256, m.n_vocab, np.int32))
+            with pytest.raises(ValueError, match="-1"):
+                ctx.opt_step(window, labels=np.full(256, -2, np.int32))
+            ctx.opt_step(window, labels=_masked_labels(window))  # and the context still trains
+            assert np.isfinite(ctx.opt_result()[0])
 
 
 def test_validation_between_accumulated_windows_does_not_move_the_step(f32_path, text):
@@ -324,12 +368,15 @@ def test_lora_over_the_quantized_model(model_path, text, tmp_path):
             train.finetune(m, text, lora_rank=0, progress=False)
 
 
-def test_lora_matches_pytorch(f32_path, text, reference_python, tmp_path):
+@pytest.mark.parametrize("masked", [False, True])
+def test_lora_matches_pytorch(masked, f32_path, text, reference_python, tmp_path):
     """A LoRA on attn_v/attn_output over the F32 weights, against a hand-written LoRA in PyTorch:
-    loss, the gradient of every adapter tensor, the adapter after 5 AdamW steps."""
+    loss, the gradient of every adapter tensor, the adapter after 5 AdamW steps; ``masked``: with
+    labels -1 left out of the loss (patch 0027; PyTorch's ignore_index)."""
 
     rank, alpha, lr, wd, n_steps = 4, 8.0, 1e-4, 0.01, 5
     window = _window(f32_path, text)
+    labels = _masked_labels(window) if masked else None
     with llamabind.Model(f32_path, n_threads=2, repack=False) as m:
         train.lora_init(m, tmp_path / "init.gguf", rank, alpha, ["attn_v", "attn_output"], seed=1)
         # B = 0 gives A no gradient at the first step: start from a B with values for the test
@@ -344,7 +391,7 @@ def test_lora_matches_pytorch(f32_path, text, reference_python, tmp_path):
 
         def run(optimizer, lr, wd, steps, out):
             adapter = m.load_lora(tmp_path / "init.gguf")
-            result = _opt_steps(m, window, optimizer, lr, wd, steps, params="lora", adapter=adapter)
+            result = _opt_steps(m, window, optimizer, lr, wd, steps, params="lora", adapter=adapter, labels=labels)
             adapter.save(out)
             adapter.close()
             return result
@@ -353,7 +400,7 @@ def test_lora_matches_pytorch(f32_path, text, reference_python, tmp_path):
         _, adamw_losses = run("adamw", lr, wd, n_steps, tmp_path / "adamw.gguf")
     job = dict(f32=str(f32_path), init=str(tmp_path / "init.gguf"), sgd=str(tmp_path / "sgd.gguf"))
     job.update(adamw=str(tmp_path / "adamw.gguf"), window=window.tolist(), adamw_steps=n_steps, lr=lr)
-    job.update(weight_decay=wd, scale=alpha / rank)
+    job.update(weight_decay=wd, scale=alpha / rank, labels=None if labels is None else labels.tolist())
     ref = _reference(reference_python, "lora_reference.py", tmp_path, job)
     cos, rel = ref["grad_cosine"], ref["adamw_rel"]
     print(f"LoRA loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")

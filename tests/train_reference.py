@@ -4,7 +4,8 @@
 
 WORK/job.json: {"f32": GGUF, "sgd": GGUF after one SGD step (lr 1, no weight decay) in llamabind,
 "adamw": GGUF after the AdamW steps in llamabind, "window": token ids (or a list of windows: a
-batch, whose loss is the mean over all its positions), "adamw_steps": n, "lr": x,
+batch, whose loss is the mean over all its positions), optionally "labels" (n_ctx ids of one window,
+-1 = left out of the loss: ignore_index), "adamw_steps": n, "lr": x,
 "weight_decay": w}. The token embeddings stay frozen, as llama.cpp keeps them. transformers loads
 each GGUF as LlamaForCausalLM in float32 (it undoes the
 converter's Q/K row permutation), PyTorch computes the loss and gradients of the same window and runs
@@ -29,9 +30,12 @@ def load(path: str):
     return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).train()
 
 
-def loss_of(model, window: torch.Tensor) -> torch.Tensor:
+def loss_of(model, window: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
     batch = window if window.ndim == 2 else window[None]  # (B, n_ctx + 1)
     logits = model(batch[:, :-1]).logits  # (B, n_ctx, n_vocab)
+    if labels is not None:  # one window, n_ctx labels, -1 left out (ignore_index -100)
+        lab = torch.where(labels < 0, -100, labels)
+        return F.cross_entropy(logits[0], lab, ignore_index=-100, reduction="mean")
     # mean over the B * n_ctx positions (windows of one length: the mean of the windows' means)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="mean")
 
@@ -39,13 +43,14 @@ def loss_of(model, window: torch.Tensor) -> torch.Tensor:
 def main(work: Path) -> None:
     job = json.loads((work / "job.json").read_text())
     window = torch.tensor(job["window"], dtype=torch.long)
+    labels = torch.tensor(job["labels"], dtype=torch.long) if job.get("labels") else None
     torch.manual_seed(0)
     model = load(job["f32"])
     # llama.cpp at the pin never trains token_embd.weight (llama_set_param's FIXME), and SmolLM2's
     # output matrix is that tensor (tied): freeze it here too
     model.model.embed_tokens.weight.requires_grad_(False)
     w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
-    loss = loss_of(model, window)
+    loss = loss_of(model, window, labels)
     loss.backward()
     grads = {k: v.grad.detach().clone() for k, v in model.named_parameters() if v.grad is not None}
     out: dict = {"loss": loss.item(), "grad_cosine": {}, "adamw_rel": {}, "adamw_losses": []}
@@ -64,7 +69,7 @@ def main(work: Path) -> None:
     )
     for _ in range(job["adamw_steps"]):
         opt.zero_grad()
-        step_loss = loss_of(model, window)
+        step_loss = loss_of(model, window, labels)
         step_loss.backward()
         opt.step()
         out["adamw_losses"].append(step_loss.item())

@@ -345,20 +345,20 @@ class Context:
         wd = as_float(weight_decay, "weight_decay")
         _core.opt_init(self._llama_context, optimizer, lr, wd, params, as_int(grad_accum, "grad_accum", 1))
 
-    def opt_step(self, window: Sequence[int] | np.ndarray, train: bool = True) -> None:
+    def opt_step(
+        self, window: Sequence[int] | np.ndarray, train: bool = True, labels: Sequence[int] | np.ndarray | None = None
+    ) -> None:
         """One window: token ids, shape (n_ctx + 1,), any integer dtype. Next-token cross-entropy of
-        window[:-1] against window[1:] (accumulated for :meth:`opt_result`); ``train`` adds the
-        backward pass and, every ``grad_accum``-th training window, an optimizer step (wraps
-        llama_opt_epoch on a one-window ggml_opt_dataset). Raises TypeError for a non-integer or
-        non-1-D window, ValueError for a wrong length or an id outside [0, n_vocab), or before
-        :meth:`opt_init`."""
-        w = np.asarray(window)
-        if w.ndim != 1 or not (np.issubdtype(w.dtype, np.integer) or w.size == 0):
-            raise TypeError(f"window must be a 1-D sequence of token ids; got {w.dtype} of shape {w.shape}")
-        if w.size and (w.min() < 0 or w.max() >= 2**31):
-            raise ValueError("window: token ids must be in [0, n_vocab)")
+        window[:-1] against window[1:], or against ``labels`` (shape (n_ctx,); -1 leaves a position
+        out: the loss is the mean over the others, patch 0027), accumulated for :meth:`opt_result`;
+        ``train`` adds the backward pass and, every ``grad_accum``-th training window, an optimizer
+        step (wraps llama_opt_epoch on a one-window ggml_opt_dataset). Raises TypeError for a
+        non-integer or non-1-D window or labels, ValueError for a wrong length, an id outside
+        [0, n_vocab), every label -1, or before :meth:`opt_init`."""
+        w = _ids(window, "window", 0)
+        lab = None if labels is None else _ids(labels, "labels", -1)
         self._tokens = []
-        _core.opt_step(self._llama_context, np.ascontiguousarray(w, dtype=np.int32), bool(train))
+        _core.opt_step(self._llama_context, w, bool(train), lab)
 
     def opt_result(self, train: bool = True) -> tuple[float, float, int]:
         """(mean cross-entropy per token in nats, next-token accuracy in [0, 1], tokens counted) of
@@ -393,3 +393,14 @@ def _split_state(data: bytes) -> tuple[bytes, list[int]]:
         raise ValueError("not a llamabind state (from Context.save_state): bad token count")
     tokens = np.frombuffer(data[-16 - 4 * n : -16], dtype="<i4").tolist()
     return data[: -16 - 4 * n], tokens
+
+
+def _ids(x, what: str, lo: int) -> np.ndarray:
+    """int32 copy of a 1-D integer sequence with values in [lo, 2**31) (the range check against
+    n_vocab is the extension's)."""
+    a = np.asarray(x)
+    if a.ndim != 1 or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
+        raise TypeError(f"{what} must be a 1-D sequence of token ids; got {a.dtype} of shape {a.shape}")
+    if a.size and (a.min() < lo or a.max() >= 2**31):
+        raise ValueError(f"{what}: ids must be in [0, n_vocab)" + (" or -1" if lo < 0 else ""))
+    return np.ascontiguousarray(a, dtype=np.int32)

@@ -8,6 +8,7 @@
 // this file alone sees src/ (CMakeLists.txt), and the pin fixes its layout
 #include <llama-adapter.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -121,9 +122,10 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
 
 using Tokens = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
-// One window of n_ctx + 1 tokens: inputs tokens[:-1], labels tokens[1:]. train: forward, backward
-// and, every grad_accum-th training window, an optimizer step; else forward only (validation loss).
-static void opt_step(Context & c, Tokens tokens, bool train) {
+// One window of n_ctx + 1 tokens: inputs tokens[:-1], labels tokens[1:], or ``labels`` (n_ctx ids,
+// -1 for a position left out of the loss: patch 0027). train: forward, backward and, every
+// grad_accum-th training window, an optimizer step; else forward only (validation loss).
+static void opt_step(Context & c, Tokens tokens, bool train, std::optional<Tokens> labels) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (!c.train) raise_value("call opt_init first");
@@ -137,9 +139,25 @@ static void opt_step(Context & c, Tokens tokens, bool train) {
             raise_value("token id " + std::to_string(tokens(i)) + " at " + std::to_string(i) + " is outside [0, " +
                         std::to_string(n_vocab) + ")");
     }
+    const int32_t * lab = tokens.data() + 1;
+    if (labels) {
+        if ((int64_t) labels->shape(0) != n_ctx)
+            raise_value("labels are n_ctx = " + std::to_string(n_ctx) + " ids; got " + std::to_string(labels->shape(0)));
+        bool any = false;
+        for (size_t i = 0; i < labels->shape(0); ++i) {
+            const int32_t l = (*labels)(i);
+            if (l < -1 || l >= n_vocab)
+                raise_value("label " + std::to_string(l) + " at " + std::to_string(i) + " is outside [0, " +
+                            std::to_string(n_vocab) + ") and not -1 (masked)");
+            any = any || l >= 0;
+        }
+        // an all-masked window would be skipped by llama_opt_epoch, shifting the accumulation period
+        if (!any) raise_value("every label of the window is masked (-1): nothing to learn from it");
+        lab = labels->data();
+    }
     ggml_opt_dataset_t ds = ggml_opt_dataset_init(GGML_TYPE_I32, GGML_TYPE_I32, n_ctx, n_ctx, 1, 1);
     std::memcpy(ggml_opt_dataset_data(ds)->data, tokens.data(), n_ctx * sizeof(int32_t));
-    std::memcpy(ggml_opt_dataset_labels(ds)->data, tokens.data() + 1, n_ctx * sizeof(int32_t));
+    std::memcpy(ggml_opt_dataset_labels(ds)->data, lab, n_ctx * sizeof(int32_t));
     TrainState & st = *c.train;
     {
         nb::gil_scoped_release release;
@@ -279,7 +297,7 @@ void register_train(nb::module_ & m) {
           "Write a LoRA adapter GGUF: [(name, float32 (rows, cols))], names ending .lora_a / .lora_b.");
     m.def("lora_save", &lora_save, nb::arg("adapter"), nb::arg("path"),
           "Write a loaded adapter's current A/B tensors (e.g. after training) as a LoRA adapter GGUF.");
-    m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("tokens"), nb::arg("train"),
+    m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("tokens"), nb::arg("train"), nb::arg("labels") = nb::none(),
           "llama_opt_epoch on one window of n_ctx + 1 int32 tokens (next-token cross-entropy): train=True "
           "updates the weights, False only accumulates the validation loss.");
     m.def("opt_result", &opt_result, nb::arg("context"), nb::arg("train"),
