@@ -142,7 +142,8 @@ static void opt_step(Context & c, Tokens tokens, bool train, std::optional<Token
     const int32_t * lab = tokens.data() + 1;
     if (labels) {
         if ((int64_t) labels->shape(0) != n_ctx)
-            raise_value("labels are n_ctx = " + std::to_string(n_ctx) + " ids; got " + std::to_string(labels->shape(0)));
+            raise_value("labels are n_ctx = " + std::to_string(n_ctx) + " ids; got " +
+                        std::to_string(labels->shape(0)));
         bool any = false;
         for (size_t i = 0; i < labels->shape(0); ++i) {
             const int32_t l = (*labels)(i);
@@ -297,7 +298,8 @@ void register_train(nb::module_ & m) {
           "Write a LoRA adapter GGUF: [(name, float32 (rows, cols))], names ending .lora_a / .lora_b.");
     m.def("lora_save", &lora_save, nb::arg("adapter"), nb::arg("path"),
           "Write a loaded adapter's current A/B tensors (e.g. after training) as a LoRA adapter GGUF.");
-    m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("tokens"), nb::arg("train"), nb::arg("labels") = nb::none(),
+    m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("tokens"), nb::arg("train"),
+          nb::arg("labels") = nb::none(),
           "llama_opt_epoch on one window of n_ctx + 1 int32 tokens (next-token cross-entropy): train=True "
           "updates the weights, False only accumulates the validation loss.");
     m.def("opt_result", &opt_result, nb::arg("context"), nb::arg("train"),
