@@ -141,10 +141,10 @@ def _finetune(args) -> int:
 
     from . import Model, models, train
 
-    data = Path(args.data)
-    if not data.is_file():
-        raise FileNotFoundError(f"--data: no such file: {data}")
-    text = data.read_text(encoding="utf-8")
+    for flag, f in (("--data", args.data), ("--valid", args.valid), ("--chat-template-file", args.chat_template_file)):
+        if f is not None and not Path(f).is_file():
+            raise FileNotFoundError(f"{flag}: no such file: {f}")
+    template = Path(args.chat_template_file).read_text(encoding="utf-8") if args.chat_template_file else None
     out = Path(args.output)
     try:  # fail now, not after the training, if the output cannot be written
         existed = out.exists()
@@ -165,9 +165,16 @@ def _finetune(args) -> int:
             src = Path(tmp) / "f32.gguf"
         kw = dict(use_mmap=lora, repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
         with Model(src, **kw) as m:
+            # JSONL examples or text, read and checked in full before the training starts
+            read = dict(chat_template=template, train_on_prompt=args.train_on_prompt)
+            data = train.read_data(args.data, m, **read)
+            valid = train.read_data(args.valid, m, **read) if args.valid else None
+            if not isinstance(data, str):
+                print(f"{len(data)} examples from {args.data}", file=sys.stderr)
             res = train.finetune(
                 m,
-                text,
+                data,
+                valid=valid,
                 ctx_size=args.ctx_size,
                 epochs=args.epochs,
                 iters=args.iters,
@@ -312,11 +319,20 @@ def main(argv=None) -> int:
     c.add_argument("--system", default=None, help="system message (default: the template's)")
     c.add_argument("--no-progress", dest="progress", action="store_false", help="no loading progress bar")
     c.set_defaults(fn=_chat)
-    f = sub.add_parser("finetune", help="fine-tune a GGUF model (full, or LoRA) on a text file (llama_opt_*)")
+    f = sub.add_parser(
+        "finetune", help="fine-tune a GGUF model (full, or LoRA) on JSONL examples or text (llama_opt_*)"
+    )
     f.add_argument(
         "--model", "-m", default=models.DEFAULT, help="model name or GGUF path (full: converted to F32 if needed)"
     )
-    f.add_argument("--data", required=True, help="UTF-8 text file to train on")
+    f.add_argument(
+        "--data",
+        required=True,
+        help="JSONL ({text} / {prompt, completion} / {messages[, tools]} per line) or a UTF-8 text file",
+    )
+    f.add_argument("--valid", default=None, help="held-out file of the same kinds (instead of --val-split)")
+    f.add_argument("--train-on-prompt", action="store_true", help="count the loss on every token, not only the answers")
+    f.add_argument("--chat-template-file", default=None, help="jinja chat template instead of the GGUF's")
     f.add_argument("--output", "-o", required=True, help="the tuned model's GGUF path (the adapter's, with LoRA)")
     f.add_argument("--lora-rank", type=int, default=None, help="train a LoRA adapter of this rank instead")
     f.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")

@@ -1,30 +1,4 @@
-"""Fine-tuning a GGUF model on text, through llama.cpp's optimizer API (llama_opt_init /
-llama_opt_epoch: ggml's backward graph, ggml-opt's AdamW or SGD).
-
-    >>> import llamabind
-    >>> from llamabind import train
-    >>> train.to_f32("smollm2-135m-instruct", "smol-f32.gguf")        # dequantize: trainable weights
-    >>> model = llamabind.Model("smol-f32.gguf", use_mmap=False)
-    >>> result = train.finetune(model, open("notes.txt").read(), ctx_size=256, epochs=2, lr=1e-5)
-    >>> model.save("smol-tuned.gguf")
-
-The data is cut into windows of ``ctx_size + 1`` tokens every ``ctx_size // 2`` tokens (as
-upstream's ``common_opt_dataset_init``); the last ``val_split`` of them are held out for the
-validation loss. One optimizer step per ``batch_size`` windows (the mean next-token
-cross-entropy over their ctx_size positions each, as PyTorch's mean loss of a batch: the windows
-run one after the other and ggml-opt accumulates their gradients). The model's weights change in
-place: generate with it afterwards, or save it.
-
-Full fine-tuning needs F32 weights (ggml-opt updates them in place; quantized weights have no
-gradient): convert a quantized model with :func:`to_f32`. LoRA (``lora_rank=``) trains F32
-adapter matrices A (rank x n_in) and B (n_out x rank), scaled by alpha / rank, beside frozen
-weights that may be quantized (QLoRA: the Q4_1 SmolLM2 as is); the trained adapter is
-``result.adapter`` (apply it with ``Context.set_lora``, save it with ``adapter.save(path)``).
-
-    >>> model = llamabind.Model("smollm2-135m-instruct", repack=False)
-    >>> r = train.finetune(model, text, lora_rank=8, lora_alpha=16, lr=1e-4)
-    >>> r.adapter.save("smol-lora.gguf")
-"""
+"""The training loop: windows in, optimizer steps through llama.cpp's llama_opt_epoch."""
 
 from __future__ import annotations
 
@@ -38,14 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from ._validate import as_float, as_int, expect, one_of
-from .context import Context
-from .model import LoraAdapter, Model, quantize, write_lora_gguf
+from .._validate import as_float, as_int, expect, one_of
+from ..context import Context
+from ..model import LoraAdapter, Model
+from .data import Example, example_windows, windows
+from .lora import lora_init
 
-__all__ = ["LORA_TARGETS", "EpochStats", "TrainResult", "finetune", "lora_init", "to_f32", "windows"]
-
-LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-"""Names of the per-layer matrices a LoRA adapter can target (GGUF ``blk.N.NAME.weight``)."""
+__all__ = ["EpochStats", "TrainResult", "finetune"]
 
 
 @dataclass
@@ -79,62 +52,6 @@ class TrainResult:
     interrupted: bool = False
 
 
-def to_f32(src: str | os.PathLike, dst: str | os.PathLike, *, n_threads: int | None = None) -> None:
-    """Write ``src`` (any GGUF llama.cpp loads, or a model name) with F32 weights to ``dst``, for
-    full fine-tuning (about 4 bytes per parameter). Wraps llama_model_quantize with ftype ALL_F32
-    (dequantizing). Raises FileNotFoundError, LlamaError if llama.cpp fails."""
-    quantize(src, dst, "F32", n_threads=n_threads)
-
-
-def lora_init(
-    model: Model,
-    path: str | os.PathLike,
-    rank: int = 8,
-    alpha: float = 16.0,
-    targets: Sequence[str] = ("attn_q", "attn_v"),
-    seed: int = 0,
-) -> None:
-    """Write a fresh LoRA adapter GGUF for ``model``: for each targeted matrix W (numpy shape
-    (n_out, n_in)) of every layer, A (rank, n_in) uniform in +-1/sqrt(n_in) (PEFT's default) and
-    B (n_out, rank) zero, so the adapted model starts equal to the base. F32, alpha stored as
-    ``adapter.lora.alpha`` (llama.cpp scales A/B by alpha / rank). Raises ValueError for an
-    unknown target or rank <= 0."""
-    rank = as_int(rank, "rank", 1)
-    alpha = as_float(alpha, "alpha")
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    for t in targets:
-        one_of(t, "lora target", LORA_TARGETS)
-    expect(len(targets) > 0, "lora targets: give at least one of " + ", ".join(LORA_TARGETS))
-    rng = np.random.default_rng(seed)
-    tensors = []
-    for name, _, shape in model.tensor_info():
-        parts = name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2] in targets and parts[3] == "weight" and len(shape) == 2:
-            n_out, n_in = shape
-            expect(rank <= min(n_out, n_in), f"rank {rank} exceeds the size of {name} {shape}")
-            bound = 1 / math.sqrt(n_in)
-            tensors.append((name + ".lora_a", rng.uniform(-bound, bound, (rank, n_in)).astype(np.float32)))
-            tensors.append((name + ".lora_b", np.zeros((n_out, rank), np.float32)))
-    expect(bool(tensors), f"the model has no matrices named {targets}")
-    arch = str(model.metadata.get("general.architecture", ""))
-    write_lora_gguf(path, arch, alpha, tensors)
-
-
-def windows(tokens: Sequence[int] | np.ndarray, ctx_size: int, stride: int | None = None) -> np.ndarray:
-    """The training windows of a token sequence: int32 array (n, ctx_size + 1), one every
-    ``stride`` tokens (default ctx_size // 2). ValueError if tokens are too few for one window."""
-    t = np.asarray(tokens, dtype=np.int64)
-    stride = ctx_size // 2 if stride is None else as_int(stride, "stride", 1)
-    if t.size < ctx_size + 1:
-        raise ValueError(
-            f"the data has {t.size} tokens; one training window needs ctx_size + 1 = {ctx_size + 1} "
-            "(give more text or a smaller ctx_size)"
-        )
-    n = max(1, (t.size - ctx_size - 1) // stride)  # as common_opt_dataset_init (at least one)
-    idx = np.arange(n)[:, None] * stride + np.arange(ctx_size + 1)[None, :]
-    return t[idx].astype(np.int32)
-
-
 def _check_model(model: Model, lora: bool) -> None:
     if not isinstance(model, Model):
         raise TypeError(f"model must be a llamabind.Model; got {type(model).__name__}")
@@ -158,8 +75,9 @@ def _check_model(model: Model, lora: bool) -> None:
 
 def finetune(
     model: Model,
-    data: str | Sequence[int],
+    data: str | Sequence[int] | Sequence[Example],
     *,
+    valid: str | Sequence[int] | Sequence[Example] | None = None,
     ctx_size: int = 256,
     epochs: int = 1,
     iters: int | None = None,
@@ -181,8 +99,11 @@ def finetune(
     ``lora_rank`` a new LoRA adapter over the frozen model (any weight type; repack=False).
 
     Args:
-        data: text (tokenized with the model's tokenizer, BOS added) or token ids, shape (n,),
-            any integer dtype, each in [0, n_vocab).
+        data: text (tokenized with the model's tokenizer, BOS added; sliding windows), token ids,
+            shape (n,), any integer dtype, each in [0, n_vocab), or a list of :class:`Example`
+            (e.g. from :func:`load_jsonl`: one per window, cut or padded, the loss on their
+            counted tokens only).
+        valid: held-out data of the same kinds for the validation loss, instead of ``val_split``.
         ctx_size: tokens per window (n_ctx = n_batch = n_ubatch of the training context); a
             multiple of 256 (llama.cpp pads contexts to 256).
         epochs: passes over the train windows (shuffled each epoch with ``seed`` unless
@@ -221,18 +142,16 @@ def finetune(
     one_of(optimizer, "optimizer", ("adamw", "sgd"))
     val_split = as_float(val_split, "val_split", 0.0, 0.9)
     batch_size = as_int(batch_size, "batch_size", 1)
-    if isinstance(data, str):
-        tokens = np.asarray(model.tokenize(data, add_special=True), dtype=np.int64)
+    win, lab = _windows(model, data, ctx_size, "data")
+    if valid is not None:
+        val_win, val_lab = _windows(model, valid, ctx_size, "valid")
+        n_train = len(win)
     else:
-        tokens = np.asarray(data)
-        if tokens.ndim != 1 or not (np.issubdtype(tokens.dtype, np.integer) or tokens.size == 0):
-            raise TypeError(f"data must be a str or a 1-D sequence of token ids; got {tokens.dtype} {tokens.shape}")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= model.n_vocab):
-            raise ValueError(f"data: token ids must be in [0, n_vocab = {model.n_vocab})")
-    win = windows(tokens, ctx_size)
-    n_train = int(len(win) * (1.0 - val_split))  # as llama-finetune's idata_split
-    if n_train < 1:
-        raise ValueError(f"{len(win)} window(s) leave none to train on with val_split={val_split}")
+        n_train = int(len(win) * (1.0 - val_split))  # as llama-finetune's idata_split
+        if n_train < 1:
+            raise ValueError(f"{len(win)} window(s) leave none to train on with val_split={val_split}")
+        val_win, val_lab = win[n_train:], (None if lab is None else lab[n_train:])
+        win, lab = win[:n_train], (None if lab is None else lab[:n_train])
     n_batches = -(-n_train // batch_size)
     if iters is not None:
         epochs = -(-iters // n_batches)
@@ -249,13 +168,13 @@ def finetune(
         if result.adapter is not None:
             ctx.set_lora(result.adapter, 1.0)
         ctx.opt_init(optimizer, lr, weight_decay, "lora" if lora else "model", grad_accum=batch_size)
-        result.val_loss_before = _validate(ctx, win[n_train:])[0]
+        result.val_loss_before = _validate(ctx, val_win, val_lab)[0]
         for epoch in range(epochs):
             order = rng.permutation(n_train) if shuffle else np.arange(n_train)
             batches = np.resize(order, n_batches * batch_size).reshape(-1, batch_size)
             if iters is not None:
                 batches = batches[: iters - result.steps]
-            stats = _epoch(ctx, win[:n_train], win[n_train:], batches, epoch, epochs, progress, on_step, result)
+            stats = _epoch(ctx, (win, lab), (val_win, val_lab), batches, epoch, epochs, progress, on_step, result)
             if stats is not None:
                 result.epochs.append(stats)
             if result.interrupted:
@@ -265,8 +184,10 @@ def finetune(
     return result
 
 
-def _epoch(ctx, train_w, val_w, batches, epoch, epochs, progress, on_step, result) -> EpochStats | None:
-    """One pass over ``batches`` (rows of window indices, one optimizer step each)."""
+def _epoch(ctx, train, val, batches, epoch, epochs, progress, on_step, result) -> EpochStats | None:
+    """One pass over ``batches`` (rows of window indices, one optimizer step each); train and val
+    are (windows, labels or None)."""
+    train_w, train_l = train
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -277,7 +198,7 @@ def _epoch(ctx, train_w, val_w, batches, epoch, epochs, progress, on_step, resul
         for batch in batches:
             ctx.opt_reset()
             for i in batch:
-                ctx.opt_step(train_w[i], train=True)
+                ctx.opt_step(train_w[i], train=True, labels=None if train_l is None else train_l[i])
             loss, acc, n = ctx.opt_result(train=True)
             result.steps += 1
             if not math.isfinite(loss):
@@ -300,7 +221,7 @@ def _epoch(ctx, train_w, val_w, batches, epoch, epochs, progress, on_step, resul
     if not losses:
         return None
     t1 = time.perf_counter()
-    val_loss, val_acc = _validate(ctx, val_w) if not result.interrupted else (math.nan, math.nan)
+    val_loss, val_acc = _validate(ctx, *val) if not result.interrupted else (math.nan, math.nan)
     return EpochStats(
         epoch + 1,
         float(np.mean(losses)),
@@ -313,12 +234,31 @@ def _epoch(ctx, train_w, val_w, batches, epoch, epochs, progress, on_step, resul
     )
 
 
-def _validate(ctx: Context, val_w: np.ndarray) -> tuple[float, float]:
+def _validate(ctx: Context, val_w: np.ndarray, val_l: np.ndarray | None) -> tuple[float, float]:
     """(mean loss per token, accuracy) on the validation windows (forward only); NaN if none."""
     if not len(val_w):
         return math.nan, math.nan
     ctx.opt_reset()
-    for w in val_w:
-        ctx.opt_step(w, train=False)
+    for i, w in enumerate(val_w):
+        ctx.opt_step(w, train=False, labels=None if val_l is None else val_l[i])
     loss, acc, _ = ctx.opt_result(train=False)
     return loss, acc
+
+
+def _windows(model: Model, data, ctx_size: int, what: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(windows (n, ctx_size + 1), labels (n, ctx_size) or None) of text, token ids or examples."""
+    if isinstance(data, str):
+        return windows(np.asarray(model.tokenize(data, add_special=True), dtype=np.int64), ctx_size), None
+    if isinstance(data, Sequence) and len(data) and all(isinstance(e, Example) for e in data):
+        eos = model.token_eos if model.token_eos is not None and model.token_eos >= 0 else 0
+        win, lab, _ = example_windows(data, ctx_size, eos)
+        return win, lab
+    tokens = np.asarray(data)
+    if tokens.ndim != 1 or not (np.issubdtype(tokens.dtype, np.integer) or tokens.size == 0):
+        raise TypeError(
+            f"{what} must be a str, a 1-D sequence of token ids or a list of train.Example; "
+            f"got {tokens.dtype} {tokens.shape}"
+        )
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= model.n_vocab):
+        raise ValueError(f"{what}: token ids must be in [0, n_vocab = {model.n_vocab})")
+    return windows(tokens, ctx_size), None

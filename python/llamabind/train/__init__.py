@@ -1,0 +1,49 @@
+"""Fine-tuning a GGUF model on text, through llama.cpp's optimizer API (llama_opt_init /
+llama_opt_epoch: ggml's backward graph, ggml-opt's AdamW or SGD).
+
+    >>> import llamabind
+    >>> from llamabind import train
+    >>> train.to_f32("smollm2-135m-instruct", "smol-f32.gguf")        # dequantize: trainable weights
+    >>> model = llamabind.Model("smol-f32.gguf", use_mmap=False)
+    >>> result = train.finetune(model, open("notes.txt").read(), ctx_size=256, epochs=2, lr=1e-5)
+    >>> model.save("smol-tuned.gguf")
+
+Data: text, token ids, or examples from JSONL files (:func:`read_data`: ``{"text"}``,
+``{"prompt", "completion"}``, ``{"messages"}`` rendered with the chat template, the loss counted on
+the completion / assistant tokens only: patch 0027), one example per window, cut at ctx_size + 1
+tokens or padded (padding not counted). Text is cut into windows of ``ctx_size + 1`` tokens every
+``ctx_size // 2`` tokens (as upstream's ``common_opt_dataset_init``); the last ``val_split`` of
+them are held out for the validation loss. One optimizer step per ``batch_size`` windows (the mean next-token
+cross-entropy over their ctx_size positions each, as PyTorch's mean loss of a batch: the windows
+run one after the other and ggml-opt accumulates their gradients). The model's weights change in
+place: generate with it afterwards, or save it.
+
+Full fine-tuning needs F32 weights (ggml-opt updates them in place; quantized weights have no
+gradient): convert a quantized model with :func:`to_f32`. LoRA (``lora_rank=``) trains F32
+adapter matrices A (rank x n_in) and B (n_out x rank), scaled by alpha / rank, beside frozen
+weights that may be quantized (QLoRA: the Q4_1 SmolLM2 as is); the trained adapter is
+``result.adapter`` (apply it with ``Context.set_lora``, save it with ``adapter.save(path)``).
+
+    >>> model = llamabind.Model("smollm2-135m-instruct", repack=False)
+    >>> r = train.finetune(model, text, lora_rank=8, lora_alpha=16, lr=1e-4)
+    >>> r.adapter.save("smol-lora.gguf")
+"""
+
+from .data import Example, chat_example, example_windows, load_jsonl, read_data, windows
+from .loop import EpochStats, TrainResult, finetune
+from .lora import LORA_TARGETS, lora_init, to_f32
+
+__all__ = [
+    "LORA_TARGETS",
+    "EpochStats",
+    "Example",
+    "TrainResult",
+    "chat_example",
+    "example_windows",
+    "finetune",
+    "load_jsonl",
+    "lora_init",
+    "read_data",
+    "to_f32",
+    "windows",
+]

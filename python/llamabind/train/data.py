@@ -1,0 +1,213 @@
+"""Training data: plain text cut into windows, and JSONL examples in the formats mlx-lm documents
+(``{"text"}``, ``{"prompt", "completion"}``, ``{"messages"[, "tools"]}``), rendered with the
+model's chat template exactly as :meth:`llamabind.Model.chat` renders a conversation, with a mask
+of the tokens the loss counts (the completion / assistant turns unless ``train_on_prompt``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .._validate import as_int
+from ..model import ChatTemplates, Model
+
+__all__ = ["Example", "chat_example", "load_jsonl", "read_data", "windows", "example_windows"]
+
+
+@dataclass
+class Example:
+    """One training example: ``tokens`` int32 (n,) and ``counted`` bool (n,), True where the token
+    is a label the loss counts (the model learns to predict it from the tokens before it)."""
+
+    tokens: np.ndarray
+    counted: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def windows(tokens: Sequence[int] | np.ndarray, ctx_size: int, stride: int | None = None) -> np.ndarray:
+    """The training windows of a token sequence: int32 array (n, ctx_size + 1), one every
+    ``stride`` tokens (default ctx_size // 2). ValueError if tokens are too few for one window."""
+    t = np.asarray(tokens, dtype=np.int64)
+    stride = ctx_size // 2 if stride is None else as_int(stride, "stride", 1)
+    if t.size < ctx_size + 1:
+        raise ValueError(
+            f"the data has {t.size} tokens; one training window needs ctx_size + 1 = {ctx_size + 1} "
+            "(give more text or a smaller ctx_size)"
+        )
+    n = max(1, (t.size - ctx_size - 1) // stride)  # as common_opt_dataset_init (at least one)
+    idx = np.arange(n)[:, None] * stride + np.arange(ctx_size + 1)[None, :]
+    return t[idx].astype(np.int32)
+
+
+def example_windows(examples: Sequence[Example], ctx_size: int, pad: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """One window per example: (tokens int32 (n, ctx_size + 1), labels int32 (n, ctx_size),
+    examples cut). An example longer than ctx_size + 1 tokens is cut at the end; a shorter one is
+    padded with ``pad`` (not counted). labels[i, j] is tokens[i, j + 1] where that token is counted,
+    else -1 (left out of the loss). Examples with no counted label left are dropped; ValueError if
+    none remains."""
+    toks, labs, cut = [], [], 0
+    for ex in examples:
+        n = min(len(ex), ctx_size + 1)
+        cut += len(ex) > ctx_size + 1
+        t = np.full(ctx_size + 1, pad, np.int32)
+        c = np.zeros(ctx_size + 1, bool)
+        t[:n], c[:n] = ex.tokens[:n], ex.counted[:n]
+        lab = np.where(c[1:], t[1:], -1).astype(np.int32)
+        if (lab >= 0).any():
+            toks.append(t)
+            labs.append(lab)
+    if not toks:
+        raise ValueError(f"no example has a counted token within ctx_size + 1 = {ctx_size + 1} tokens")
+    return np.stack(toks), np.stack(labs), cut
+
+
+def chat_example(
+    model: Model,
+    messages: Sequence[dict],
+    *,
+    tools: Sequence[dict] | None = None,
+    templates: ChatTemplates | None = None,
+    train_on_prompt: bool = False,
+) -> Example:
+    """A conversation rendered with the chat template (the GGUF's, or ``templates``) as
+    :meth:`Model.chat` renders it (``ChatTemplates.apply``, add_special and parse_special on),
+    tokenized in segments: each assistant turn is the text between the rendering of the messages
+    before it with the generation prompt and the rendering through it; those tokens are counted
+    (all are with ``train_on_prompt``). Raises ValueError for no assistant turn, or a template
+    whose rendering of a conversation does not extend the rendering of its beginning."""
+    tpl = templates if templates is not None else model.chat_templates()
+    if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
+        raise ValueError("the conversation has no assistant turn: nothing to learn from it")
+    whole = tpl.render(messages, tools=tools, add_generation_prompt=False)
+    segments: list[tuple[str, bool]] = []
+    pos = 0
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        before = tpl.render(messages[:i], tools=tools, add_generation_prompt=True) if i else ""
+        through = tpl.render(messages[: i + 1], tools=tools, add_generation_prompt=False)
+        if not (whole.startswith(through) and through.startswith(before) and len(before) >= pos):
+            raise ValueError(
+                f"the chat template renders message {i} (assistant) differently inside the whole conversation "
+                "than after its beginning, so the assistant's tokens cannot be told apart; train on every token "
+                "(train_on_prompt) or give another template"
+            )
+        segments += [(whole[pos : len(before)], False), (whole[len(before) : len(through)], True)]
+        pos = len(through)
+    segments.append((whole[pos:], False))
+    tokens: list[int] = []
+    counted: list[bool] = []
+    for k, (text, is_answer) in enumerate(segments):
+        if not text:
+            continue
+        ids = model.tokenize(text, add_special=k == 0, parse_special=True)
+        tokens += ids
+        counted += [is_answer or train_on_prompt] * len(ids)
+    return Example(np.asarray(tokens, np.int32), np.asarray(counted, bool))
+
+
+def _text_example(model: Model, text: str) -> Example:
+    ids = model.tokenize(text, add_special=True, parse_special=False)
+    return Example(np.asarray(ids, np.int32), np.ones(len(ids), bool))
+
+
+def _parse_line(line: str, path: str, lineno: int) -> dict:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}:{lineno}: a line must be a JSON object; got {type(obj).__name__}")
+    return obj
+
+
+def _example(model, obj: dict, where: str, templates, train_on_prompt: bool) -> Example:
+    def field(name: str, kind: type):
+        v = obj.get(name)
+        if not isinstance(v, kind):
+            raise ValueError(f"{where}: field {name!r} must be a {kind.__name__}; got {type(v).__name__}")
+        return v
+
+    if "messages" in obj:
+        msgs = field("messages", list)
+        for k, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ValueError(f"{where}: messages[{k}] must be an object with a 'role' (str)")
+            if m.get("content") is not None and not isinstance(m["content"], (str, list)):
+                raise ValueError(f"{where}: messages[{k}].content must be a str or a list of parts")
+        tools = obj.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise ValueError(f"{where}: field 'tools' must be a list")
+        try:
+            return chat_example(model, msgs, tools=tools, templates=templates, train_on_prompt=train_on_prompt)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+    if "prompt" in obj or "completion" in obj:
+        prompt, completion = field("prompt", str), field("completion", str)
+        if templates is not None or model.chat_template() is not None:
+            msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+            try:
+                return chat_example(model, msgs, templates=templates, train_on_prompt=train_on_prompt)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{where}: {e}") from None
+        p = model.tokenize(prompt, add_special=True, parse_special=False)
+        c = model.tokenize(completion, add_special=False, parse_special=False)
+        return Example(np.asarray(p + c, np.int32), np.asarray([train_on_prompt] * len(p) + [True] * len(c), bool))
+    if "text" in obj:
+        return _text_example(model, field("text", str))
+    raise ValueError(f"{where}: a line needs 'text', 'prompt' and 'completion', or 'messages'; got {sorted(obj)}")
+
+
+def load_jsonl(
+    path: str | os.PathLike,
+    model: Model,
+    *,
+    chat_template: str | None = None,
+    train_on_prompt: bool = False,
+) -> list[Example]:
+    """Every line of a JSONL file as an :class:`Example` (blank lines skipped), the format told by
+    its keys: ``{"text"}`` (every token counted), ``{"prompt", "completion"}`` (rendered as a
+    user/assistant exchange with the chat template when the model has one, else concatenated; the
+    completion counted), ``{"messages"[, "tools"]}`` (the assistant turns counted). chat_template:
+    jinja source instead of the GGUF's. The whole file is read and checked before anything is
+    returned. Raises FileNotFoundError; ValueError naming the file, line and field for bad JSON, a
+    missing or mistyped field, a conversation without an assistant turn, or an empty file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no such file: {p}")
+    templates = model.chat_templates(chat_template) if chat_template is not None else None
+    out = []
+    with open(p, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            obj = _parse_line(line, str(p), lineno)
+            out.append(_example(model, obj, f"{p}:{lineno}", templates, bool(train_on_prompt)))
+    if not out:
+        raise ValueError(f"{p}: no examples (the file is empty)")
+    return out
+
+
+def read_data(
+    path: str | os.PathLike, model: Model, *, chat_template: str | None = None, train_on_prompt: bool = False
+) -> str | list[Example]:
+    """A training file: JSONL examples (:func:`load_jsonl`) when the file's first non-blank line is
+    a JSON object, else its UTF-8 text (trained on as one stream of sliding windows). Raises
+    FileNotFoundError, ValueError (see :func:`load_jsonl`; an empty file)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no such file: {p}")
+    text = p.read_text(encoding="utf-8")
+    first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    if not first:
+        raise ValueError(f"{p}: the file is empty")
+    if first.lstrip().startswith("{"):
+        return load_jsonl(p, model, chat_template=chat_template, train_on_prompt=train_on_prompt)
+    return text

@@ -1,0 +1,149 @@
+"""Fine-tuning data (llamabind.train.data, issue 28): JSONL examples rendered with the chat template
+as Model.chat renders them, the loss mask on the assistant / completion tokens, clear errors for
+bad files, and a QLoRA run on chat JSONL made from Python's own documentation (pydoc_data) whose
+held-out answer loss falls."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import llamabind
+from llamabind import train
+
+CONVERSATION = [
+    {"role": "user", "content": "What does the `with` statement do in Python?"},
+    {"role": "assistant", "content": "It wraps a block with the methods of a context manager."},
+    {"role": "user", "content": "And `pass`?"},
+    {"role": "assistant", "content": "Nothing: it is a null operation."},
+]
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of True."""
+    d = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1)))
+
+
+@pytest.mark.parametrize("template", ["gguf", "qwen2.5"])
+def test_chat_example_is_the_chat_rendering_with_the_assistant_turns_counted(template, model_path, vendor_dir):
+    """The tokens are the tokenization of ChatTemplates.render of the whole conversation (as
+    Model.chat tokenizes a prompt: special tokens parsed), and the counted tokens are exactly two
+    runs, each an assistant reply followed by the template's end-of-turn marker (SmolLM2's own
+    template and Qwen2.5's, both ChatML)."""
+    with llamabind.Model(model_path, vocab_only=True) as m:
+        qwen = vendor_dir / "models/templates/Qwen-Qwen2.5-7B-Instruct.jinja"
+        src = None if template == "gguf" else qwen.read_text()
+        tpl = m.chat_templates(src)
+        ex = train.chat_example(m, CONVERSATION, templates=tpl)
+        whole = tpl.render(CONVERSATION, add_generation_prompt=False)
+        assert ex.tokens.tolist() == m.tokenize(whole, add_special=True, parse_special=True)
+        runs = _runs(ex.counted)
+        assert len(runs) == 2, runs
+        for (a, b), reply in zip(runs, [CONVERSATION[1]["content"], CONVERSATION[3]["content"]]):
+            text = m.detokenize(ex.tokens[a:b].tolist(), unparse_special=True)
+            assert text.startswith(reply) and re.fullmatch(r"<\|im_end\|>\n?", text[len(reply) :]), text
+        prompt_text = m.detokenize(ex.tokens[~ex.counted].tolist(), unparse_special=True)
+        assert CONVERSATION[0]["content"] in prompt_text and "<|im_start|>assistant" in prompt_text
+        everything = train.chat_example(m, CONVERSATION, templates=tpl, train_on_prompt=True)
+        assert everything.counted.all() and everything.tokens.tolist() == ex.tokens.tolist()
+
+
+def test_prompt_completion_and_text_lines(model_path, tmp_path):
+    """{prompt, completion} becomes a user/assistant exchange with the completion counted;
+    {text} counts every token; windows pad with EOS, not counted, and label the next token."""
+    path = tmp_path / "d.jsonl"
+    lines = [{"prompt": "2 + 2 =", "completion": "4"}, {"text": "plain words here"}]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    with llamabind.Model(model_path, vocab_only=True) as m:
+        exs = train.load_jsonl(path, m)
+        assert len(exs) == 2
+        pc, tx = exs
+        counted = m.detokenize(pc.tokens[pc.counted].tolist(), unparse_special=True)
+        assert counted.startswith("4<|im_end|>"), counted
+        assert tx.counted.all() and tx.tokens.tolist() == m.tokenize("plain words here", add_special=True)
+        win, lab, cut = train.example_windows(exs, 256, m.token_eos)
+        assert win.shape == (2, 257) and lab.shape == (2, 256) and cut == 0
+        n = len(pc)
+        assert (win[0, n:] == m.token_eos).all() and (lab[0, n - 1 :] == -1).all()
+        want = np.where(pc.counted[1:], pc.tokens[1:], -1)
+        assert lab[0, : n - 1].tolist() == want.tolist()
+        assert train.read_data(path, m) is not None
+        (tmp_path / "t.txt").write_text("just text\n")
+        assert train.read_data(tmp_path / "t.txt", m) == "just text\n"
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ('{"text": "a"}\n{"text": "b"\n', r"d\.jsonl:2: not valid JSON"),
+        ('{"text": "a"}\n[1, 2]\n', r"d\.jsonl:2: a line must be a JSON object"),
+        ('{"question": "a"}\n', r"d\.jsonl:1: a line needs 'text'"),
+        ('{"prompt": "a"}\n', r"d\.jsonl:1: field 'completion' must be a str"),
+        ('{"text": 3}\n', r"d\.jsonl:1: field 'text' must be a str"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}\n', r"d\.jsonl:1: .*no assistant turn"),
+        ('{"messages": [{"content": "hi"}]}\n', r"d\.jsonl:1: messages\[0\] must be an object with a 'role'"),
+        ('{"messages": "hi"}\n', r"d\.jsonl:1: field 'messages' must be a list"),
+        ("\n\n", r"empty"),
+    ],
+)
+def test_bad_jsonl_is_a_clear_error(content, match, model_path, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(content)
+    with llamabind.Model(model_path, vocab_only=True) as m:
+        with pytest.raises(ValueError, match=match):
+            train.read_data(path, m)
+        with pytest.raises(FileNotFoundError):
+            train.load_jsonl(tmp_path / "missing.jsonl", m)
+
+
+def _pydoc_chat(path, topics: list[str]) -> None:
+    """Chat JSONL from Python's own documentation: "What does `X` do in Python?" -> the topic's
+    first paragraph after its title."""
+    import pydoc_data.topics
+
+    with open(path, "w", encoding="utf-8") as f:
+        for t in topics:
+            body = pydoc_data.topics.topics[t].split("\n\n")
+            paras = [p for p in body[1:] if len(p) > 80 and not p.startswith(" ")]
+            if not paras:  # a topic of grammar rules and tables only
+                continue
+            para = paras[0].replace("\n", " ")
+            msgs = [
+                {"role": "user", "content": f"What does `{t}` do in Python?"},
+                {"role": "assistant", "content": para[:400]},
+            ]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+
+
+def test_cli_qlora_on_chat_jsonl_lowers_the_held_out_answer_loss(model_path, tmp_path):
+    """`python -m llamabind finetune --data train.jsonl --valid valid.jsonl --lora-rank 8` over the
+    Q4_1 model as it is (QLoRA): the validation loss (answer tokens only) after training is below
+    the one before, the adapter loads; a bad line fails before training, writing nothing."""
+    import pydoc_data.topics
+
+    topics = sorted(pydoc_data.topics.topics)
+    _pydoc_chat(tmp_path / "train.jsonl", topics[:-8])
+    _pydoc_chat(tmp_path / "valid.jsonl", topics[-8:])
+    out = tmp_path / "adapter.gguf"
+    cmd = [sys.executable, "-m", "llamabind", "finetune", "-m", str(model_path)]
+    cmd += ["--data", str(tmp_path / "train.jsonl")]
+    cmd += ["--valid", str(tmp_path / "valid.jsonl"), "--lora-rank", "8", "--lr", "1e-3", "--iters", "12"]
+    cmd += ["--threads", "2", "--no-progress", "-o", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stderr[-3000:]
+    before = float(re.search(r"validation loss before: ([\d.]+)", p.stdout).group(1))
+    after = float(re.search(r"validation loss ([\d.]+), ", p.stdout).group(1))
+    print(p.stdout[-600:])
+    assert after < before - 0.05, (before, after)
+    with llamabind.Model(model_path) as m:
+        m.load_lora(out).close()
+    (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "no answer"}]}\n')
+    bad = subprocess.run([*cmd[:6], "--data", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "x.gguf")],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode != 0 and "bad.jsonl:1" in bad.stderr and not (tmp_path / "x.gguf").exists(), bad.stderr
