@@ -48,12 +48,14 @@ def test_no_module_imports_the_face(path):
 
 @pytest.mark.parametrize("name", sorted(FEATURES))
 def test_feature_modules_do_not_touch_the_extension(name):
-    """Feature modules reach llama.cpp through Model/Context (the native-facing layer) only."""
-    path = PKG / f"{name}.py"
-    assert path.exists()
-    uses = [line for line, n in _imports_of_the_package(path) if n.split(".")[0] == "_core"]
-    text = path.read_text(encoding="utf-8")
-    assert not uses and "_llama_" not in text, f"{name}.py uses the extension or a native handle (lines {uses})"
+    """Feature modules (or every module of a feature package, e.g. train/) reach llama.cpp through
+    Model/Context (the native-facing layer) only."""
+    paths = [PKG / f"{name}.py"] if (PKG / f"{name}.py").exists() else sorted((PKG / name).glob("*.py"))
+    assert paths, name
+    for path in paths:
+        uses = [line for line, n in _imports_of_the_package(path) if n.split(".")[0] == "_core"]
+        text = path.read_text(encoding="utf-8")
+        assert not uses and "_llama_" not in text, f"{path.name} uses the extension or a native handle (lines {uses})"
 
 
 def test_no_module_over_600_lines():
