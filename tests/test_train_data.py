@@ -147,3 +147,48 @@ def test_cli_qlora_on_chat_jsonl_lowers_the_held_out_answer_loss(model_path, tmp
     bad = subprocess.run([*cmd[:6], "--data", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "x.gguf")],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode != 0 and "bad.jsonl:1" in bad.stderr and not (tmp_path / "x.gguf").exists(), bad.stderr
+
+
+def test_schedules_against_their_closed_forms():
+    """lr 1, min_lr 0.1, 2 warmup steps, 12 steps: warmup 0.5, 1.0; then cosine / linear from 1.0 at
+    step 2 towards 0.1 at step 12 (the half-way step 7: 0.55 for both), constant stays 1."""
+    import math
+
+    lr = lambda s, kind: train.lr_at(s, 12, 1.0, kind, warmup=2, min_lr=0.1)  # noqa: E731
+    for kind in train.SCHEDULES:
+        assert (lr(0, kind), lr(1, kind)) == (0.5, 1.0)
+        assert lr(2, kind) == 1.0
+    assert all(lr(s, "constant") == 1.0 for s in range(2, 12))
+    assert lr(7, "cosine") == pytest.approx(0.55) and lr(7, "linear") == pytest.approx(0.55)
+    assert lr(11, "cosine") == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.9)))
+    assert lr(11, "linear") == pytest.approx(1.0 - 0.9 * 0.9)
+    assert lr(5, "cosine") > lr(5, "linear")  # cosine decays slower at first
+    assert train.lr_at(9, 10, 1e-3, "cosine") > 0  # min_lr 0 is never reached within the run
+
+
+def test_finetune_logs_steps_lr_and_validation(model_path, tmp_path, capsys):
+    """finetune(log=, steps_per_eval=, steps_per_report=, lr_schedule=): one JSONL row per step with
+    the scheduled lr, validation rows every 2 steps and at the end, report lines on stderr; bad
+    schedule arguments are errors before any training."""
+    exs = [train.Example(np.arange(1, 200, dtype=np.int32) + k, np.ones(199, bool)) for k in range(6)]
+    log = tmp_path / "log.jsonl"
+    with llamabind.Model(model_path, repack=False, n_threads=2) as m:
+        r = train.finetune(m, exs[:4], valid=exs[4:], lora_rank=2, iters=4, lr=1e-3, lr_schedule="cosine",
+                           warmup=1, steps_per_eval=2, steps_per_report=2, log=log, progress=False)  # fmt: skip
+        rows = [json.loads(x) for x in log.read_text().splitlines()]
+        steps = [x for x in rows if "loss" in x]
+        assert [x["step"] for x in steps] == [1, 2, 3, 4]
+        assert [x["lr"] for x in steps] == pytest.approx([train.lr_at(s, 4, 1e-3, "cosine", 1) for s in range(4)])
+        assert [x["step"] for x in rows if "val_loss" in x] == [2, 4, 4]
+        assert [s for s, _ in r.evals] == [2, 4] and r.steps == 4
+        err = capsys.readouterr().err
+        assert "step 2/4: loss" in err and "step 4: validation loss" in err
+        for kw, match in [
+            (dict(lr_schedule="exp"), "lr_schedule"),
+            (dict(min_lr=1.0), "min_lr"),
+            (dict(warmup=-1), "warmup"),
+            (dict(steps_per_eval=0), "steps_per_eval"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                train.finetune(m, exs, lora_rank=2, iters=1, lr=1e-3, progress=False, log=tmp_path / "no.jsonl", **kw)
+        assert not (tmp_path / "no.jsonl").exists()

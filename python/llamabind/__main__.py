@@ -189,6 +189,12 @@ def _finetune(args) -> int:
                 lora_rank=args.lora_rank,
                 lora_alpha=args.lora_alpha,
                 lora_targets=args.lora_targets.split(","),
+                lr_schedule=args.lr_schedule,
+                warmup=args.warmup,
+                min_lr=args.min_lr,
+                steps_per_eval=args.steps_per_eval,
+                steps_per_report=args.steps_per_report,
+                log=args.log,
             )
             print(f"validation loss before: {res.val_loss_before:.4f}")
             print(f"{res.steps} optimizer steps of {args.batch} window(s) of {args.ctx_size} tokens")
@@ -342,6 +348,12 @@ def main(argv=None) -> int:
     f.add_argument("--epochs", type=int, default=1)
     f.add_argument("--iters", type=int, default=None, help="optimizer steps in all (instead of --epochs)")
     f.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
+    f.add_argument("--lr-schedule", choices=["constant", "cosine", "linear"], default="constant")
+    f.add_argument("--warmup", type=int, default=0, help="steps of linear warmup (default 0)")
+    f.add_argument("--min-lr", type=float, default=0.0, help="where cosine/linear decay heads (default 0)")
+    f.add_argument("--steps-per-eval", type=int, default=None, help="validate every N steps too")
+    f.add_argument("--steps-per-report", type=int, default=None, help="print loss, lr, tokens/s, ETA every N steps")
+    f.add_argument("--log", default=None, help="JSONL file: one line per step and per validation")
     f.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     f.add_argument("--weight-decay", type=float, default=0.0)
     f.add_argument("--ctx-size", "-c", type=int, default=256, help="tokens per window, a multiple of 256")

@@ -32,9 +32,11 @@ weights that may be quantized (QLoRA: the Q4_1 SmolLM2 as is); the trained adapt
 from .data import Example, chat_example, example_windows, load_jsonl, read_data, windows
 from .loop import EpochStats, TrainResult, finetune
 from .lora import LORA_TARGETS, lora_init, to_f32
+from .schedule import SCHEDULES, lr_at
 
 __all__ = [
     "LORA_TARGETS",
+    "SCHEDULES",
     "EpochStats",
     "Example",
     "TrainResult",
@@ -43,6 +45,7 @@ __all__ = [
     "finetune",
     "load_jsonl",
     "lora_init",
+    "lr_at",
     "read_data",
     "to_f32",
     "windows",

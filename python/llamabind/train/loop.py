@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -17,6 +19,7 @@ from ..context import Context
 from ..model import LoraAdapter, Model
 from .data import Example, example_windows, windows
 from .lora import lora_init
+from .schedule import check_schedule, lr_at
 
 __all__ = ["EpochStats", "TrainResult", "finetune"]
 
@@ -50,6 +53,7 @@ class TrainResult:
     steps: int = 0
     losses: list[float] = field(default_factory=list)
     interrupted: bool = False
+    evals: list[tuple[int, float]] = field(default_factory=list)
 
 
 def _check_model(model: Model, lora: bool) -> None:
@@ -94,6 +98,12 @@ def finetune(
     lora_rank: int | None = None,
     lora_alpha: float | None = None,
     lora_targets: Sequence[str] = ("attn_q", "attn_v"),
+    lr_schedule: str = "constant",
+    warmup: int = 0,
+    min_lr: float = 0.0,
+    steps_per_eval: int | None = None,
+    steps_per_report: int | None = None,
+    log: str | os.PathLike | None = None,
 ) -> TrainResult:
     """Fine-tune ``model`` on ``data``: every weight (F32, loaded with use_mmap=False), or with
     ``lora_rank`` a new LoRA adapter over the frozen model (any weight type; repack=False).
@@ -121,6 +131,13 @@ def finetune(
         lora_rank, lora_alpha, lora_targets: train a LoRA adapter of this rank (alpha default
             2 * rank) on these matrices of every layer (see :data:`LORA_TARGETS`), made by
             :func:`lora_init` with ``seed``; returned as ``result.adapter``.
+        lr_schedule, warmup, min_lr: ``"constant"``, ``"cosine"`` or ``"linear"`` decay from lr
+            towards min_lr over the run, after ``warmup`` steps of linear warmup
+            (:func:`lr_at`); set before each step (ggml-opt reads it per step).
+        steps_per_eval: also validate every N steps (``result.evals``: (step, loss)).
+        steps_per_report: print a line every N steps to stderr: step, loss, lr, tokens/s, ETA.
+        log: a JSONL file, one object per step (step, epoch, loss, lr, tokens, tokens_per_s,
+            seconds) and per validation (step, val_loss, val_accuracy).
 
     Returns a :class:`TrainResult`. Ctrl-C stops between steps and returns what was trained
     (``interrupted``: True); the model stays usable.
@@ -142,6 +159,9 @@ def finetune(
     one_of(optimizer, "optimizer", ("adamw", "sgd"))
     val_split = as_float(val_split, "val_split", 0.0, 0.9)
     batch_size = as_int(batch_size, "batch_size", 1)
+    warmup, min_lr = check_schedule(lr_schedule, warmup, lr, min_lr)
+    eval_every = None if steps_per_eval is None else as_int(steps_per_eval, "steps_per_eval", 1)
+    report_every = None if steps_per_report is None else as_int(steps_per_report, "steps_per_report", 1)
     win, lab = _windows(model, data, ctx_size, "data")
     if valid is not None:
         val_win, val_lab = _windows(model, valid, ctx_size, "valid")
@@ -155,8 +175,15 @@ def finetune(
     n_batches = -(-n_train // batch_size)
     if iters is not None:
         epochs = -(-iters // n_batches)
+    total = iters if iters is not None else epochs * n_batches
     rng = np.random.default_rng(seed)
     result = TrainResult()
+    run = _Run(
+        ctx=None, train=(win, lab), val=(val_win, val_lab), total=total, epochs=epochs, progress=progress,
+        on_step=on_step, lr=lambda step: lr_at(step, total, lr, lr_schedule, warmup, min_lr),
+        eval_every=eval_every, report_every=report_every,
+        log=None,
+    )  # fmt: skip
     if lora:
         rank = as_int(lora_rank, "lora_rank", 1)
         with tempfile.TemporaryDirectory() as tmp:
@@ -164,7 +191,10 @@ def finetune(
             lora_init(model, path, rank, 2.0 * rank if lora_alpha is None else lora_alpha, lora_targets, seed)
             result.adapter = model.load_lora(path)
     ctx = Context(model, n_ctx=ctx_size, n_batch=ctx_size, n_ubatch=ctx_size, n_threads=n_threads, training=True)
+    run.ctx = ctx
     try:
+        if log is not None:
+            run.log = open(log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
         if result.adapter is not None:
             ctx.set_lora(result.adapter, 1.0)
         ctx.opt_init(optimizer, lr, weight_decay, "lora" if lora else "model", grad_accum=batch_size)
@@ -174,28 +204,55 @@ def finetune(
             batches = np.resize(order, n_batches * batch_size).reshape(-1, batch_size)
             if iters is not None:
                 batches = batches[: iters - result.steps]
-            stats = _epoch(ctx, (win, lab), (val_win, val_lab), batches, epoch, epochs, progress, on_step, result)
+            stats = _epoch(run, batches, epoch, result)
             if stats is not None:
                 result.epochs.append(stats)
             if result.interrupted:
                 break
     finally:
         ctx.close()
+        if run.log is not None:
+            run.log.close()
     return result
 
 
-def _epoch(ctx, train, val, batches, epoch, epochs, progress, on_step, result) -> EpochStats | None:
-    """One pass over ``batches`` (rows of window indices, one optimizer step each); train and val
-    are (windows, labels or None)."""
-    train_w, train_l = train
+@dataclass
+class _Run:
+    """What one finetune call's epochs share."""
+
+    ctx: Any
+    train: tuple[np.ndarray, np.ndarray | None]
+    val: tuple[np.ndarray, np.ndarray | None]
+    total: int
+    epochs: int
+    progress: bool
+    on_step: Callable[[int, float], Any] | None
+    lr: Callable[[int], float]
+    eval_every: int | None
+    report_every: int | None
+    log: IO[str] | None
+    t_start: float = field(default_factory=time.perf_counter)
+    n_tok: int = 0
+
+    def write(self, **row: Any) -> None:
+        if self.log is not None:
+            self.log.write(json.dumps(row) + "\n")
+            self.log.flush()
+
+
+def _epoch(run: _Run, batches: np.ndarray, epoch: int, result: TrainResult) -> EpochStats | None:
+    """One pass over ``batches`` (rows of train window indices, one optimizer step each)."""
+    ctx, (train_w, train_l) = run.ctx, run.train
     bar = None
-    if progress:
+    if run.progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(batches), desc=f"epoch {epoch + 1}/{epochs}", unit="step", leave=False)
-    t0, n_tok, losses, accs = time.perf_counter(), 0, [], []
+        bar = tqdm(total=len(batches), desc=f"epoch {epoch + 1}/{run.epochs}", unit="step", leave=False)
+    t0, n_tok, losses, accs, val_seconds = time.perf_counter(), 0, [], [], 0.0
     try:
         for batch in batches:
+            lr = run.lr(result.steps)
+            ctx.opt_set_lr(lr)
             ctx.opt_reset()
             for i in batch:
                 ctx.opt_step(train_w[i], train=True, labels=None if train_l is None else train_l[i])
@@ -207,21 +264,40 @@ def _epoch(ctx, train, val, batches, epoch, epochs, progress, on_step, result) -
             accs.append(acc)
             result.losses.append(loss)
             n_tok += len(batch) * (train_w.shape[1] - 1)
+            run.n_tok += len(batch) * (train_w.shape[1] - 1)
+            elapsed = time.perf_counter() - run.t_start
+            tok_s = run.n_tok / elapsed
+            run.write(step=result.steps, epoch=epoch + 1, loss=loss, lr=lr, tokens=run.n_tok, tokens_per_s=tok_s,
+                      seconds=elapsed)  # fmt: skip
             if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{n_tok / (time.perf_counter() - t0):.1f}")
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:.1f}")
                 bar.update(1)
-            if on_step is not None:
-                on_step(result.steps, loss)
+            if run.report_every and result.steps % run.report_every == 0:
+                eta = elapsed / result.steps * (run.total - result.steps)
+                line = f"step {result.steps}/{run.total}: loss {loss:.4f}, lr {lr:.3g}, {tok_s:.1f} tokens/s"
+                print(f"{line}, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+            if run.eval_every and result.steps % run.eval_every == 0 and len(run.val[0]):
+                t1 = time.perf_counter()
+                vl, va = _validate(ctx, *run.val)
+                val_seconds += time.perf_counter() - t1
+                result.evals.append((result.steps, vl))
+                run.write(step=result.steps, val_loss=vl, val_accuracy=va)
+                if run.report_every:
+                    print(f"step {result.steps}: validation loss {vl:.4f}", file=sys.stderr, flush=True)
+            if run.on_step is not None:
+                run.on_step(result.steps, loss)
     except KeyboardInterrupt:
         result.interrupted = True
     finally:
         if bar is not None:
             bar.close()
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 - val_seconds
     if not losses:
         return None
     t1 = time.perf_counter()
-    val_loss, val_acc = _validate(ctx, *val) if not result.interrupted else (math.nan, math.nan)
+    val_loss, val_acc = _validate(ctx, *run.val) if not result.interrupted else (math.nan, math.nan)
+    if not result.interrupted and len(run.val[0]):
+        run.write(step=result.steps, val_loss=val_loss, val_accuracy=val_acc)
     return EpochStats(
         epoch + 1,
         float(np.mean(losses)),
@@ -230,7 +306,7 @@ def _epoch(ctx, train, val, batches, epoch, epochs, progress, on_step, result) -
         val_acc,
         n_tok / seconds,
         seconds,
-        time.perf_counter() - t1,
+        time.perf_counter() - t1 + val_seconds,
     )
 
 
