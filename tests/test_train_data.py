@@ -192,3 +192,68 @@ def test_finetune_logs_steps_lr_and_validation(model_path, tmp_path, capsys):
             with pytest.raises(ValueError, match=match):
                 train.finetune(m, exs, lora_rank=2, iters=1, lr=1e-3, progress=False, log=tmp_path / "no.jsonl", **kw)
         assert not (tmp_path / "no.jsonl").exists()
+
+
+def _random_adapter(m, path, rank=4):
+    """A LoRA adapter on attn_q/attn_v/ffn_down with a nonzero B (lora_init starts B at zero), so
+    it changes the model."""
+    from llamabind.model import write_lora_gguf
+
+    train.lora_init(m, path, rank, 2.0 * rank, ["attn_q", "attn_v", "ffn_down"], seed=3)
+    import gguf
+
+    rng = np.random.default_rng(4)
+    r = gguf.GGUFReader(path)
+    tensors = []
+    for t in r.tensors:
+        a = np.array(t.data).reshape([int(n) for n in reversed(t.shape)]).astype(np.float32)
+        tensors.append((t.name, rng.normal(0, 0.05, a.shape).astype(np.float32) if t.name.endswith("lora_b") else a))
+    write_lora_gguf(path, "llama", 2.0 * rank, sorted(tensors))
+
+
+def test_fuse_equals_the_base_with_the_adapter(model_path, tmp_path):
+    """train.fuse / `python -m llamabind fuse`: the fused GGUF's logits equal the base's with the
+    adapter applied at scale 1 (NMSE against the change the adapter makes), its greedy tokens too;
+    --quantize Q8_0 gives a model that loads in upstream's llama-simple; bad adapters are errors."""
+    from conftest import require_tool
+
+    prompt = "The `with` statement in Python"
+    adapter = tmp_path / "a.gguf"
+    # an F32 base for the exact comparison (a Q4_1 base's unmerged products quantize x to Q8_1)
+    base = tmp_path / "f32.gguf"
+    train.to_f32(model_path, base)
+    with llamabind.Model(base, n_threads=2) as m:
+        _random_adapter(m, adapter)
+        ids = m.tokenize(prompt)
+        with m.context(n_ctx=256) as c:
+            plain = c.eval(ids)
+        lora = m.load_lora(adapter)
+        with m.context(n_ctx=256) as c:
+            c.set_lora(lora, 1.0)
+            want = c.eval(ids)
+            want_text = c.generate(prompt, max_tokens=12, temperature=0).tokens
+    fused = train.fuse(base, adapter, tmp_path / "fused.gguf")
+    with llamabind.Model(fused, n_threads=2) as f, f.context(n_ctx=256) as c:
+        got = c.eval(ids)
+        got_text = c.generate(prompt, max_tokens=12, temperature=0).tokens
+    change = float(np.mean((want - plain) ** 2))
+    err = float(np.mean((got - want) ** 2))
+    print(f"adapter's change {change:.3e}, fused vs base+adapter {err:.3e}")
+    assert change > 1e-2 and err < 1e-3 * change, (change, err)
+    assert got_text == want_text
+    out = tmp_path / "fused-q8.gguf"
+    cmd = [sys.executable, "-m", "llamabind", "fuse", "-m", str(model_path), "--adapter", str(adapter)]
+    p = subprocess.run([*cmd, "-o", str(out), "--quantize", "Q8_0"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    exe = require_tool("llama-simple")
+    s = subprocess.run([str(exe), "-m", str(out), "-n", "4", prompt], capture_output=True, timeout=300)
+    assert s.returncode == 0, s.stderr.decode(errors="replace")[-2000:]
+    with pytest.raises(ValueError, match="not a LoRA adapter"):
+        train.fuse(model_path, model_path, tmp_path / "x.gguf")
+    from llamabind.model import write_lora_gguf
+
+    zeros = [("blk.99.attn_q.weight.lora_a", (4, 576)), ("blk.99.attn_q.weight.lora_b", (576, 4))]
+    write_lora_gguf(tmp_path / "other.gguf", "llama", 8.0, [(n, np.zeros(s, np.float32)) for n, s in zeros])
+    with pytest.raises(ValueError, match="blk.99"):
+        train.fuse(model_path, tmp_path / "other.gguf", tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()

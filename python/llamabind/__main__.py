@@ -1,4 +1,4 @@
-"""Command line: ``python -m llamabind generate|chat|finetune|serve|rpc-server|info``."""
+"""Command line: ``python -m llamabind generate|chat|finetune|fuse|serve|rpc-server|info``."""
 
 from __future__ import annotations
 
@@ -131,6 +131,15 @@ def _info(args) -> int:
     print("flags:    " + " ".join(f"{k}={v}" for k, v in info["compile_flags"].items()))
     print("system:   " + info["system_info"].strip())
     print(f"tools:    {'built (llamabind/bin)' if info['tools'] else 'not built'}")
+    return 0
+
+
+def _fuse(args) -> int:
+    from . import train
+
+    out = train.fuse(args.model, args.adapter, args.output, scale=args.scale, quantize_to=args.quantize,
+                     n_threads=args.threads)  # fmt: skip
+    print(f"wrote {out}" + (f" ({args.quantize})" if args.quantize else ""))
     return 0
 
 
@@ -364,6 +373,14 @@ def main(argv=None) -> int:
     f.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
     f.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     f.set_defaults(fn=_finetune)
+    fu = sub.add_parser("fuse", help="merge a LoRA adapter into its base model: one GGUF")
+    fu.add_argument("--model", "-m", default=models.DEFAULT, help="the base model (name or GGUF path)")
+    fu.add_argument("--adapter", required=True, help="the LoRA adapter GGUF (from finetune --lora-rank)")
+    fu.add_argument("--output", "-o", required=True, help="the fused GGUF")
+    fu.add_argument("--scale", type=float, default=1.0, help="the adapter's scale (default 1)")
+    fu.add_argument("--quantize", default=None, help="requantize the result: F16, Q8_0, Q4_0, Q4_1, ...")
+    fu.add_argument("--threads", type=int, default=None)
+    fu.set_defaults(fn=_fuse)
     s = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server with continuous batching (llama.cpp's server core)"
     )

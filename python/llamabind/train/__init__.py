@@ -30,6 +30,7 @@ weights that may be quantized (QLoRA: the Q4_1 SmolLM2 as is); the trained adapt
 """
 
 from .data import Example, chat_example, example_windows, load_jsonl, read_data, windows
+from .fuse import fuse
 from .loop import EpochStats, TrainResult, finetune
 from .lora import LORA_TARGETS, lora_init, to_f32
 from .schedule import SCHEDULES, lr_at
@@ -43,6 +44,7 @@ __all__ = [
     "chat_example",
     "example_windows",
     "finetune",
+    "fuse",
     "load_jsonl",
     "lora_init",
     "lr_at",
