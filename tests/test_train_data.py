@@ -141,8 +141,15 @@ def test_cli_qlora_on_chat_jsonl_lowers_the_held_out_answer_loss(model_path, tmp
     after = float(re.search(r"validation loss ([\d.]+), ", p.stdout).group(1))
     print(p.stdout[-600:])
     assert after < before - 0.05, (before, after)
-    with llamabind.Model(model_path) as m:
-        m.load_lora(out).close()
+    ev = [sys.executable, "-m", "llamabind", "eval", "-m", str(model_path), "--data", str(tmp_path / "valid.jsonl")]
+    ev += ["--threads", "2"]
+    losses = []
+    for extra in ([], ["--adapter", str(out)]):
+        e = subprocess.run([*ev, *extra], capture_output=True, text=True, timeout=600)
+        assert e.returncode == 0, e.stderr[-2000:]
+        losses.append(float(re.search(r"loss ([\d.]+), perplexity", e.stdout).group(1)))
+    print("eval: base", losses[0], "tuned", losses[1])
+    assert losses[1] < losses[0] - 0.05, losses  # the tuned model beats the base on held-out answers
     (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "no answer"}]}\n')
     bad = subprocess.run([*cmd[:6], "--data", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "x.gguf")],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -257,3 +264,34 @@ def test_fuse_equals_the_base_with_the_adapter(model_path, tmp_path):
     with pytest.raises(ValueError, match="blk.99"):
         train.fuse(model_path, tmp_path / "other.gguf", tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_evaluate_agrees_with_the_training_paths_loss(model_path):
+    """train.evaluate (numpy log-softmax over llama_decode's logits) and llama.cpp's training-path
+    cross-entropy (ggml, forward only, patch 0027's masked labels) give the same loss on one
+    example window; perplexity is exp(loss)."""
+    with llamabind.Model(model_path, repack=False, n_threads=2) as m:
+        ex = train.chat_example(m, CONVERSATION)
+        r = train.evaluate(m, [ex], ctx_size=256)
+        win, lab, _ = train.example_windows([ex], 256, m.token_eos)
+        with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
+            ctx.set_lora(train_adapter(m))
+            ctx.opt_init("sgd", 0.1, 0.0, params="lora")
+            ctx.opt_step(win[0], train=False, labels=lab[0])
+            loss = ctx.opt_result(train=False)[0]
+    assert r.tokens == int(ex.counted[1:].sum()) and r.windows == 1
+    assert abs(r.loss - loss) <= 1e-4 * loss, (r.loss, loss)
+    assert r.perplexity == pytest.approx(np.exp(r.loss))
+    with pytest.raises(TypeError):
+        train.evaluate(m, 42)
+
+
+def train_adapter(m):
+    """A zero-effect adapter (lora_init's B = 0), so a training context can be set up on a
+    quantized model (params='lora') without changing its outputs."""
+    import tempfile
+    from pathlib import Path
+
+    d = Path(tempfile.mkdtemp())
+    train.lora_init(m, d / "z.gguf", 2, 4.0, ["attn_q"])
+    return m.load_lora(d / "z.gguf")

@@ -1,4 +1,4 @@
-"""Command line: ``python -m llamabind generate|chat|finetune|fuse|serve|rpc-server|info``."""
+"""Command line: ``python -m llamabind generate|chat|finetune|eval|fuse|serve|rpc-server|info``."""
 
 from __future__ import annotations
 
@@ -131,6 +131,28 @@ def _info(args) -> int:
     print("flags:    " + " ".join(f"{k}={v}" for k, v in info["compile_flags"].items()))
     print("system:   " + info["system_info"].strip())
     print(f"tools:    {'built (llamabind/bin)' if info['tools'] else 'not built'}")
+    return 0
+
+
+def _eval(args) -> int:
+    from pathlib import Path
+
+    from . import Model, models, train
+
+    for flag, f in (
+        ("--data", args.data),
+        ("--adapter", args.adapter),
+        ("--chat-template-file", args.chat_template_file),
+    ):
+        if f is not None and not Path(f).is_file():
+            raise FileNotFoundError(f"{flag}: no such file: {f}")
+    template = Path(args.chat_template_file).read_text(encoding="utf-8") if args.chat_template_file else None
+    kw = dict(n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
+    with Model(models.resolve(args.model), **kw) as m:
+        data = train.read_data(args.data, m, chat_template=template, train_on_prompt=args.train_on_prompt)
+        adapter = m.load_lora(args.adapter) if args.adapter else None
+        r = train.evaluate(m, data, ctx_size=args.ctx_size, adapter=adapter, n_threads=args.threads)
+    print(f"loss {r.loss:.4f}, perplexity {r.perplexity:.3f} over {r.tokens} tokens in {r.windows} windows")
     return 0
 
 
@@ -373,6 +395,16 @@ def main(argv=None) -> int:
     f.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
     f.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     f.set_defaults(fn=_finetune)
+    ev = sub.add_parser("eval", help="loss and perplexity on JSONL examples or text (the finetune masking rules)")
+    ev.add_argument("--model", "-m", default=models.DEFAULT, help="model name or GGUF path")
+    ev.add_argument("--adapter", default=None, help="a LoRA adapter GGUF to apply (scale 1)")
+    ev.add_argument("--data", required=True, help="JSONL (as finetune --data) or a UTF-8 text file")
+    ev.add_argument("--ctx-size", "-c", type=int, default=256, help="tokens per window")
+    ev.add_argument("--train-on-prompt", action="store_true", help="count every token, not only the answers")
+    ev.add_argument("--chat-template-file", default=None, help="jinja chat template instead of the GGUF's")
+    ev.add_argument("--threads", type=int, default=None)
+    ev.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
+    ev.set_defaults(fn=_eval)
     fu = sub.add_parser("fuse", help="merge a LoRA adapter into its base model: one GGUF")
     fu.add_argument("--model", "-m", default=models.DEFAULT, help="the base model (name or GGUF path)")
     fu.add_argument("--adapter", required=True, help="the LoRA adapter GGUF (from finetune --lora-rank)")

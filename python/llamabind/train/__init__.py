@@ -30,6 +30,7 @@ weights that may be quantized (QLoRA: the Q4_1 SmolLM2 as is); the trained adapt
 """
 
 from .data import Example, chat_example, example_windows, load_jsonl, read_data, windows
+from .evaluate import EvalResult, evaluate
 from .fuse import fuse
 from .loop import EpochStats, TrainResult, finetune
 from .lora import LORA_TARGETS, lora_init, to_f32
@@ -39,9 +40,11 @@ __all__ = [
     "LORA_TARGETS",
     "SCHEDULES",
     "EpochStats",
+    "EvalResult",
     "Example",
     "TrainResult",
     "chat_example",
+    "evaluate",
     "example_windows",
     "finetune",
     "fuse",
