@@ -81,7 +81,7 @@ def evaluate(
             ctx.set_lora(adapter, scale)
         for tokens, labels in pieces:
             ctx.clear()
-            logits = ctx.eval(tokens[:-1]).astype(np.float64)
+            logits = ctx.eval(tokens[:-1].tolist()).astype(np.float64)
             keep = labels >= 0
             z = logits[keep]
             z -= z.max(axis=1, keepdims=True)
