@@ -182,14 +182,17 @@ def load_jsonl(
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no such file: {p}")
+    return _examples(p, p.read_text(encoding="utf-8"), model, chat_template, bool(train_on_prompt))
+
+
+def _examples(p: Path, text: str, model: Model, chat_template: str | None, train_on_prompt: bool) -> list[Example]:
     templates = model.chat_templates(chat_template) if chat_template is not None else None
     out = []
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            obj = _parse_line(line, str(p), lineno)
-            out.append(_example(model, obj, f"{p}:{lineno}", templates, bool(train_on_prompt)))
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        obj = _parse_line(line, str(p), lineno)
+        out.append(_example(model, obj, f"{p}:{lineno}", templates, train_on_prompt))
     if not out:
         raise ValueError(f"{p}: no examples (the file is empty)")
     return out
@@ -209,5 +212,5 @@ def read_data(
     if not first:
         raise ValueError(f"{p}: the file is empty")
     if first.lstrip().startswith("{"):
-        return load_jsonl(p, model, chat_template=chat_template, train_on_prompt=train_on_prompt)
+        return _examples(p, text, model, chat_template, bool(train_on_prompt))  # the text already read
     return text
