@@ -188,6 +188,73 @@ static void opt_reset(Context & c) {
     ggml_opt_result_reset(c.train->result_eval);
 }
 
+using F32Flat = nb::ndarray<nb::numpy, float, nb::ndim<1>>;
+using F32In = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+static ggml_opt_context_t opt_context(Context & c) {
+    if (!c.train) raise_value("call opt_init first");
+    ggml_opt_context_t o = llama_opt_get_context(c.get());  // patch 0028
+    if (!o || ggml_opt_n_params(o) == 0)
+        raise_value("the optimizer state exists from the first opt_step on (a forward-only one will do)");
+    return o;
+}
+
+static F32Flat tensor_to_numpy(const ggml_tensor * t) {
+    const size_t n = (size_t) ggml_nelements(t);
+    float * out = new float[n];
+    nb::capsule owner(out, [](void * p) noexcept { delete[] (float *) p; });
+    ggml_backend_tensor_get(t, out, 0, n * sizeof(float));
+    return F32Flat(out, { n }, owner);
+}
+
+// (AdamW's step counter, [(parameter name, m, v)]): the optimizer state, flat float32 copies
+// (m, v None for SGD). Wraps ggml_opt_get_iter / ggml_opt_get_param (patch 0028).
+static nb::tuple opt_state(Context & c) {
+    BusyGuard guard(c);
+    ggml_opt_context_t o = opt_context(c);
+    nb::list params;
+    for (int64_t i = 0; i < ggml_opt_n_params(o); ++i) {
+        ggml_tensor *m = nullptr, *v = nullptr;
+        ggml_tensor * node = ggml_opt_get_param(o, i, &m, &v);
+        if (!node) continue;
+        params.append(nb::make_tuple(std::string(node->name), m ? nb::cast(tensor_to_numpy(m)) : nb::none(),
+                                     v ? nb::cast(tensor_to_numpy(v)) : nb::none()));
+    }
+    return nb::make_tuple(ggml_opt_get_iter(o), params);
+}
+
+// Set the optimizer state saved by opt_state: every parameter of this context's optimizer must be
+// given, by name, with as many values; nothing is written unless all are.
+static void opt_set_state(Context & c, int64_t iter, const std::vector<std::tuple<std::string, F32In, F32In>> & state) {
+    BusyGuard guard(c);
+    ggml_opt_context_t o = opt_context(c);
+    if (iter < 1) raise_value("the optimizer's step counter must be >= 1; got " + std::to_string(iter));
+    std::vector<std::tuple<ggml_tensor *, ggml_tensor *, const F32In *, const F32In *>> writes;
+    size_t n_params = 0;
+    for (int64_t i = 0; i < ggml_opt_n_params(o); ++i) {
+        ggml_tensor *m = nullptr, *v = nullptr;
+        ggml_tensor * node = ggml_opt_get_param(o, i, &m, &v);
+        if (!node || !m || !v) continue;
+        ++n_params;
+        const auto it =
+            std::find_if(state.begin(), state.end(), [&](const auto & e) { return std::get<0>(e) == node->name; });
+        if (it == state.end()) raise_value(std::string("the state has no moments for '") + node->name + "'");
+        const auto & [name, sm, sv] = *it;
+        if ((int64_t) sm.shape(0) != ggml_nelements(m) || (int64_t) sv.shape(0) != ggml_nelements(v))
+            raise_value(std::string("the moments for '") + node->name + "' have " + std::to_string(sm.shape(0)) +
+                        " values; the parameter has " + std::to_string(ggml_nelements(m)));
+        writes.emplace_back(m, v, &sm, &sv);
+    }
+    if (n_params != state.size())
+        raise_value("the state holds " + std::to_string(state.size()) + " parameters; this optimizer has " +
+                    std::to_string(n_params));
+    for (auto & [m, v, sm, sv] : writes) {
+        ggml_backend_tensor_set(m, sm->data(), 0, ggml_nbytes(m));
+        ggml_backend_tensor_set(v, sv->data(), 0, ggml_nbytes(v));
+    }
+    ggml_opt_set_iter(o, iter);
+}
+
 static void opt_set_lr(Context & c, float lr) {
     if (!c.train) raise_value("call opt_init first");
     if (!(lr > 0) || !std::isfinite(lr)) raise_value("lr must be a finite number > 0; got " + std::to_string(lr));
@@ -306,6 +373,10 @@ void register_train(nb::module_ & m) {
           "(mean loss per token, its uncertainty, next-token accuracy, windows) since opt_reset.");
     m.def("opt_reset", &opt_reset, nb::arg("context"));
     m.def("opt_set_lr", &opt_set_lr, nb::arg("context"), nb::arg("lr"));
+    m.def("opt_state", &opt_state, nb::arg("context"),
+          "(iter, [(name, m, v)]): ggml-opt's optimizer state (patch 0028).");
+    m.def("opt_set_state", &opt_set_state, nb::arg("context"), nb::arg("iter"), nb::arg("state"),
+          "Set ggml-opt's optimizer state (patch 0028).");
     m.def("model_save", &model_save, nb::arg("model"), nb::arg("path"), "llama_model_save_to_file.");
     m.def("quantize_model", &quantize_model, nb::arg("src"), nb::arg("dst"), nb::arg("ftype"), nb::arg("n_threads"),
           "llama_model_quantize with allow_requantize (ftype: llama_ftype, e.g. 0 = ALL_F32, 1 = MOSTLY_F16).");
