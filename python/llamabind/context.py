@@ -376,6 +376,30 @@ class Context:
         ValueError for lr <= 0 or before :meth:`opt_init`."""
         _core.opt_set_lr(self._llama_context, as_float(lr, "lr"))
 
+    def opt_state(self) -> tuple[int, list[tuple[str, np.ndarray, np.ndarray]]]:
+        """The optimizer's state, for checkpoints: ``(iter, [(name, m, v), ...])``: AdamW's step
+        counter (the next step's bias correction; 1 before any step) and, per trained tensor (by
+        its GGUF name), copies of its first and second moments, float32, shape (n_elements,)
+        (an empty list for SGD). Wraps ggml_opt_get_iter / ggml_opt_get_param (patch 0028).
+        Raises ValueError before :meth:`opt_init` or before the first :meth:`opt_step` (ggml-opt
+        allocates the moments with its first graph; a ``train=False`` step will do)."""
+        it, params = _core.opt_state(self._llama_context)
+        return it, [(n, m, v) for n, m, v in params if m is not None]
+
+    def opt_set_state(self, iter: int, state: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> None:
+        """Set the optimizer state saved by :meth:`opt_state` (on a context made the same way:
+        same model or adapter shapes, same optimizer). Every trained tensor must be given by
+        name with as many float32 values; nothing is written unless all are. Raises ValueError
+        (a missing or extra tensor, a wrong size, iter < 1, before the first :meth:`opt_step`).
+        Wraps ggml_opt_set_iter and ggml_backend_tensor_set (patch 0028)."""
+        it = as_int(iter, "iter", 1)
+        flat = [
+            (str(n), np.ascontiguousarray(m, dtype=np.float32).reshape(-1),
+             np.ascontiguousarray(v, dtype=np.float32).reshape(-1))
+            for n, m, v in state
+        ]  # fmt: skip
+        _core.opt_set_state(self._llama_context, it, flat)
+
 
 _TRAILER = b"LBTOKENS"
 

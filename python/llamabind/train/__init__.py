@@ -29,6 +29,7 @@ weights that may be quantized (QLoRA: the Q4_1 SmolLM2 as is); the trained adapt
     >>> r.adapter.save("smol-lora.gguf")
 """
 
+from .checkpoint import latest_checkpoint
 from .data import Example, chat_example, example_windows, load_jsonl, read_data, windows
 from .evaluate import EvalResult, evaluate
 from .fuse import fuse
@@ -49,6 +50,7 @@ __all__ = [
     "finetune",
     "fuse",
     "load_jsonl",
+    "latest_checkpoint",
     "lora_init",
     "lr_at",
     "read_data",

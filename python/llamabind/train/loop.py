@@ -10,6 +10,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy as np
 from .._validate import as_float, as_int, expect, one_of
 from ..context import Context
 from ..model import LoraAdapter, Model
+from .checkpoint import check_matches, load_state, restore_optimizer, save_checkpoint
 from .data import Example, example_windows, windows
 from .lora import lora_init
 from .schedule import check_schedule, lr_at
@@ -45,7 +47,8 @@ class TrainResult:
     """What :func:`finetune` did: per-epoch stats, the trained LoRA adapter (None for a full
     fine-tune), the validation loss before training, optimizer
     steps taken, the per-step train losses, and whether Ctrl-C stopped it early (the weights
-    then hold the steps taken)."""
+    then hold the steps taken), the validations (step, loss) in between, and the checkpoints
+    written. ``steps`` and ``losses`` count from the start of the run a checkpoint resumed."""
 
     epochs: list[EpochStats] = field(default_factory=list)
     adapter: LoraAdapter | None = None
@@ -54,6 +57,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     interrupted: bool = False
     evals: list[tuple[int, float]] = field(default_factory=list)
+    checkpoints: list[Path] = field(default_factory=list)
 
 
 def _check_model(model: Model, lora: bool) -> None:
@@ -104,6 +108,9 @@ def finetune(
     steps_per_eval: int | None = None,
     steps_per_report: int | None = None,
     log: str | os.PathLike | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    save_every: int | None = None,
+    resume: str | os.PathLike | None = None,
 ) -> TrainResult:
     """Fine-tune ``model`` on ``data``: every weight (F32, loaded with use_mmap=False), or with
     ``lora_rank`` a new LoRA adapter over the frozen model (any weight type; repack=False).
@@ -138,6 +145,16 @@ def finetune(
         steps_per_report: print a line every N steps to stderr: step, loss, lr, tokens/s, ETA.
         log: a JSONL file, one object per step (step, epoch, loss, lr, tokens, tokens_per_s,
             seconds) and per validation (step, val_loss, val_accuracy).
+        checkpoint_dir, save_every: write a checkpoint (:mod:`llamabind.train.checkpoint`: the
+            adapter or the model, AdamW's moments and step counter, the run's position) to
+            ``checkpoint_dir/step-NNNNNNN/`` every ``save_every`` steps, at the end, and when
+            Ctrl-C stops the run. All are kept (a full fine-tune's is 3x the F32 model's size).
+        resume: a checkpoint (or a checkpoint_dir: its newest) to continue from, to the same
+            weights as the uninterrupted run: same data, ctx_size, batch_size, seed, shuffle,
+            optimizer and LoRA rank/alpha/targets (ValueError naming what differs); the steps
+            continue from the checkpoint's (``iters`` and the schedule count the whole run). A
+            LoRA run loads the checkpoint's adapter; a full fine-tune must be given the model
+            loaded from its ``model.gguf``.
 
     Returns a :class:`TrainResult`. Ctrl-C stops between steps and returns what was trained
     (``interrupted``: True); the model stays usable.
@@ -176,22 +193,51 @@ def finetune(
     if iters is not None:
         epochs = -(-iters // n_batches)
     total = iters if iters is not None else epochs * n_batches
+    rank = None if not lora else as_int(lora_rank, "lora_rank", 1)
+    alpha = None if rank is None else as_float(2.0 * rank if lora_alpha is None else lora_alpha, "lora_alpha")
+    run_id = dict(
+        kind="lora" if lora else "full", ctx_size=ctx_size, n_train=n_train, batch_size=batch_size, seed=seed,
+        shuffle=bool(shuffle), optimizer=optimizer,
+        lora=None if rank is None else dict(rank=rank, alpha=alpha, targets=list(lora_targets)),
+    )  # fmt: skip
+    save_every = None if save_every is None else as_int(save_every, "save_every", 1)
+    expect(save_every is None or checkpoint_dir is not None, "save_every needs a checkpoint_dir")
+    resumed = None if resume is None else load_state(resume)
+    if resumed is not None:
+        check_matches(resumed[1], run_id, resumed[0])
+        if not lora and Path(model.path).resolve() != (resumed[0] / "model.gguf").resolve():
+            raise ValueError(
+                f"resuming a full fine-tune: load the model from the checkpoint, "
+                f"Model({str(resumed[0] / 'model.gguf')!r}, use_mmap=False); got {model.path}"
+            )
     rng = np.random.default_rng(seed)
     result = TrainResult()
     run = _Run(
         ctx=None, train=(win, lab), val=(val_win, val_lab), total=total, epochs=epochs, progress=progress,
         on_step=on_step, lr=lambda step: lr_at(step, total, lr, lr_schedule, warmup, min_lr),
         eval_every=eval_every, report_every=report_every,
-        log=None,
+        log=None, save_every=save_every,
     )  # fmt: skip
     if lora:
-        rank = as_int(lora_rank, "lora_rank", 1)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "lora-init.gguf")
-            lora_init(model, path, rank, 2.0 * rank if lora_alpha is None else lora_alpha, lora_targets, seed)
-            result.adapter = model.load_lora(path)
+            if resumed is None:
+                assert rank is not None and alpha is not None
+                lora_init(model, path, rank, alpha, lora_targets, seed)
+            result.adapter = model.load_lora(path if resumed is None else resumed[0] / "adapter.gguf")
     ctx = Context(model, n_ctx=ctx_size, n_batch=ctx_size, n_ubatch=ctx_size, n_threads=n_threads, training=True)
     run.ctx = ctx
+    saved = [-1]
+
+    def save() -> None:
+        if checkpoint_dir is None or result.steps in (0, saved[0]):
+            return
+        state = dict(run_id, step=result.steps, total=total, losses=result.losses)
+        weights = model if result.adapter is None else result.adapter
+        result.checkpoints.append(save_checkpoint(checkpoint_dir, ctx, weights, state))
+        saved[0] = result.steps
+
+    run.save = save
     try:
         if log is not None:
             run.log = open(log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
@@ -199,9 +245,20 @@ def finetune(
             ctx.set_lora(result.adapter, 1.0)
         ctx.opt_init(optimizer, lr, weight_decay, "lora" if lora else "model", grad_accum=batch_size)
         result.val_loss_before = _validate(ctx, val_win, val_lab)[0]
+        if resumed is not None:
+            if not len(val_win):  # ggml-opt allocates AdamW's moments with its first graph
+                ctx.opt_step(win[0], train=False, labels=None if lab is None else lab[0])
+            restore_optimizer(ctx, *resumed)
+            result.steps = saved[0] = int(resumed[1]["step"])
+            result.losses = [float(x) for x in resumed[1]["losses"]]
+        first_epoch, skip = divmod(result.steps, n_batches)
         for epoch in range(epochs):
             order = rng.permutation(n_train) if shuffle else np.arange(n_train)
+            if epoch < first_epoch:  # resumed: the same permutations as the run that saved
+                continue
             batches = np.resize(order, n_batches * batch_size).reshape(-1, batch_size)
+            if epoch == first_epoch:
+                batches = batches[skip:]
             if iters is not None:
                 batches = batches[: iters - result.steps]
             stats = _epoch(run, batches, epoch, result)
@@ -209,6 +266,7 @@ def finetune(
                 result.epochs.append(stats)
             if result.interrupted:
                 break
+        save()
     finally:
         ctx.close()
         if run.log is not None:
@@ -231,6 +289,8 @@ class _Run:
     eval_every: int | None
     report_every: int | None
     log: IO[str] | None
+    save_every: int | None = None
+    save: Callable[[], None] | None = None
     t_start: float = field(default_factory=time.perf_counter)
     n_tok: int = 0
 
@@ -284,6 +344,8 @@ def _epoch(run: _Run, batches: np.ndarray, epoch: int, result: TrainResult) -> E
                 run.write(step=result.steps, val_loss=vl, val_accuracy=va)
                 if run.report_every:
                     print(f"step {result.steps}: validation loss {vl:.4f}", file=sys.stderr, flush=True)
+            if run.save_every and result.steps % run.save_every == 0 and run.save is not None:
+                run.save()
             if run.on_step is not None:
                 run.on_step(result.steps, loss)
     except KeyboardInterrupt:

@@ -1,0 +1,87 @@
+"""``serve``: the OpenAI-compatible HTTP server (llamabind.server)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import models
+
+
+def _serve(args) -> int:
+    import signal
+
+    from .. import server
+
+    template = None
+    if args.chat_template_file:
+        with open(args.chat_template_file, encoding="utf-8") as f:
+            template = f.read()
+    srv = server.serve(
+        args.model_pos or args.model,
+        host=args.host,
+        port=args.port,
+        parallel=args.parallel,
+        ctx_size=args.ctx_size,
+        api_key=args.api_key,
+        embedding=args.embedding,
+        pooling=args.pooling,
+        n_gpu_layers=args.n_gpu_layers,
+        n_threads=args.threads,
+        n_batch=args.batch_size,
+        n_ubatch=args.ubatch_size,
+        rpc=args.rpc,
+        alias=args.alias,
+        chat_template=template,
+        flash_attn=args.flash_attn,
+        lora=[(p, 1.0) for p in args.lora or []],
+        max_body=args.max_body,
+        max_pending=args.max_pending,
+        access_log=args.verbose,
+    )
+    print(
+        f"llamabind: serving {srv.model_id!r} at {srv.url} (OpenAI base URL {srv.url}/v1)", file=sys.stderr, flush=True
+    )
+
+    def on_term(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        srv.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.stop()
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """The serve subcommand."""
+    s = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with continuous batching (llama.cpp's server core)"
+    )
+    s.add_argument("model_pos", nargs="?", metavar="MODEL", help=f"model name or GGUF path (default {models.DEFAULT})")
+    s.add_argument("--model", "-m", default=models.DEFAULT, help=argparse.SUPPRESS)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port, printed)")
+    s.add_argument("--parallel", "-np", type=int, default=4, help="slots decoded together (default 4)")
+    s.add_argument("--ctx-size", "-c", type=int, default=None, help="KV cache tokens shared by the slots")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or X-Api-Key)")
+    s.add_argument("--embedding", action="store_true", help="serve /v1/embeddings (an embedding model)")
+    s.add_argument("--pooling", choices=["mean", "cls", "last", "rank"], default=None, help="embedding pooling")
+    s.add_argument("--n-gpu-layers", "-ngl", type=int, default=None, help="layers to offload (default: all that fit)")
+    s.add_argument("--threads", "-t", type=int, default=None)
+    s.add_argument("--batch-size", "-b", type=int, default=None, help="logical batch size (n_batch)")
+    s.add_argument("--ubatch-size", "-ub", type=int, default=None, help="physical batch size (n_ubatch)")
+    s.add_argument(
+        "--rpc", action="append", default=None, metavar="HOST:PORT", help="also use this RPC server's devices"
+    )
+    s.add_argument("--alias", default=None, help="the model id clients send (default: the model's name)")
+    s.add_argument("--chat-template-file", default=None, help="a jinja chat template replacing the model's")
+    s.add_argument("--flash-attn", "-fa", choices=["on", "off", "auto"], default=None)
+    s.add_argument("--lora", action="append", default=None, metavar="GGUF", help="apply this LoRA adapter")
+    s.add_argument("--max-body", type=int, default=16 * 2**20, help="request body limit in bytes (413 beyond)")
+    s.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503 (default 256)")
+    s.add_argument("--verbose", "-v", action="store_true", help="log each request (uvicorn's access log)")
+    s.set_defaults(fn=_serve)

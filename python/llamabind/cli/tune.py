@@ -1,0 +1,214 @@
+"""The fine-tuning commands: ``finetune``, ``eval`` and ``fuse`` (llamabind.train)."""
+
+from __future__ import annotations
+
+import sys
+
+from .. import models
+
+
+def _eval(args) -> int:
+    from pathlib import Path
+
+    from .. import train
+    from ..api import Model
+
+    for flag, f in (
+        ("--data", args.data),
+        ("--adapter", args.adapter),
+        ("--chat-template-file", args.chat_template_file),
+    ):
+        if f is not None and not Path(f).is_file():
+            raise FileNotFoundError(f"{flag}: no such file: {f}")
+    template = Path(args.chat_template_file).read_text(encoding="utf-8") if args.chat_template_file else None
+    kw = dict(n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
+    with Model(models.resolve(args.model), **kw) as m:
+        data = train.read_data(args.data, m, chat_template=template, train_on_prompt=args.train_on_prompt)
+        adapter = m.load_lora(args.adapter) if args.adapter else None
+        r = train.evaluate(m, data, ctx_size=args.ctx_size, adapter=adapter, n_threads=args.threads)
+    print(f"loss {r.loss:.4f}, perplexity {r.perplexity:.3f} over {r.tokens} tokens in {r.windows} windows")
+    return 0
+
+
+def _fuse(args) -> int:
+    from .. import train
+
+    out = train.fuse(args.model, args.adapter, args.output, scale=args.scale, quantize_to=args.quantize,
+                     n_threads=args.threads)  # fmt: skip
+    print(f"wrote {out}" + (f" ({args.quantize})" if args.quantize else ""))
+    return 0
+
+
+def _checkpoints(args, out):
+    """(checkpoint directory or None, the checkpoint to resume or None). Checkpoints are written
+    with --save-every, --checkpoint-dir or --resume (then to the resumed checkpoint's directory)."""
+    from pathlib import Path
+
+    from ..train import checkpoint
+
+    resume = None
+    if args.resume is not None:
+        resume = checkpoint.latest_checkpoint(args.resume)
+    if args.checkpoint_dir is not None:
+        return Path(args.checkpoint_dir), resume
+    if resume is not None:
+        return resume.parent, resume
+    if args.save_every is not None:
+        return out.with_name(out.stem + "-checkpoints"), None
+    return None, None
+
+
+def _finetune(args) -> int:
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from .. import train
+    from ..api import Model
+
+    for flag, f in (("--data", args.data), ("--valid", args.valid), ("--chat-template-file", args.chat_template_file)):
+        if f is not None and not Path(f).is_file():
+            raise FileNotFoundError(f"{flag}: no such file: {f}")
+    template = Path(args.chat_template_file).read_text(encoding="utf-8") if args.chat_template_file else None
+    out = Path(args.output)
+    try:  # fail now, not after the training, if the output cannot be written
+        existed = out.exists()
+        with open(out, "ab"):
+            pass
+        if not existed:
+            out.unlink()
+    except OSError as err:
+        raise ValueError(f"-o: cannot write {out}: {err.strerror}") from None
+    src = models.resolve(args.model)
+    lora = args.lora_rank is not None
+    ckpt_dir, resume = _checkpoints(args, out)
+    if resume is not None:
+        print(f"resuming from {resume}", file=sys.stderr)
+        if not lora:  # a full fine-tune continues from the checkpoint's weights
+            src = resume / "model.gguf"
+    with tempfile.TemporaryDirectory(dir=out.resolve().parent) as tmp:
+        with Model(src, vocab_only=True) as probe:
+            f32 = all(t == "f32" for _, t, _ in probe.tensor_info())
+        if not f32 and not lora:
+            print(f"converting {src.name} to F32 weights for full fine-tuning (llama_model_quantize)", file=sys.stderr)
+            train.to_f32(src, os.path.join(tmp, "f32.gguf"), n_threads=args.threads)
+            src = Path(tmp) / "f32.gguf"
+        kw = dict(use_mmap=lora, repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
+        with Model(src, **kw) as m:
+            # JSONL examples or text, read and checked in full before the training starts
+            read = dict(chat_template=template, train_on_prompt=args.train_on_prompt)
+            data = train.read_data(args.data, m, **read)
+            valid = train.read_data(args.valid, m, **read) if args.valid else None
+            if not isinstance(data, str):
+                print(f"{len(data)} examples from {args.data}", file=sys.stderr)
+            res = train.finetune(
+                m,
+                data,
+                valid=valid,
+                ctx_size=args.ctx_size,
+                epochs=args.epochs,
+                iters=args.iters,
+                lr=args.lr,
+                optimizer=args.optimizer,
+                weight_decay=args.weight_decay,
+                val_split=args.val_split,
+                batch_size=args.batch,
+                seed=args.seed,
+                n_threads=args.threads,
+                progress=not args.no_progress,
+                lora_rank=args.lora_rank,
+                lora_alpha=args.lora_alpha,
+                lora_targets=args.lora_targets.split(","),
+                lr_schedule=args.lr_schedule,
+                warmup=args.warmup,
+                min_lr=args.min_lr,
+                steps_per_eval=args.steps_per_eval,
+                steps_per_report=args.steps_per_report,
+                log=args.log,
+                checkpoint_dir=ckpt_dir,
+                save_every=args.save_every,
+                resume=resume,
+            )
+            print(f"validation loss before: {res.val_loss_before:.4f}")
+            print(f"{res.steps} optimizer steps of {args.batch} window(s) of {args.ctx_size} tokens")
+            for e in res.epochs:
+                print(
+                    f"epoch {e.epoch}: train loss {e.train_loss:.4f}, validation loss {e.val_loss:.4f}, "
+                    f"{e.tokens_per_s:.1f} tokens/s, {e.seconds:.1f} s"
+                )
+            if res.interrupted:
+                print(f"interrupted after {res.steps} steps; saving what was trained", file=sys.stderr)
+            if res.adapter is not None:
+                res.adapter.save(out)
+            else:
+                m.save(out)
+    print(f"wrote {out}" + (" (a LoRA adapter: load it with --lora / Model.load_lora)" if lora else ""))
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """The finetune, eval and fuse subcommands."""
+    f = sub.add_parser(
+        "finetune", help="fine-tune a GGUF model (full, or LoRA) on JSONL examples or text (llama_opt_*)"
+    )
+    f.add_argument(
+        "--model", "-m", default=models.DEFAULT, help="model name or GGUF path (full: converted to F32 if needed)"
+    )
+    f.add_argument(
+        "--data",
+        required=True,
+        help="JSONL ({text} / {prompt, completion} / {messages[, tools]} per line) or a UTF-8 text file",
+    )
+    f.add_argument("--valid", default=None, help="held-out file of the same kinds (instead of --val-split)")
+    f.add_argument("--train-on-prompt", action="store_true", help="count the loss on every token, not only the answers")
+    f.add_argument("--chat-template-file", default=None, help="jinja chat template instead of the GGUF's")
+    f.add_argument("--output", "-o", required=True, help="the tuned model's GGUF path (the adapter's, with LoRA)")
+    f.add_argument("--lora-rank", type=int, default=None, help="train a LoRA adapter of this rank instead")
+    f.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
+    f.add_argument(
+        "--lora-targets", default="attn_q,attn_v", help="comma-separated matrices (attn_q,attn_k,attn_v,...)"
+    )
+    f.add_argument("--epochs", type=int, default=1)
+    f.add_argument("--iters", type=int, default=None, help="optimizer steps in all (instead of --epochs)")
+    f.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
+    f.add_argument("--lr-schedule", choices=["constant", "cosine", "linear"], default="constant")
+    f.add_argument("--warmup", type=int, default=0, help="steps of linear warmup (default 0)")
+    f.add_argument("--min-lr", type=float, default=0.0, help="where cosine/linear decay heads (default 0)")
+    f.add_argument("--steps-per-eval", type=int, default=None, help="validate every N steps too")
+    f.add_argument("--steps-per-report", type=int, default=None, help="print loss, lr, tokens/s, ETA every N steps")
+    f.add_argument("--log", default=None, help="JSONL file: one line per step and per validation")
+    f.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    f.add_argument("--weight-decay", type=float, default=0.0)
+    f.add_argument("--ctx-size", "-c", type=int, default=256, help="tokens per window, a multiple of 256")
+    f.add_argument("--val-split", type=float, default=0.1, help="fraction of windows held out (default 0.1)")
+    f.add_argument("--batch", "-b", type=int, default=1, help="windows per optimizer step (gradient accumulation)")
+    f.add_argument("--seed", "-s", type=int, default=0, help="shuffling seed")
+    f.add_argument("--threads", type=int, default=None)
+    f.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
+    f.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    f.add_argument("--save-every", type=int, default=None, help="write a checkpoint every N steps (and at the end)")
+    f.add_argument(
+        "--checkpoint-dir", default=None, help="where checkpoints go (default: OUTPUT's name + '-checkpoints')"
+    )
+    f.add_argument(
+        "--resume", default=None, metavar="CHECKPOINT", help="continue from a checkpoint (or a directory's newest)"
+    )
+    f.set_defaults(fn=_finetune)
+    ev = sub.add_parser("eval", help="loss and perplexity on JSONL examples or text (the finetune masking rules)")
+    ev.add_argument("--model", "-m", default=models.DEFAULT, help="model name or GGUF path")
+    ev.add_argument("--adapter", default=None, help="a LoRA adapter GGUF to apply (scale 1)")
+    ev.add_argument("--data", required=True, help="JSONL (as finetune --data) or a UTF-8 text file")
+    ev.add_argument("--ctx-size", "-c", type=int, default=256, help="tokens per window")
+    ev.add_argument("--train-on-prompt", action="store_true", help="count every token, not only the answers")
+    ev.add_argument("--chat-template-file", default=None, help="jinja chat template instead of the GGUF's")
+    ev.add_argument("--threads", type=int, default=None)
+    ev.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
+    ev.set_defaults(fn=_eval)
+    fu = sub.add_parser("fuse", help="merge a LoRA adapter into its base model: one GGUF")
+    fu.add_argument("--model", "-m", default=models.DEFAULT, help="the base model (name or GGUF path)")
+    fu.add_argument("--adapter", required=True, help="the LoRA adapter GGUF (from finetune --lora-rank)")
+    fu.add_argument("--output", "-o", required=True, help="the fused GGUF")
+    fu.add_argument("--scale", type=float, default=1.0, help="the adapter's scale (default 1)")
+    fu.add_argument("--quantize", default=None, help="requantize the result: F16, Q8_0, Q4_0, Q4_1, ...")
+    fu.add_argument("--threads", type=int, default=None)
+    fu.set_defaults(fn=_fuse)
