@@ -30,6 +30,12 @@ class Example:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def labelled(self, ctx_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens int32 (n,), labels int32 (n - 1,)) of the first n = min(len, ctx_size + 1)
+        tokens (the rest is cut): labels[j] = tokens[j + 1] where that token is counted, else -1."""
+        t, c = self.tokens[: ctx_size + 1], self.counted[: ctx_size + 1]
+        return t, np.where(c[1:], t[1:], -1).astype(np.int32)
+
 
 def windows(tokens: Sequence[int] | np.ndarray, ctx_size: int, stride: int | None = None) -> np.ndarray:
     """The training windows of a token sequence: int32 array (n, ctx_size + 1), one every
@@ -54,15 +60,11 @@ def example_windows(examples: Sequence[Example], ctx_size: int, pad: int) -> tup
     none remains."""
     toks, labs, cut = [], [], 0
     for ex in examples:
-        n = min(len(ex), ctx_size + 1)
         cut += len(ex) > ctx_size + 1
-        t = np.full(ctx_size + 1, pad, np.int32)
-        c = np.zeros(ctx_size + 1, bool)
-        t[:n], c[:n] = ex.tokens[:n], ex.counted[:n]
-        lab = np.where(c[1:], t[1:], -1).astype(np.int32)
+        t, lab = ex.labelled(ctx_size)
         if (lab >= 0).any():
-            toks.append(t)
-            labs.append(lab)
+            toks.append(np.concatenate([t, np.full(ctx_size + 1 - len(t), pad, np.int32)]))
+            labs.append(np.concatenate([lab, np.full(ctx_size - len(lab), -1, np.int32)]))
     if not toks:
         raise ValueError(f"no example has a counted token within ctx_size + 1 = {ctx_size + 1} tokens")
     return np.stack(toks), np.stack(labs), cut

@@ -43,13 +43,8 @@ def _pieces(model: Model, data, ctx_size: int) -> list[tuple[np.ndarray, np.ndar
                 out.append((w, w[1:]))
         return out
     if isinstance(data, Sequence) and len(data) and all(isinstance(e, Example) for e in data):
-        out = []
-        for ex in data:
-            w, c = ex.tokens[: ctx_size + 1], ex.counted[: ctx_size + 1]
-            lab = np.where(c[1:], w[1:], -1).astype(np.int32)
-            if (lab >= 0).any():
-                out.append((w, lab))
-        return out
+        labelled = [ex.labelled(ctx_size) for ex in data]
+        return [(w, lab) for w, lab in labelled if (lab >= 0).any()]
     raise TypeError("data must be a str or a non-empty list of train.Example (see train.read_data)")
 
 
