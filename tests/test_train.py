@@ -46,8 +46,8 @@ def test_to_f32_dequantizes(model_path, f32_path):
 def test_finetune_lowers_held_out_loss_and_the_model_loads_back(f32_path, text, tmp_path):
     data = text[:6000]  # ~1,500 tokens: 10 windows of 257 every 128, 3 held out
     steps = []
-    with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
-        r = train.finetune(
+    with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m, pytest.warns(UserWarning, match="tied embed"):
+        r = train.finetune(  # SmolLM2's output matrix is token_embd: not trained, and said so
             m,
             data,
             ctx_size=256,

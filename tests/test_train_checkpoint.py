@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import gguf
@@ -56,7 +57,8 @@ def _run(kind, model_path, text, out, **kw):
     """finetune with KW; the trained adapter (lora) or model (full) written to out; the result."""
     lora = dict(lora_rank=4) if kind == "lora" else {}
     mkw = dict(repack=False) if kind == "lora" else dict(use_mmap=False)
-    with llamabind.Model(model_path, **mkw) as m:
+    with llamabind.Model(model_path, **mkw) as m, warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the tiny llama has its own output.weight: no tied warning
         r = train.finetune(m, text, **{**KW, **lora, **kw})
         if out is not None:
             (r.adapter if kind == "lora" else m).save(out)

@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,14 @@ def _check_model(model: Model, lora: bool) -> None:
             "llamabind.train.to_f32(src, dst) (or `python -m llamabind finetune`, which does), or train a "
             "LoRA adapter over it as it is (lora_rank=...)."
         )
+
+
+TIED_EMBEDDINGS = (
+    "{model}: its output matrix is token_embd.weight (tied embeddings), which a full fine-tune leaves as it is: "
+    "llama.cpp's llama_opt_init never makes token_embd a parameter (llama_set_param skips it by name, a FIXME at "
+    "the pin: its input lookup runs on the CPU through GET_ROWS, and a tied model's output matrix is a second copy "
+    "of it that training would untie). Every other F32 weight is trained; the PyTorch reference freezes it too."
+)
 
 
 def finetune(
@@ -159,6 +168,10 @@ def finetune(
     Returns a :class:`TrainResult`. Ctrl-C stops between steps and returns what was trained
     (``interrupted``: True); the model stays usable.
 
+    A full fine-tune never trains ``token_embd.weight`` (llama.cpp leaves it out); in a model with
+    tied embeddings (SmolLM2, Gemma: no ``output.weight``) that is also the output matrix, and a
+    UserWarning says so (:data:`TIED_EMBEDDINGS`).
+
     Raises TypeError/ValueError for bad arguments (rank <= 0, an unknown target, batch_size
     outside [1, 65536], iters < 1), data shorter
     than one window, a full fine-tune of a model that is not F32 or is memory-mapped;
@@ -166,6 +179,8 @@ def finetune(
     """
     lora = lora_rank is not None
     _check_model(model, lora)
+    if not lora and not any(name == "output.weight" for name, _, _ in model.tensor_info()):
+        warnings.warn(TIED_EMBEDDINGS.format(model=model.path.name), UserWarning, stacklevel=2)
     ctx_size = as_int(ctx_size, "ctx_size", 256)
     expect(ctx_size % 256 == 0, f"ctx_size must be a multiple of 256 (llama.cpp pads n_ctx to 256); got {ctx_size}")
     epochs = as_int(epochs, "epochs", 1)
