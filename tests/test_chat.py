@@ -57,6 +57,23 @@ def test_override_template(model):
         model.chat_templates("{% for %}")
 
 
+@pytest.mark.parametrize(
+    "template, what, where",
+    [
+        ("line one\nline two {{ x | }}", "Unexpected token: }}", "line 2, column 17"),
+        ("{% frobnicate %}", "Unknown statement: frobnicate", "line 1, column 4"),
+        ("{% if %}", "Unexpected token: %}", "line 1, column 7"),
+    ],
+)
+def test_a_broken_template_says_what_jinja_reported_and_where(model, template, what, where):
+    """patch 0029: the message was "cannot parse the chat template: std::exception" (the rethrow
+    in common_chat_templates_init sliced the parser's exception to its base)."""
+    with pytest.raises(ValueError) as e:
+        model.chat_templates(template)
+    msg = str(e.value)
+    assert "std::exception" not in msg and what in msg and where in msg, msg
+
+
 def test_chat_equals_generate_on_the_rendered_prompt(model):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     r = model.chat(msgs, temperature=0, max_tokens=20)

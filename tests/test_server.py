@@ -334,6 +334,8 @@ def _error(r: httpx.Response) -> dict:
     [
         ("/v1/chat/completions", b"{not json", 400),
         ("/v1/chat/completions", b"[1, 2]", 400),
+        ("/v1/chat/completions", b"[" * 100_000, 400),  # json's recursion limit: was a 500
+        ("/v1/completions", b'{"prompt": ' + b"[" * 100_000, 400),
         ("/v1/chat/completions", json.dumps({"messages": 5}).encode(), 400),
         ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": 3}]}).encode(), 400),
         ("/v1/chat/completions", json.dumps({"messages": [], "max_tokens": 4}).encode(), 400),

@@ -135,7 +135,7 @@ def test_cli_qlora_on_chat_jsonl_lowers_the_held_out_answer_loss(model_path, tmp
     cmd += ["--data", str(tmp_path / "train.jsonl")]
     cmd += ["--valid", str(tmp_path / "valid.jsonl"), "--lora-rank", "8", "--lr", "1e-3", "--iters", "12"]
     cmd += ["--threads", "2", "--no-progress", "-o", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    p = subprocess.run([*cmd, "--test", str(tmp_path / "valid.jsonl")], capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stderr[-3000:]
     before = float(re.search(r"validation loss before: ([\d.]+)", p.stdout).group(1))
     after = float(re.search(r"validation loss ([\d.]+), ", p.stdout).group(1))
@@ -150,6 +150,8 @@ def test_cli_qlora_on_chat_jsonl_lowers_the_held_out_answer_loss(model_path, tmp
         losses.append(float(re.search(r"loss ([\d.]+), perplexity", e.stdout).group(1)))
     print("eval: base", losses[0], "tuned", losses[1])
     assert losses[1] < losses[0] - 0.05, losses  # the tuned model beats the base on held-out answers
+    test_loss = float(re.search(r"test loss ([\d.]+), perplexity", p.stdout).group(1))
+    assert abs(test_loss - losses[1]) < 1e-3, (test_loss, losses)  # --test: eval of the tuned adapter
     (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "no answer"}]}\n')
     bad = subprocess.run([*cmd[:6], "--data", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "x.gguf")],
                          capture_output=True, text=True, timeout=300)  # fmt: skip

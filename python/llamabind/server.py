@@ -70,6 +70,8 @@ def _prepare(path: str, body: bytes, model_names: frozenset[str], model_id: str)
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         return b"", _error(400, f"the request body is not valid JSON: {e}")
+    except RecursionError:  # json's C scanner recurses per nesting level (100,000 '[' reach it)
+        return b"", _error(400, "the request body nests JSON deeper than the parser's recursion limit")
     if not isinstance(data, dict):
         return b"", _error(400, "the request body must be a JSON object")
     if path.startswith("/v1/") and "model" in data:

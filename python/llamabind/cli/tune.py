@@ -66,7 +66,8 @@ def _finetune(args) -> int:
     from .. import train
     from ..api import Model
 
-    for flag, f in (("--data", args.data), ("--valid", args.valid), ("--chat-template-file", args.chat_template_file)):
+    files = (("--data", args.data), ("--valid", args.valid), ("--test", args.test))
+    for flag, f in (*files, ("--chat-template-file", args.chat_template_file)):
         if f is not None and not Path(f).is_file():
             raise FileNotFoundError(f"{flag}: no such file: {f}")
     template = Path(args.chat_template_file).read_text(encoding="utf-8") if args.chat_template_file else None
@@ -99,6 +100,7 @@ def _finetune(args) -> int:
             read = dict(chat_template=template, train_on_prompt=args.train_on_prompt)
             data = train.read_data(args.data, m, **read)
             valid = train.read_data(args.valid, m, **read) if args.valid else None
+            test = train.read_data(args.test, m, **read) if args.test else None
             if not isinstance(data, str):
                 print(f"{len(data)} examples from {args.data}", file=sys.stderr)
             res = train.finetune(
@@ -142,6 +144,9 @@ def _finetune(args) -> int:
                 res.adapter.save(out)
             else:
                 m.save(out)
+            if test is not None:  # mlx-lm's --test: the tuned model on held-out data, after training
+                t = train.evaluate(m, test, ctx_size=args.ctx_size, adapter=res.adapter, n_threads=args.threads)
+                print(f"test loss {t.loss:.4f}, perplexity {t.perplexity:.3f} over {t.tokens} tokens")
     print(f"wrote {out}" + (" (a LoRA adapter: load it with --lora / Model.load_lora)" if lora else ""))
     return 0
 
@@ -160,6 +165,7 @@ def add_parsers(sub) -> None:
         help="JSONL ({text} / {prompt, completion} / {messages[, tools]} per line) or a UTF-8 text file",
     )
     f.add_argument("--valid", default=None, help="held-out file of the same kinds (instead of --val-split)")
+    f.add_argument("--test", default=None, help="held-out file: its loss and perplexity after training")
     f.add_argument("--train-on-prompt", action="store_true", help="count the loss on every token, not only the answers")
     f.add_argument("--chat-template-file", default=None, help="jinja chat template instead of the GGUF's")
     f.add_argument("--output", "-o", required=True, help="the tuned model's GGUF path (the adapter's, with LoRA)")

@@ -266,6 +266,8 @@ def finetune(
             restore_optimizer(ctx, *resumed)
             result.steps = saved[0] = int(resumed[1]["step"])
             result.losses = [float(x) for x in resumed[1]["losses"]]
+        run.t_start = time.perf_counter()  # tokens/s and the ETA count this run's training steps from here
+        run.first_step = result.steps
         first_epoch, skip = divmod(result.steps, n_batches)
         for epoch in range(epochs):
             order = rng.permutation(n_train) if shuffle else np.arange(n_train)
@@ -307,6 +309,7 @@ class _Run:
     save_every: int | None = None
     save: Callable[[], None] | None = None
     t_start: float = field(default_factory=time.perf_counter)
+    first_step: int = 0
     n_tok: int = 0
 
     def write(self, **row: Any) -> None:
@@ -348,7 +351,7 @@ def _epoch(run: _Run, batches: np.ndarray, epoch: int, result: TrainResult) -> E
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:.1f}")
                 bar.update(1)
             if run.report_every and result.steps % run.report_every == 0:
-                eta = elapsed / result.steps * (run.total - result.steps)
+                eta = elapsed / (result.steps - run.first_step) * (run.total - result.steps)
                 line = f"step {result.steps}/{run.total}: loss {loss:.4f}, lr {lr:.3g}, {tok_s:.1f} tokens/s"
                 print(f"{line}, ETA {eta:.0f} s", file=sys.stderr, flush=True)
             if run.eval_every and result.steps % run.eval_every == 0 and len(run.val[0]):
