@@ -62,3 +62,16 @@ def test_no_module_over_600_lines():
     files = [*_modules(), *SRC.glob("*.cpp"), *SRC.glob("*.h")]
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
     assert not long, long
+
+
+def test_no_cpp_line_passes_120_columns():
+    """clang-format's ColumnLimit holds for comments too (ReflowComments: a 128-column comment in
+    server.cpp had passed `./dev lint`)."""
+    long = [
+        f"{p.name}:{i}: {len(line)}"
+        for p in sorted([*SRC.glob("*.cpp"), *SRC.glob("*.h")])
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if len(line) > 120
+    ]
+    assert not long, long
+    assert "ReflowComments: true" in (ROOT / ".clang-format").read_text(encoding="utf-8")

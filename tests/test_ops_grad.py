@@ -93,6 +93,43 @@ def test_grad_two_inputs_and_argnums():
     check_grad(lambda x, y: ops.sum(ops.mul(ops.sub(x, y), ops.add(x, y))), a, rnd(3, 5, seed=4))
 
 
+def test_grad_and_vjp_take_device_arrays_and_return_them_on_their_device():
+    """A DeviceArray argument (ops.to_device; a torch CUDA tensor through ops.from_dlpack is one):
+    grad raised TypeError "expected a numpy array"; now the gradient runs on its device and comes
+    back there, equal to the numpy path's and to the closed form."""
+    a, b = rnd(3, 5), rnd(5, 2, seed=1)
+    f = lambda a, b: ops.sum(ops.sqr(ops.mul_mat(a, b)))  # noqa: E731
+    da, db = ops.to_device(a), ops.to_device(b)
+    ga, gb = ops.grad(f, argnums=(0, 1))(da, b)  # one DeviceArray is enough
+    assert type(ga) is ops.DeviceArray and ga.device == da.device and ga.shape == a.shape
+    ref = 2 * (a.astype(np.float64) @ b) @ b.T
+    tol = 3e-3 if TEST_BACKEND not in (None, "cpu") else 1e-4
+    np.testing.assert_allclose(ga.numpy(), ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(gb.numpy(), ops.grad(f, argnums=1)(a, b), rtol=1e-5, atol=1e-5)
+    x, w = np.ascontiguousarray(a[:, :2]), np.ascontiguousarray(b[:3])
+    y, f_vjp = ops.vjp(lambda x, w: ops.mul(x, w), ops.to_device(x), w)
+    assert type(y) is ops.DeviceArray
+    ct = rnd(3, 2, seed=3)
+    gx, gw = f_vjp(ops.to_device(ct))
+    assert type(gx) is ops.DeviceArray and gx.device == da.device
+    np.testing.assert_allclose(y.numpy(), x * w, rtol=1e-6)
+    np.testing.assert_allclose(gx.numpy(), ct * w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gw.numpy(), ct * x, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_of_a_torch_tensor_stays_on_its_device():
+    """The issue's case: a torch tensor (CUDA when there is one) through ops.from_dlpack."""
+    torch = pytest.importorskip("torch")
+    dev = "cuda" if torch.cuda.is_available() and TEST_BACKEND in (None, "cuda") else "cpu"
+    t = torch.linspace(-1, 1, 12, device=dev).reshape(3, 4)
+    x = ops.from_dlpack(t)
+    g = ops.grad(lambda x: ops.sum(ops.sqr(x)))(x)
+    assert type(g) is ops.DeviceArray and g.device == x.device
+    back = torch.from_dlpack(g)
+    assert back.device.type == dev
+    torch.testing.assert_close(back, 2 * t)
+
+
 def test_vjp_matches_jacobian_products():
     x = rnd(4, 6)
     y, f_vjp = ops.vjp(lambda x: ops.soft_max(x, scale=0.5), x)

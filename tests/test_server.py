@@ -226,6 +226,20 @@ def embed_srv(model_path):
         yield s
 
 
+def test_embedding_server_of_a_causal_lm_pools_by_mean(model_path, model, caplog):
+    """SmolLM2's GGUF names no pooling type: `serve --embedding` without --pooling used llama.cpp's
+    "none" and answered every /v1/embeddings with 400 "Pooling type 'none' is not OAI compatible";
+    now mean pooling, said in the log."""
+    with caplog.at_level("WARNING", logger="llamabind.server"):
+        s = llamabind.serve(model_path, port=0, parallel=1, ctx_size=1024, embedding=True, **CPU_ONLY)
+    with s:
+        assert "mean pooling" in caplog.text
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        got = np.array(c.embeddings.create(model=s.model_id, input=["The cat sat on the mat."]).data[0].embedding)
+        ref = model.embed(["The cat sat on the mat."], pooling="mean")[0]
+        assert float(got @ ref) > 0.999  # both L2-normalized: the cosine
+
+
 @pytest.mark.exact
 def test_embeddings_float_and_base64_equal_model_embed(embed_srv, model):
     c = openai.OpenAI(base_url=embed_srv.url + "/v1", api_key="unused", max_retries=0)

@@ -288,7 +288,8 @@ def serve(
     host/port: where to listen (port 0: any free port; a host other than loopback without
     ``api_key`` warns). parallel: slots decoded together (continuous batching). ctx_size: KV cache
     tokens for all slots (None: the model's training context, fitted to free memory); any slot may
-    use all of it. embedding: serve /v1/embeddings (pooling: "mean", "cls", "last"; None: the model's).
+    use all of it. embedding: serve /v1/embeddings (pooling: "mean", "cls", "last"; None: the model's, or
+    mean if its GGUF names none, as for a causal LM).
     n_gpu_layers, op_offload, n_threads, n_batch, n_ubatch,
     rpc, alias, chat_template, flash_attn, lora: as :class:`~llamabind.server_context.ServerContext`.
     max_body: request body limit in bytes (413). max_pending: requests in flight before 503.

@@ -10,12 +10,15 @@ server in front of it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
 from . import _core, models
 from ._validate import as_int, endpoint, one_of
 from .context import Context
+
+log = logging.getLogger("llamabind.server")
 
 __all__ = ["ServerContext"]
 
@@ -30,7 +33,8 @@ class ServerContext:
     batch sizes. n_gpu_layers: layers to offload (None: llama-server's default, all that fit);
     op_offload=False keeps batches of CPU layers on the CPU (llama.cpp sends large ones to a GPU).
     embedding: serve /v1/embeddings instead of generation; pooling: "mean", "cls", "last", "none"
-    or "rank" (None: the model's own). alias: the model id clients name (default: the model's name,
+    or "rank" (None: the model's own; mean for a model whose GGUF names none, a causal LM, with a
+    warning on the ``llamabind.server`` logger). alias: the model id clients name (default: the model's name,
     or the file name without .gguf). chat_template: a jinja template replacing the model's.
     flash_attn: "on", "off" or "auto". lora: [(path, scale)] adapters. rpc_servers: ["host:port"]
     RPC servers whose devices the model uses (as ``Model(rpc=...)``; devices other models connected
@@ -85,7 +89,15 @@ class ServerContext:
                 opts[key] = text
         opts["embedding"] = bool(embedding)
         opts["op_offload"] = bool(op_offload)
-        opts["pooling"] = Context.POOLING[one_of(pooling, "pooling", Context.POOLING)]  # None: the model's
+        one_of(pooling, "pooling", Context.POOLING)
+        if embedding and pooling is None:
+            md = _core.read_metadata(str(path))
+            if md.get(f"{md.get('general.architecture', '')}.pooling_type", 0) in (0, -1):
+                # a causal LM (its GGUF names no pooling): llama.cpp's "none" would answer every
+                # /v1/embeddings with 400 "Pooling type 'none' is not OAI compatible"
+                pooling = "mean"
+                log.warning("%s names no pooling type: serving embeddings with mean pooling", path.name)
+        opts["pooling"] = Context.POOLING[pooling]  # None: the model's
         opts["kv_unified"] = bool(kv_unified)
         if lora:
             opts["lora"] = [(os.fspath(p), float(s)) for p, s in lora]

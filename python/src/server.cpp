@@ -3,8 +3,8 @@
 // handlers), built from the same patched tree and driven from Python. llamabind.serve puts an ASGI
 // server in front (HTTP parsing, API keys, body limits, SSE framing) and hands each request's method,
 // path and body to ServerCore.request (run by ServerResponse.run); streamed responses are pulled
-// chunk by chunk with ServerResponse.next. The scheduler loop runs on its own thread (server_context::start_loop); handlers run
-// on the ASGI server's worker threads with the GIL released.
+// chunk by chunk with ServerResponse.next. The scheduler loop runs on its own thread
+// (server_context::start_loop); handlers run on the ASGI server's worker threads with the GIL released.
 #include "common.h"
 #include "rpc.h"
 

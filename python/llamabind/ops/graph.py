@@ -386,16 +386,22 @@ class Executable:
     def run(self, arrays: Sequence[Any], n_threads: int | None = None, grads: bool = False) -> list:
         """Outputs (then the params' gradients if ``grads``) for input ``arrays`` (numpy arrays,
         Blocks or DeviceArrays of the inputs' shapes and dtypes, in order): numpy arrays, or
-        DeviceArrays on the graph's device when any input is a DeviceArray."""
+        DeviceArrays on the graph's device (gradients too) when any input is a DeviceArray."""
         if self.checks_bounds:
             self._check_bounds(arrays)
-        if any(type(a) is DeviceArray for a in arrays):
+        on_device = any(type(a) is DeviceArray for a in arrays)
+        if on_device:
             outs: list = [DeviceArray.empty(s, d, self.graph.device) for s, d in self.out_specs]
             bufs = [o._buf for o in outs]
         else:
             outs = bufs = [np.empty(s, d) for s, d in self.out_specs]
-        gs = [np.empty(p.shape, p.dtype) for p in self.params] if grads else []
-        self.native_run(arrays, bufs, gs, self.n_threads if n_threads is None else n_threads)
+        gs: list = []
+        if grads and on_device:  # gradients stay where the arguments are
+            gs = [DeviceArray.empty(p.shape, p.dtype, self.graph.device) for p in self.params]
+        elif grads:
+            gs = [np.empty(p.shape, p.dtype) for p in self.params]
+        gbufs = [x._buf for x in gs] if on_device else gs
+        self.native_run(arrays, bufs, gbufs, self.n_threads if n_threads is None else n_threads)
         return outs + gs
 
     def _check_bounds(self, arrays: Sequence[Any]) -> None:
