@@ -5,6 +5,9 @@
   Reports prompt tokens evaluated (llama.cpp's n_p_eval) and prompt time.
 - batched generation: N prompts through Model.generate_batch (one llama_decode per step for all
   sequences) against generating them one after another; reports total tokens/s.
+- logits processors: greedy tg of 128 tokens with no processor, an identity processor and a
+  mask processor (all but 1,000 tokens set to -inf, as a constrained-decoding library does);
+  reports ms per token and the cost per token against no processor (target: identity <= 5%).
 
     .venv/bin/python bench/generation_api.py [--model PATH] [--threads 2] [--rounds 3]
 Writes bench/results/generation-api-<host>-<date>.json.
@@ -79,6 +82,27 @@ def batched(m, n, max_tokens, rounds):
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def processor_cost(m, max_tokens, rounds):
+    """ms per generated token with no / an identity / a masking logits processor."""
+    import numpy as np
+
+    keep = np.arange(0, m.n_vocab, max(1, m.n_vocab // 1000))
+    mask = np.full(m.n_vocab, -np.inf, np.float32)
+    mask[keep] = 0.0
+    procs = {"none": None, "identity": lambda ids, logits: logits, "mask 1000": lambda ids, logits: logits + mask}
+    out: dict[str, list[float]] = {}
+    names = list(procs)
+    with m.context(n_ctx=512) as c:
+        c.generate(PROMPTS[0], max_tokens=8, temperature=0)  # warm up
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                res = c.generate(PROMPTS[0], max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                 logits_processor=procs[name])  # fmt: skip
+                out.setdefault(name, []).append(res.timings.generate_ms / len(res.tokens))
+    med = {k: statistics.median(v) for k, v in out.items()}
+    return {k: {"ms_per_token": v, "overhead": v / med["none"] - 1} for k, v in med.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=llamabind.models.DEFAULT)
@@ -100,6 +124,11 @@ def main():
             b = batched(m, n, a.max_tokens, a.rounds)
             bat[n] = b
             print(f"{n:>7} {b['batch']:>8.1f} {b['sequential']:>10.1f} {b['batch'] / b['sequential']:>6.2f}")
+        proc = processor_cost(m, 128, a.rounds)
+        print("\nlogits processors, greedy tg128 (ms per token):")
+        print(f"{'processor':<10} {'ms/token':>8} {'cost':>7}")
+        for k, v in proc.items():
+            print(f"{k:<10} {v['ms_per_token']:>8.3f} {100 * v['overhead']:>6.1f}%")
         res = {
             "model": str(m.path.name),
             "description": m.description,
@@ -107,6 +136,7 @@ def main():
             "rounds": a.rounds,
             "prefix_reuse": reuse,
             "batched_tokens_per_s": bat,
+            "logits_processor_tg128": proc,
             "host": platform.node(),
             "date": datetime.date.today().isoformat(),
             "llamabind": llamabind.build_info()["upstream_release"],

@@ -25,7 +25,7 @@ class Context(context.Context):
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult | Stream[GenerationResult]:
         """Generate a continuation of ``prompt`` in this context; see :func:`llamabind.generation.generate`
         for the arguments (max_tokens, stop, stream, json_schema, logprobs, draft_model,
-        lookup_ngram, and the sampling fields of :class:`~llamabind.SamplingParams`)."""
+        lookup_ngram, logits_processor, and the sampling fields of :class:`~llamabind.SamplingParams`)."""
         return generation.generate(self, prompt, **kwargs)
 
     def chat(self, messages: Sequence[dict], **kwargs: Any) -> ChatResult | Stream[ChatResult]:

@@ -12,7 +12,7 @@ from typing import Any
 from . import _log
 from ._validate import as_int, prompt_tokens, stop_strings
 from .context import Context, release_threads
-from .generation import GenerationResult, TextState, Timings
+from .generation import GenerationResult, Processing, TextState, Timings, logits_processors
 from .model import Model
 from .sampling import Sampler, SamplingParams
 
@@ -41,6 +41,7 @@ def generate_batch(
     n_ctx: int | None = None,
     add_special: bool = True,
     parse_special: bool = True,
+    logits_processor: Any = None,
     **sampling: Any,
 ) -> list[GenerationResult]:
     """Generate a continuation of every prompt together: one context with a KV cache sequence
@@ -51,6 +52,8 @@ def generate_batch(
         prompts: texts or token-id lists (1..256 of them).
         max_tokens, stop, add_special, parse_special, **sampling: as :meth:`Context.generate`.
         n_ctx: the shared KV cache size (default: room for every prompt plus max_tokens).
+        logits_processor: as :meth:`Context.generate`'s, called for every sequence with that
+            sequence's input ids and logits.
 
     Returns one :class:`GenerationResult` per prompt, in order. With temperature 0 each result
     equals ``Model.generate`` of that prompt alone. Raises ValueError/TypeError as generate().
@@ -64,6 +67,7 @@ def generate_batch(
         raise ValueError(f"prompts must hold 1..256 prompts; got {len(prompts)}")
     as_int(max_tokens, "max_tokens", 0)
     stops = stop_strings(stop)
+    fns = logits_processors(logits_processor)
 
     def tokenize(text: str) -> list[int]:
         return model.tokenize(text, add_special=add_special, parse_special=parse_special)
@@ -86,7 +90,8 @@ def generate_batch(
         for i in range(len(toks)):
             seed = None if params.seed is None else (params.seed + i) & 0xFFFFFFFF
             samplers.append(dataclasses.replace(params, seed=seed).build(model))
-        return _run_batch(ctx, toks, max_tokens, samplers, stops)
+        procs = [Processing(fns, t) if fns else None for t in toks]
+        return _run_batch(ctx, toks, max_tokens, samplers, stops, procs)
     finally:
         for s in samplers:
             s.close()
@@ -95,8 +100,20 @@ def generate_batch(
 
 
 def _run_batch(
-    ctx: Context, toks: list[list[int]], max_tokens: int, samplers: list[Sampler], stops: list[str]
+    ctx: Context,
+    toks: list[list[int]],
+    max_tokens: int,
+    samplers: list[Sampler],
+    stops: list[str],
+    procs: list[Processing | None],
 ) -> list[GenerationResult]:
+
+    def sample(i: int, idx: int) -> int:
+        p = procs[i]
+        if p is not None:
+            p.apply(ctx, idx)
+        return samplers[i].sample(ctx, idx)
+
     model = ctx.model
     n_batch, n_ctx = ctx.n_batch, ctx.n_ctx
     n = len(toks)
@@ -115,7 +132,7 @@ def _run_batch(
         idx = ctx.decode_batch([(i, [toks[i][-1]]) for i in group])
         for k, i in enumerate(group):
             samplers[i].accept(toks[i])
-            nxt[i] = samplers[i].sample(ctx, idx[k])
+            nxt[i] = sample(i, idx[k])
     prompt_ms = (time.perf_counter() - t0) * 1e3
     for t in timings:
         t.prompt_ms = prompt_ms
@@ -130,6 +147,8 @@ def _run_batch(
                 active.discard(i)
                 continue
             generated[i].append(tok)
+            if procs[i] is not None:
+                procs[i].push(tok)
             states[i].feed(tok)
             if states[i].matched is not None:
                 finish[i] = "stop"
@@ -142,7 +161,7 @@ def _run_batch(
             seqs = [step[k] for k in group]
             idx = ctx.decode_batch([(i, [generated[i][-1]]) for i in seqs])
             for k, i in enumerate(seqs):
-                nxt[i] = samplers[i].sample(ctx, idx[k])
+                nxt[i] = sample(i, idx[k])
     gen_ms = (time.perf_counter() - t1) * 1e3
     out = []
     for i in range(n):

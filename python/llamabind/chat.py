@@ -83,6 +83,7 @@ def chat(
     stop: str | Sequence[str] | None = None,
     stream: bool = False,
     logprobs: int | None = None,
+    logits_processor: Any = None,
     **sampling,
 ) -> ChatResult | Stream[ChatResult]:
     """Generate the assistant's reply to ``messages`` in ``ctx``.
@@ -95,6 +96,8 @@ def chat(
     common's (lazy) tool-call grammar. ``response_format`` ``{"type": "json_object"}`` or
     ``{"type": "json_schema", "json_schema": {"schema": ...}}`` constrains the reply to JSON.
     reasoning_format: "auto", "none", "deepseek" or "deepseek-legacy" (where thinking goes).
+    logits_processor: as :func:`~llamabind.generation.generate`'s (input_ids are the rendered
+    prompt's tokens and the reply's so far).
 
     A follow-up turn that extends the conversation reuses the KV cache of the shared prefix.
     Returns a :class:`ChatResult`, or with stream=True a :class:`Stream` of raw text pieces whose
@@ -116,8 +119,9 @@ def chat(
         template_kwargs=template_kwargs,
     )
     gen = generation.run(
-        ctx, cp.prompt, max_tokens, params, stop, add_special=True, parse_special=True, logprobs=logprobs, chat=cp
-    )
+        ctx, cp.prompt, max_tokens, params, stop, add_special=True, parse_special=True, logprobs=logprobs, chat=cp,
+        processors=generation.logits_processors(logits_processor),
+    )  # fmt: skip
     out = _reply(gen, cp, bool(tools) and tool_choice != "none", reasoning_format)
     if stream:
         return Stream(out)

@@ -171,9 +171,21 @@ class Context:
         if len(self._tokens) == n0:
             self._tokens += tokens[: self._llama_context.pos(0) - n0]
 
-    def logits(self) -> np.ndarray:
-        """Logits of the last decoded token: float32 array of shape (n_vocab,)."""
-        return self._llama_context.logits(-1)
+    def logits(self, idx: int = -1) -> np.ndarray:
+        """Logits at a position of the last batch (-1: its last output; decode_batch returns
+        each entry's): a float32 copy, shape (n_vocab,). Wraps llama_get_logits_ith. ValueError
+        before any decode or for a position without logits."""
+        return self._llama_context.logits(as_int(idx, "idx", -1))
+
+    def set_logits(self, logits: np.ndarray, idx: int = -1) -> None:
+        """Overwrite the logits at a position of the last batch with ``logits`` (float32-castable,
+        shape (n_vocab,)): the buffer llama_get_logits_ith returns, which the next
+        ``Sampler.sample(ctx, idx)`` reads (how ``logits_processor`` works). ValueError for a
+        wrong shape, no logits at idx, or while an ``eval(copy=False)`` view lives."""
+        arr = np.ascontiguousarray(logits, dtype=np.float32)
+        if arr.ndim != 1:
+            raise ValueError(f"logits must have shape (n_vocab,); got {arr.shape}")
+        self._llama_context.set_logits(as_int(idx, "idx", -1), arr)
 
     def clear(self) -> None:
         """Empty the KV cache (all sequences)."""

@@ -7,9 +7,11 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+
+import numpy as np
 
 from . import _log, speculative
 from ._validate import as_int, prompt_tokens, stop_strings
@@ -107,6 +109,7 @@ def generate(
     draft_model: Model | None = None,
     lookup_ngram: int | None = None,
     n_draft: int = 8,
+    logits_processor: LogitsProcessor | Sequence[LogitsProcessor] | None = None,
     **sampling: Any,
 ) -> GenerationResult | Stream[GenerationResult]:
     """Generate a continuation of ``prompt`` in ``ctx`` through llama.cpp's sampler chain.
@@ -124,6 +127,13 @@ def generate(
         draft_model / lookup_ngram: speculative decoding with a small model of the same
             vocabulary, or with n-gram lookup in the context (n = lookup_ngram, 1..8); n_draft
             (1..64) tokens are proposed per step. The output is the same as without it.
+        logits_processor: a function or a list of them (llama-cpp-python's and transformers'
+            convention), called before each token as ``f(input_ids, logits)``: input_ids int32
+            (n,), the prompt and the tokens generated so far (read-only), logits float32
+            (n_vocab,) of the next token (a copy it may change in place); returns the logits to
+            use (or None: changed in place). The sampler chain (penalties, top-k, grammar, ...)
+            then samples from them. -inf forbids a token; NaN, +inf or no finite value is a
+            ValueError. Not with speculative decoding or backend_sampling.
         **sampling: fields of :class:`~llamabind.SamplingParams` (temperature, top_k, top_p, min_p,
             typical_p, xtc_*, dry_*, mirostat*, repeat/frequency/presence penalties,
             logit_bias, grammar, seed, ...).
@@ -143,7 +153,13 @@ def generate(
     draft = speculative.make(ctx, draft_model, lookup_ngram, n_draft)
     if draft is not None and logprobs is not None:
         raise ValueError("logprobs are not available with speculative decoding")
-    gen = run(ctx, prompt, max_tokens, params, stop, add_special, parse_special, logprobs=logprobs, draft=draft)
+    procs = logits_processors(logits_processor)
+    if draft is not None and procs:
+        raise ValueError("logits processors are not available with speculative decoding")
+    gen = run(
+        ctx, prompt, max_tokens, params, stop, add_special, parse_special, logprobs=logprobs, draft=draft,
+        processors=procs,
+    )  # fmt: skip
     return Stream(gen) if stream else collect(gen)
 
 
@@ -159,6 +175,7 @@ def run(
     logprobs: int | None = None,
     chat: Any = None,
     draft: speculative.Speculator | None = None,
+    processors: Sequence[LogitsProcessor] = (),
 ) -> Generator[str, None, GenerationResult]:
     """Validate everything, then return the generation loop: a generator of text pieces whose
     return value is the GenerationResult. ``chat``: a rendered chat prompt (ChatTemplates.apply)
@@ -180,13 +197,19 @@ def run(
             f"the prompt has {len(tokens)} tokens, which leaves no room in n_ctx ({n_ctx}); "
             "use a larger n_ctx or a shorter prompt"
         )
-    on_device = _backend_sampling(model, sampling, chat, logprobs, draft)
+    on_device = _backend_sampling(model, sampling, chat, logprobs, draft, bool(processors))
     sampler = sampling.build(model, chat)
-    return _loop(ctx, tokens, max_tokens, sampler, stops, logprobs, draft, on_device)
+    proc = Processing(processors, tokens) if processors else None
+    return _loop(ctx, tokens, max_tokens, sampler, stops, logprobs, draft, on_device, proc)
 
 
 def _backend_sampling(
-    model: Model, sampling: SamplingParams, chat: Any, logprobs: int | None, draft: speculative.Speculator | None
+    model: Model,
+    sampling: SamplingParams,
+    chat: Any,
+    logprobs: int | None,
+    draft: speculative.Speculator | None,
+    processors: bool = False,
 ) -> bool:
     """Whether the chain runs in the decode graph (SamplingParams.backend_sampling)."""
     why_not = (
@@ -194,6 +217,8 @@ def _backend_sampling(
         if sampling.grammar is not None or (chat is not None and chat.grammar)
         else "logprobs"
         if logprobs is not None
+        else "a logits processor"
+        if processors
         else "speculative decoding"
         if draft is not None
         else None
@@ -253,6 +278,58 @@ def _logprob(ctx: Context, idx: int, tok: int, n: int) -> TokenLogprob:
     return TokenLogprob(tok, text(tok), lp, [(i, text(i), v) for i, v in zip(ids, tlp)])
 
 
+LogitsProcessor = Callable[[np.ndarray, np.ndarray], Any]
+"""``f(input_ids: int32 (n,), logits: float32 (n_vocab,)) -> float32 (n_vocab,) | None``."""
+
+
+def logits_processors(value: Any) -> list[LogitsProcessor]:
+    """A logits_processor argument as a list: None, one callable, or a sequence of them
+    (TypeError otherwise)."""
+    if value is None:
+        return []
+    fns = [value] if callable(value) else value
+    if isinstance(fns, (str, bytes)) or not isinstance(fns, Sequence) or not all(callable(f) for f in fns):
+        raise TypeError("logits_processor must be a function f(input_ids, logits) or a list of them")
+    return list(fns)
+
+
+class Processing:
+    """One sequence's logits processors and its input ids (prompt + generated, int32)."""
+
+    def __init__(self, fns: Sequence[LogitsProcessor], tokens: Sequence[int]):
+        self.fns = fns
+        self.ids = np.empty(max(64, 2 * len(tokens)), np.int32)
+        self.n = len(tokens)
+        self.ids[: self.n] = tokens
+
+    def push(self, tok: int) -> None:
+        if self.n == len(self.ids):
+            self.ids = np.concatenate([self.ids, np.empty_like(self.ids)])
+        self.ids[self.n] = tok
+        self.n += 1
+
+    def apply(self, ctx: Context, idx: int = -1) -> None:
+        """Run the processors on the logits at batch position idx and write the result back
+        (Context.set_logits), where the sampler reads them."""
+        logits = ctx.logits(idx)
+        ids = self.ids[: self.n]
+        ids.flags.writeable = False
+        for f in self.fns:
+            out = f(ids, logits)
+            if out is not None:
+                logits = out
+        arr = np.asarray(logits)
+        if arr.shape != (ctx.model.n_vocab,):
+            raise ValueError(f"a logits processor returned shape {arr.shape}; expected ({ctx.model.n_vocab},)")
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        top = arr.max()
+        if np.isnan(top) or top == np.inf or np.isnan(arr).any():
+            raise ValueError("a logits processor returned NaN or +inf logits (use -inf to forbid a token)")
+        if top == -np.inf:
+            raise ValueError("the logits processors forbade every token (all logits are -inf)")
+        ctx.set_logits(arr, idx)
+
+
 class SupersededError(RuntimeError):
     """A stream was resumed after a newer generate() call reused its context."""
 
@@ -274,6 +351,7 @@ def _loop(
     n_logprobs: int | None,
     draft: speculative.Speculator | None,
     on_device: bool = False,
+    proc: Processing | None = None,
 ) -> Generator[str, None, GenerationResult]:
     model = ctx.model
     me = ctx.start_generation()
@@ -301,6 +379,8 @@ def _loop(
                 batch = draft.step(ctx, sampler, max_tokens - len(generated))
                 tok, pending = batch[0], batch[1:]
             else:
+                if proc is not None:
+                    proc.apply(ctx)
                 tok = sampler.sample(ctx)
             if lps is not None and n_logprobs is not None:
                 lps.append(_logprob(ctx, -1, tok, n_logprobs))
@@ -308,6 +388,8 @@ def _loop(
                 finish = "stop"
                 break
             generated.append(tok)
+            if proc is not None:
+                proc.push(tok)
             piece = out.feed(tok)
             if piece:
                 yield piece

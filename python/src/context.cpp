@@ -367,6 +367,20 @@ static nb::ndarray<nb::numpy, float, nb::ndim<1>> logits(Context & self, int32_t
     return copy_to_numpy(logits_at(self, idx), (size_t) self.owner->n_vocab());
 }
 
+// Overwrite the logits at batch position idx with values (float32 (n_vocab,)): the buffer that
+// llama_get_logits_ith returns and the sampler chain (common_sampler_sample) reads next, so a
+// Python logits processor changes what is sampled.
+static void set_logits(Context & self, int32_t idx,
+                       nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> values) {
+    float * l = const_cast<float *>(logits_at(self, idx));
+    const size_t n = (size_t) self.owner->n_vocab();
+    if (values.shape(0) != n)
+        raise_value("the logits must have n_vocab = " + std::to_string(n) + " values; got " +
+                    std::to_string(values.shape(0)));
+    self.check_no_views("set the logits");
+    std::copy(values.data(), values.data() + n, l);
+}
+
 // log-softmax of the raw logits at batch position idx: (logprob of token, top-n ids, their logprobs)
 static nb::tuple logprobs(Context & self, int32_t idx, int64_t token, int32_t n_top) {
     const float * l = logits_at(self, idx);
@@ -510,6 +524,8 @@ void register_context(nb::module_ & m) {
              "Logits of every token, float32 (n_tokens, n_vocab).")
         .def("clear", &clear, "Empty the KV cache (wraps llama_memory_clear).")
         .def("logits", &logits, nb::arg("idx") = -1, "Logits at a batch position (-1: last): float32 (n_vocab,).")
+        .def("set_logits", &set_logits, nb::arg("idx"), nb::arg("values"),
+             "Overwrite the logits at a batch position (float32 (n_vocab,)); the sampler reads them next.")
         .def("logprobs", &logprobs, nb::arg("idx"), nb::arg("token"), nb::arg("n_top"),
              "(logprob of token or None, top ids, top logprobs) of the raw logits at batch position idx.")
         .def("embedding", &embedding, nb::arg("seq_id") = 0, nb::arg("idx") = -1,
