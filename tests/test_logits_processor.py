@@ -12,8 +12,6 @@ import types
 import numpy as np
 import pytest
 
-import llamabind
-
 PROMPT = "The three primary colors are"
 
 

@@ -147,8 +147,9 @@ def _run_batch(
                 active.discard(i)
                 continue
             generated[i].append(tok)
-            if procs[i] is not None:
-                procs[i].push(tok)
+            p = procs[i]
+            if p is not None:
+                p.push(tok)
             states[i].feed(tok)
             if states[i].matched is not None:
                 finish[i] = "stop"
