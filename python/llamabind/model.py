@@ -42,8 +42,10 @@ class Model:
     """A GGUF model loaded by llama.cpp (``llama_model_load_from_file``).
 
     Args:
-        path: a GGUF file, or a model name known to :mod:`llamabind.models`
-            (e.g. ``"smollm2-135m-instruct"``, downloaded and verified on first use).
+        path: a GGUF file, a model name known to :mod:`llamabind.models`
+            (e.g. ``"smollm2-135m-instruct"``, downloaded and verified on first use), or
+            ``"hf://org/repo/file.gguf"`` (a Hugging Face repository's file; see also
+            :meth:`from_pretrained`).
         n_gpu_layers: layers to offload to the GPU backend (-1: all; ignored on CPU-only builds).
         use_mmap: map the file instead of reading it into memory.
         vocab_only: load only the vocabulary (tokenize/detokenize work, generation does not).
@@ -148,6 +150,22 @@ class Model:
     def closed(self) -> bool:
         """True after close() (then every other call raises ValueError)."""
         return self._llama_model.closed
+
+    @classmethod
+    def from_pretrained(
+        cls, repo_id: str, filename: str | None = None, *, revision: str | None = None, **kwargs: Any
+    ) -> Any:
+        """Load a GGUF model from Hugging Face repository ``repo_id`` ("org/name"), as
+        llama-cpp-python's ``Llama.from_pretrained``: ``filename`` is a path or a glob naming one
+        file (``"*Q4_K_M.gguf"``; None: llama.cpp's choice, Q4_K_M, then Q8_0, then the first
+        model file), downloaded into huggingface_hub's cache (its token, ``HF_ENDPOINT``,
+        ``HF_HUB_OFFLINE=1``) with every part of a split model; ``kwargs`` go to the
+        constructor. Raises FileNotFoundError, ValueError (no file or several match: the
+        repository's GGUF files are listed), ConnectionError, and the constructor's errors.
+        Wraps :func:`llamabind.hub.download`."""
+        from . import hub
+
+        return cls(hub.download(repo_id, filename, revision=revision), **kwargs)
 
     def __enter__(self) -> Model:
         return self

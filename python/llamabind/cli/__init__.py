@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import run, serve, tune
+from . import common, run, serve, tune
 
 __all__ = ["main"]
 
@@ -28,7 +28,8 @@ def main(argv=None) -> int:
     sub.add_parser("rpc-server", help="serve this host's devices over ggml RPC (see rpc-server --help)")
     args = ap.parse_args(argv)
     try:
+        common.resolve_hf(args)
         return args.fn(args)
-    except (ValueError, TypeError, OSError) as e:  # FileNotFoundError, ConnectionError too
+    except (ValueError, TypeError, OSError, ImportError) as e:  # FileNotFoundError, ConnectionError too
         print(f"error: {e}", file=sys.stderr)
         return 2

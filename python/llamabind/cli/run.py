@@ -8,6 +8,7 @@ import sys
 
 from .. import models
 from ..generation import Stream
+from .common import add_hf
 
 DEFAULT_PROMPT = "The three most useful things to know about the Python programming language are"
 
@@ -138,6 +139,7 @@ def _info(args) -> int:
 def _model_and_sampling(p, max_tokens: int) -> None:
     """The model, offload and sampling options generate and chat share."""
     p.add_argument("--model", "-m", default=models.DEFAULT, help=f"model name or GGUF path (default {models.DEFAULT})")
+    add_hf(p)
     p.add_argument("--max-tokens", "-n", type=int, default=max_tokens)
     p.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=40)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from .. import models
+from .common import add_hf
 
 
 def _eval(args) -> int:
@@ -159,6 +160,7 @@ def add_parsers(sub) -> None:
     f.add_argument(
         "--model", "-m", default=models.DEFAULT, help="model name or GGUF path (full: converted to F32 if needed)"
     )
+    add_hf(f)
     f.add_argument(
         "--data",
         required=True,
@@ -202,6 +204,7 @@ def add_parsers(sub) -> None:
     f.set_defaults(fn=_finetune)
     ev = sub.add_parser("eval", help="loss and perplexity on JSONL examples or text (the finetune masking rules)")
     ev.add_argument("--model", "-m", default=models.DEFAULT, help="model name or GGUF path")
+    add_hf(ev)
     ev.add_argument("--adapter", default=None, help="a LoRA adapter GGUF to apply (scale 1)")
     ev.add_argument("--data", required=True, help="JSONL (as finetune --data) or a UTF-8 text file")
     ev.add_argument("--ctx-size", "-c", type=int, default=256, help="tokens per window")
@@ -212,6 +215,7 @@ def add_parsers(sub) -> None:
     ev.set_defaults(fn=_eval)
     fu = sub.add_parser("fuse", help="merge a LoRA adapter into its base model: one GGUF")
     fu.add_argument("--model", "-m", default=models.DEFAULT, help="the base model (name or GGUF path)")
+    add_hf(fu)
     fu.add_argument("--adapter", required=True, help="the LoRA adapter GGUF (from finetune --lora-rank)")
     fu.add_argument("--output", "-o", required=True, help="the fused GGUF")
     fu.add_argument("--scale", type=float, default=1.0, help="the adapter's scale (default 1)")

@@ -1,0 +1,28 @@
+"""What several commands share: the model's Hugging Face spelling."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_hf(p: argparse.ArgumentParser) -> None:
+    """``-hf org/repo[:QUANT]``: the model from a Hugging Face repository (llama.cpp's spelling)."""
+    p.add_argument(
+        "--hf-repo",
+        "-hf",
+        default=None,
+        metavar="ORG/REPO[:QUANT]",
+        help="the model from a Hugging Face repository: the GGUF of that quant (default Q4_K_M, then Q8_0, "
+        "then the first), through huggingface_hub's cache (HF_HUB_OFFLINE=1 works from it)",
+    )
+
+
+def resolve_hf(args: argparse.Namespace) -> None:
+    """Replace the command's model with the -hf repository's file, downloaded if needed."""
+    spec = getattr(args, "hf_repo", None)
+    if spec:
+        from .. import hub
+
+        args.model = str(hub.download_spec(spec))
+        if hasattr(args, "model_pos"):
+            args.model_pos = None
