@@ -7,12 +7,13 @@
 #               uvicorn, httptools, uvloop, openai, httpx and their dependencies)
 #   .device-v/  debs/: Debian 12's Vulkan SDK pieces (glslc, libshaderc1, libvulkan1, libvulkan-dev,
 #               spirv-headers) and the GL dispatch libraries NVIDIA's Vulkan ICD loads (apt-get download)
+#   .device-w/  whl/: the runtime and test packages a clean Python 3.12 venv needs for the CUDA wheel (wheel_run.sh)
 # SmolLM2 Q4_1 (98 MB) is over the carry limit, so it travels in two calls (cuda_run.sh joins the parts
 # and checks its sha256). Both folders are git-ignored through .git/info/exclude.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-for d in /.device/ /.device-b/ /.device-v/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
-rm -rf .device .device-b .device-v && mkdir -p .device/whl .device-b/whl .device-v/debs
+for d in /.device/ /.device-b/ /.device-v/ /.device-w/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+rm -rf .device .device-b .device-v .device-w && mkdir -p .device/whl .device-b/whl .device-v/debs .device-w/whl
 python3 vendor/vendor.py status >/dev/null
 # tools/: LLAMA_BUILD_TOOLS configures every tool (the server core is linked into _core); the web UI's
 # sources are not built (no npm), only its CMake files are read
@@ -24,6 +25,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: -d .device/whl "gguf==$
 ./dev python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp -d .device-b/whl \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
   starlette uvicorn httptools uvloop openai httpx
+# .device-w: what a clean Python 3.12 venv needs for the CUDA wheel's test (wheel_run.sh test)
+./dev python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp -d .device-w/whl \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
+  numpy ml_dtypes tqdm gguf huggingface_hub starlette uvicorn httptools uvloop pytest hypothesis
 model=$(./dev python -c 'from llamabind import models; print(models.resolve(models.DEFAULT))')
 ./dev python - "$model" .device/tokenizer.gguf <<'PY'
 import sys, gguf
@@ -42,4 +47,4 @@ PY
   libglvnd0 libglx0 libgl1 libegl1 libopengl0 libgles2)
 head -c 55000000 "$model" > .device/smollm2.part-a
 tail -c +55000001 "$model" > .device-b/smollm2.part-b
-du -sh .device .device-b .device-v
+du -sh .device .device-b .device-v .device-w
