@@ -62,6 +62,7 @@ test)
     starlette uvicorn httptools uvloop pytest hypothesis
   /tmp/cv/bin/pip install -q --no-index --no-deps "$wheel"  # the CUDA libraries: the system's toolkit here
   /tmp/cv/bin/pip list 2>/dev/null | grep -iE "llamabind|numpy|nvidia" 
+  ls /tmp/cv/lib/python3*/site-packages/llamabind/_core*  # abi3: _core.abi3.so
   so=$(ls /tmp/cv/lib/python3*/site-packages/llamabind/libggml-cuda*.so | head -1)
   echo "RUNPATH of $(basename $so): $(readelf -d $so | grep -oE 'R(UN)?PATH.*')"
   ldd $so | grep -E "cudart|cublas|libcuda"
