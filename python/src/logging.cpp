@@ -24,7 +24,9 @@ thread_local int t_level = GGML_LOG_LEVEL_INFO;
 thread_local std::deque<std::string> t_recent;  // recent WARN/ERROR lines, for exception messages
 
 static bool is_finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
+#if defined(Py_LIMITED_API)  // the abi3 build: nanobind's own check (no Py_IsFinalizing in the limited API)
+    return !nb::is_alive();
+#elif PY_VERSION_HEX >= 0x030D0000
     return Py_IsFinalizing();
 #else
     return _Py_IsFinalizing();
