@@ -55,8 +55,14 @@ test)
   echo "build took $(cat $DIST.seconds 2>/dev/null) s"
   wheel=$(ls $DIST/llamabind-*.whl | head -1)
   echo "wheel: $(basename $wheel) $(du -m $wheel | cut -f1) MiB"
-  unzip -l "$wheel" | awk '{print $1, $4}' | grep -E "\.so" | sort -rn | head -20
-  unzip -p "$wheel" '*.dist-info/METADATA' | grep -E "^Requires-Dist: nvidia|^Version|^Name"
+  python3 - "$wheel" <<'PY'
+import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+for i in sorted(z.infolist(), key=lambda i: -i.file_size)[:8]:
+    print(f"{i.file_size / 2**20:8.1f} MiB  {i.compress_size / 2**20:6.1f} MiB zipped  {i.filename}")
+meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+print([l for l in z.read(meta).decode().splitlines() if "nvidia" in l or l.startswith(("Name", "Version"))])
+PY
   rm -rf /tmp/cv && python3 -m venv /tmp/cv
   /tmp/cv/bin/pip install -q --no-index --find-links .device-w/whl numpy ml_dtypes tqdm gguf huggingface_hub \
     starlette uvicorn httptools uvloop pytest hypothesis
