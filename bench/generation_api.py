@@ -8,6 +8,8 @@
 - logits processors: greedy tg of 128 tokens with no processor, an identity processor and a
   mask processor (all but 1,000 tokens set to -inf, as a constrained-decoding library does);
   reports ms per token and the cost per token against no processor (target: identity <= 5%).
+- KV cache types: pp512 (one 512-token eval) and tg128 (greedy, ignore_eos) with the KV cache in
+  f16, q8_0 (K and V), q8_0 K + f16 V and q4_0, and the cache's state size after 640 tokens.
 
     .venv/bin/python bench/generation_api.py [--model PATH] [--threads 2] [--rounds 3]
 Writes bench/results/generation-api-<host>-<date>.json.
@@ -103,6 +105,27 @@ def processor_cost(m, max_tokens, rounds):
     return {k: {"ms_per_token": v, "overhead": v / med["none"] - 1} for k, v in med.items()}
 
 
+def kv_types(m, rounds):
+    """pp512 and tg128 tokens/s and the state size (MiB) per KV cache type."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(100, m.n_vocab - 100, 512)]
+    types = [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "f16"), ("q4_0", "q4_0")]
+    out: dict[str, dict[str, list[float]]] = {}
+    for r in range(rounds):
+        for tk, tv in types if r % 2 == 0 else types[::-1]:
+            row = out.setdefault(f"{tk}/{tv}", {"pp512": [], "tg128": [], "state_mib": []})
+            with m.context(n_ctx=1024, type_k=tk, type_v=tv) as c:
+                t = time.perf_counter()
+                c.eval(prompt)
+                row["pp512"].append(512 / (time.perf_counter() - t))
+                g = c.generate(prompt, max_tokens=128, temperature=0, ignore_eos=True)
+                row["tg128"].append(len(g.tokens) / (g.timings.generate_ms / 1e3))
+                row["state_mib"].append(len(c.save_state()) / 2**20)
+    return {k: {m_: statistics.median(v) for m_, v in row.items()} for k, row in out.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=llamabind.models.DEFAULT)
@@ -129,6 +152,11 @@ def main():
         print(f"{'processor':<10} {'ms/token':>8} {'cost':>7}")
         for k, v in proc.items():
             print(f"{k:<10} {v['ms_per_token']:>8.3f} {100 * v['overhead']:>6.1f}%")
+        kv = kv_types(m, a.rounds)
+        print("\nKV cache types (pp512, tg128 tokens/s; state after 640 tokens):")
+        print(f"{'K/V':<10} {'pp512':>8} {'tg128':>8} {'MiB':>7}")
+        for k, v in kv.items():
+            print(f"{k:<10} {v['pp512']:>8.1f} {v['tg128']:>8.1f} {v['state_mib']:>7.2f}")
         res = {
             "model": str(m.path.name),
             "description": m.description,
@@ -137,6 +165,7 @@ def main():
             "prefix_reuse": reuse,
             "batched_tokens_per_s": bat,
             "logits_processor_tg128": proc,
+            "kv_cache_types": kv,
             "host": platform.node(),
             "date": datetime.date.today().isoformat(),
             "llamabind": llamabind.build_info()["upstream_release"],

@@ -38,7 +38,8 @@ class Model(model.Model):
 
     def context(self, **params: Any) -> Context:
         """A new :class:`Context` on this model; ``params`` (n_ctx, n_batch, n_ubatch, n_threads,
-        n_seq_max, kv_unified, embeddings, pooling, op_offload) override :attr:`context_params`."""
+        n_seq_max, kv_unified, embeddings, pooling, op_offload, type_k, type_v, flash_attn)
+        override :attr:`context_params`."""
         return Context(self, **{**self.context_params, **params})
 
     def _default_context(self) -> Context:

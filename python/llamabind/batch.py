@@ -84,6 +84,9 @@ def generate_batch(
         n_threads=base["n_threads"],
         n_seq_max=len(toks),
         kv_unified=True,
+        type_k=base["type_k"],
+        type_v=base["type_v"],
+        flash_attn=base["flash_attn"],
     )
     samplers: list[Sampler] = []
     try:

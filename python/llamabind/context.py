@@ -28,6 +28,12 @@ def release_threads() -> None:
     _core.release_threads()
 
 
+KV_CACHE_TYPES = {
+    "f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6, "q5_1": 7,
+}  # fmt: skip
+"""KV cache element types (name -> ggml_type), the ones llama.cpp's tools accept."""
+
+
 class Context:
     """A llama.cpp context on a :class:`Model`: the KV cache, compute buffers and threads.
 
@@ -49,6 +55,11 @@ class Context:
             ``"last"`` or ``"rank"``.
         training: a context for :meth:`opt_init` (llamabind.train): F32 KV cache, no flash
             attention, n_ctx == n_batch == n_ubatch, a multiple of 256. Not for generation.
+        type_k, type_v: the KV cache's element types (llama_context_params.type_k/type_v, llama.cpp's
+            ``--cache-type-k/-v``): "f16" (default), "f32", "bf16", "q8_0", "q4_0", "q4_1",
+            "iq4_nl", "q5_0", "q5_1"; q8_0 halves the cache's memory. A quantized V cache needs
+            flash attention (ValueError with flash_attn="off").
+        flash_attn: "auto" (llama.cpp's choice per device, default), "on" or "off".
 
     Raises ValueError for out-of-range parameters, LlamaError if llama.cpp cannot create the
     context (e.g. out of memory). One context must not be used by two threads at once: the
@@ -56,6 +67,7 @@ class Context:
     """
 
     POOLING = {None: -1, "none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
+    KV_CACHE_TYPES = KV_CACHE_TYPES
 
     def __init__(
         self,
@@ -71,6 +83,9 @@ class Context:
         pooling: str | None = None,
         op_offload: bool = True,
         training: bool = False,
+        type_k: str = "f16",
+        type_v: str = "f16",
+        flash_attn: str = "auto",
     ):
         _log.sync_level()
         if not isinstance(model, Model):
@@ -81,6 +96,9 @@ class Context:
         n_threads = default_threads() if n_threads is None else as_int(n_threads, "n_threads", 1, 512)
         n_seq_max = as_int(n_seq_max, "n_seq_max", 1, 256)
         one_of(pooling, "pooling", self.POOLING)
+        tk = KV_CACHE_TYPES[one_of(type_k, "type_k", KV_CACHE_TYPES)]
+        tv = KV_CACHE_TYPES[one_of(type_v, "type_v", KV_CACHE_TYPES)]
+        fa = {"auto": -1, "off": 0, "on": 1}[one_of(flash_attn, "flash_attn", ("auto", "off", "on"))]
         self.model = model
         self._generation = 0  # bumped by start_generation(); an older generation then refuses to continue
         self._tokens: list[int] = []  # the tokens of sequence 0 in the KV cache (prompt-prefix reuse)
@@ -98,6 +116,9 @@ class Context:
             bool(kv_unified),
             bool(op_offload),
             bool(training),
+            tk,
+            tv,
+            fa,
         )
 
     def close(self) -> None:

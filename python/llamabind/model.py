@@ -49,7 +49,8 @@ class Model:
         n_gpu_layers: layers to offload to the GPU backend (-1: all; ignored on CPU-only builds).
         use_mmap: map the file instead of reading it into memory.
         vocab_only: load only the vocabulary (tokenize/detokenize work, generation does not).
-        n_ctx, n_batch, n_ubatch, n_threads, op_offload: parameters of the contexts that
+        n_ctx, n_batch, n_ubatch, n_threads, op_offload, type_k, type_v, flash_attn: parameters
+            of the contexts that
             :meth:`generate` and :meth:`context` create (see :class:`Context`); n_threads None
             means all cores available to the process.
         split_mode: with several GPUs, ``"none"`` (all on main_gpu), ``"layer"`` (layers and KV
@@ -98,6 +99,9 @@ class Model:
         op_offload: bool = True,
         rpc: Sequence[str] | None = None,
         repack: bool = True,
+        type_k: str = "f16",
+        type_v: str = "f16",
+        flash_attn: str = "auto",
     ):
         _log.sync_level()
         n_gpu_layers = as_int(n_gpu_layers, "n_gpu_layers", -1, note=" (-1: all layers)")
@@ -132,8 +136,9 @@ class Model:
         self.repack = bool(repack)
         """Whether the CPU may keep weights in repacked layouts (the ``repack`` argument)."""
         self._context_params = dict(
-            n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads, op_offload=op_offload
-        )
+            n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads, op_offload=op_offload,
+            type_k=type_k, type_v=type_v, flash_attn=flash_attn,
+        )  # fmt: skip
         self.attachments: dict[str, Any] = {}
         """Objects that feature modules keep for this model's lifetime (the default context of
         generate/chat, the embedding context); :meth:`close` drops them."""
@@ -276,7 +281,7 @@ class Model:
     @property
     def context_params(self) -> dict[str, Any]:
         """The parameters of the contexts this model makes by default (n_ctx, n_batch, n_ubatch,
-        n_threads, op_offload), as given to the constructor (a copy)."""
+        n_threads, op_offload, type_k, type_v, flash_attn), as given to the constructor (a copy)."""
         return dict(self._context_params)
 
     def chat_templates(self, template: str | None = None) -> ChatTemplates:

@@ -281,6 +281,8 @@ def serve(
     max_body: int = MAX_BODY,
     max_pending: int = 256,
     access_log: bool = False,
+    cache_type_k: str | None = None,
+    cache_type_v: str | None = None,
 ) -> Server:
     """Start an OpenAI-compatible server for ``model`` (a name or GGUF path) and return once it
     answers; :meth:`Server.stop` (or leaving the ``with`` block) ends it.
@@ -292,6 +294,8 @@ def serve(
     mean if its GGUF names none, as for a causal LM).
     n_gpu_layers, op_offload, n_threads, n_batch, n_ubatch,
     rpc, alias, chat_template, flash_attn, lora: as :class:`~llamabind.server_context.ServerContext`.
+    cache_type_k/cache_type_v: the KV cache's types ("f16", "q8_0", ...; llama-server's
+    --cache-type-k/-v; ServerContext's type_k/type_v).
     max_body: request body limit in bytes (413). max_pending: requests in flight before 503.
 
     Raises FileNotFoundError, TypeError/ValueError (bad argument), OSError (the port is taken),
@@ -324,6 +328,8 @@ def serve(
             flash_attn=flash_attn,
             lora=lora,
             rpc_servers=rpc,
+            type_k=cache_type_k,
+            type_v=cache_type_v,
         )
     except BaseException:
         sock.close()

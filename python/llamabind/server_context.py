@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from . import _core, models
 from ._validate import as_int, endpoint, one_of
-from .context import Context
+from .context import KV_CACHE_TYPES, Context
 
 log = logging.getLogger("llamabind.server")
 
@@ -36,7 +36,8 @@ class ServerContext:
     or "rank" (None: the model's own; mean for a model whose GGUF names none, a causal LM, with a
     warning on the ``llamabind.server`` logger). alias: the model id clients name (default: the model's name,
     or the file name without .gguf). chat_template: a jinja template replacing the model's.
-    flash_attn: "on", "off" or "auto". lora: [(path, scale)] adapters. rpc_servers: ["host:port"]
+    flash_attn: "on", "off" or "auto". type_k, type_v: the KV cache's types (as :class:`Context`'s;
+    None: f16). lora: [(path, scale)] adapters. rpc_servers: ["host:port"]
     RPC servers whose devices the model uses (as ``Model(rpc=...)``; devices other models connected
     are left out).
 
@@ -65,6 +66,8 @@ class ServerContext:
         seed: int | None = None,
         lora: Sequence[tuple[str, float]] | None = None,
         rpc_servers: Sequence[str] | None = None,
+        type_k: str | None = None,
+        type_v: str | None = None,
     ):
         path = models.resolve(os.fspath(model))
         if alias is None:  # the name the user gave (a known model), else the file's name without .gguf
@@ -99,6 +102,11 @@ class ServerContext:
                 log.warning("%s names no pooling type: serving embeddings with mean pooling", path.name)
         opts["pooling"] = Context.POOLING[pooling]  # None: the model's
         opts["kv_unified"] = bool(kv_unified)
+        for key, t in (("type_k", type_k), ("type_v", type_v)):
+            if t is not None:
+                opts[key] = KV_CACHE_TYPES[one_of(t, key, KV_CACHE_TYPES)]
+        if type_v not in (None, "f16", "f32", "bf16") and flash_attn == "off":
+            raise ValueError(f"a quantized V cache ({type_v}) needs flash attention: flash_attn='on' or 'auto'")
         if lora:
             opts["lora"] = [(os.fspath(p), float(s)) for p, s in lora]
             for p, _ in opts["lora"]:

@@ -61,9 +61,25 @@ void Context::release() {
     train.reset();
 }
 
+// The KV cache types llama.cpp's tools accept (common's kv_cache_types)
+static bool kv_cache_type_ok(int t) {
+    switch (t) {
+        case GGML_TYPE_F32:
+        case GGML_TYPE_F16:
+        case GGML_TYPE_BF16:
+        case GGML_TYPE_Q8_0:
+        case GGML_TYPE_Q4_0:
+        case GGML_TYPE_Q4_1:
+        case GGML_TYPE_IQ4_NL:
+        case GGML_TYPE_Q5_0:
+        case GGML_TYPE_Q5_1: return true;
+        default: return false;
+    }
+}
+
 static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch,
                          int n_threads, int n_threads_batch, uint32_t n_seq_max, bool embeddings, int pooling,
-                         bool kv_unified, bool op_offload, bool training) {
+                         bool kv_unified, bool op_offload, bool training, int type_k, int type_v, int flash_attn) {
     new (self) Context();
     llama_model * m = model.get();
     if (model.vocab_only)
@@ -85,6 +101,12 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
                     std::to_string(n_seq_max));
     if (pooling < LLAMA_POOLING_TYPE_UNSPECIFIED || pooling > LLAMA_POOLING_TYPE_RANK)
         raise_value("pooling must be a llama_pooling_type (-1..4); got " + std::to_string(pooling));
+    if (!kv_cache_type_ok(type_k) || !kv_cache_type_ok(type_v))
+        raise_value("type_k/type_v must be a KV cache type (f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1)");
+    if (flash_attn < -1 || flash_attn > 1) raise_value("flash_attn must be -1 (auto), 0 (off) or 1 (on)");
+    if (ggml_is_quantized((ggml_type) type_v) && flash_attn == 0)
+        raise_value(std::string("a quantized V cache (") + ggml_type_name((ggml_type) type_v) +
+                    ") needs flash attention: flash_attn='on' or 'auto'");
     n_batch = std::min(n_batch, n_ctx);
     n_ubatch = std::min(n_ubatch, n_batch);
     llama_context_params p = llama_context_default_params();
@@ -98,6 +120,10 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
     p.op_offload = op_offload;
     p.embeddings = embeddings;
     p.pooling_type = (enum llama_pooling_type) pooling;
+    p.type_k = (ggml_type) type_k;
+    p.type_v = (ggml_type) type_v;
+    p.flash_attn_type = flash_attn < 0 ? LLAMA_FLASH_ATTN_TYPE_AUTO
+                                       : (flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED);
     p.no_perf = false;
     if (training) training_context_params(p);  // train.cpp
     llama_context * c;
@@ -487,6 +513,7 @@ void register_context(nb::module_ & m) {
             nb::arg("n_ubatch") = 512, nb::arg("n_threads") = 0, nb::arg("n_threads_batch") = 0,
             nb::arg("n_seq_max") = 1, nb::arg("embeddings") = false, nb::arg("pooling") = -1,
             nb::arg("kv_unified") = true, nb::arg("op_offload") = true, nb::arg("training") = false,
+            nb::arg("type_k") = (int) GGML_TYPE_F16, nb::arg("type_v") = (int) GGML_TYPE_F16, nb::arg("flash_attn") = -1,
             nb::keep_alive<1, 2>(),
             "Wraps llama_init_from_model. n_threads=0: all cores. training: F32 KV cache, no flash "
             "attention, n_ctx == n_batch == n_ubatch (for llama_opt_init).")

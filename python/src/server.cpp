@@ -210,6 +210,8 @@ struct ServerCore {
         if (has("op_offload")) params.no_op_offload = !nb::cast<bool>(o["op_offload"]);
         if (has("pooling")) params.pooling_type = (enum llama_pooling_type) nb::cast<int>(o["pooling"]);
         if (has("kv_unified")) params.kv_unified = nb::cast<bool>(o["kv_unified"]);
+        if (has("type_k")) params.cache_type_k = (ggml_type) nb::cast<int>(o["type_k"]);  // checked in Python
+        if (has("type_v")) params.cache_type_v = (ggml_type) nb::cast<int>(o["type_v"]);
         if (has("embedding")) params.embedding = nb::cast<bool>(o["embedding"]);
         if (has("chat_template")) params.chat_template = nb::cast<std::string>(o["chat_template"]);
         if (has("alias")) params.model_alias = { nb::cast<std::string>(o["alias"]) };

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .. import models
+from ..context import KV_CACHE_TYPES
 from .common import add_hf
 
 
@@ -39,6 +40,8 @@ def _serve(args) -> int:
         max_body=args.max_body,
         max_pending=args.max_pending,
         access_log=args.verbose,
+        cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v,
     )
     print(
         f"llamabind: serving {srv.model_id!r} at {srv.url} (OpenAI base URL {srv.url}/v1)", file=sys.stderr, flush=True
@@ -82,6 +85,9 @@ def add_parsers(sub) -> None:
     s.add_argument("--alias", default=None, help="the model id clients send (default: the model's name)")
     s.add_argument("--chat-template-file", default=None, help="a jinja chat template replacing the model's")
     s.add_argument("--flash-attn", "-fa", choices=["on", "off", "auto"], default=None)
+    kv = sorted(KV_CACHE_TYPES)
+    s.add_argument("--cache-type-k", "-ctk", choices=kv, default=None, help="KV cache type for K (default f16)")
+    s.add_argument("--cache-type-v", "-ctv", choices=kv, default=None, help="KV cache type for V (quantized: -fa)")
     s.add_argument("--lora", action="append", default=None, metavar="GGUF", help="apply this LoRA adapter")
     s.add_argument("--max-body", type=int, default=16 * 2**20, help="request body limit in bytes (413 beyond)")
     s.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503 (default 256)")
