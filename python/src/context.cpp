@@ -122,8 +122,8 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
     p.pooling_type = (enum llama_pooling_type) pooling;
     p.type_k = (ggml_type) type_k;
     p.type_v = (ggml_type) type_v;
-    p.flash_attn_type = flash_attn < 0 ? LLAMA_FLASH_ATTN_TYPE_AUTO
-                                       : (flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED);
+    p.flash_attn_type = flash_attn < 0 ? LLAMA_FLASH_ATTN_TYPE_AUTO :
+                                         (flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED);
     p.no_perf = false;
     if (training) training_context_params(p);  // train.cpp
     llama_context * c;
@@ -513,8 +513,8 @@ void register_context(nb::module_ & m) {
             nb::arg("n_ubatch") = 512, nb::arg("n_threads") = 0, nb::arg("n_threads_batch") = 0,
             nb::arg("n_seq_max") = 1, nb::arg("embeddings") = false, nb::arg("pooling") = -1,
             nb::arg("kv_unified") = true, nb::arg("op_offload") = true, nb::arg("training") = false,
-            nb::arg("type_k") = (int) GGML_TYPE_F16, nb::arg("type_v") = (int) GGML_TYPE_F16, nb::arg("flash_attn") = -1,
-            nb::keep_alive<1, 2>(),
+            nb::arg("type_k") = (int) GGML_TYPE_F16, nb::arg("type_v") = (int) GGML_TYPE_F16,
+            nb::arg("flash_attn") = -1, nb::keep_alive<1, 2>(),
             "Wraps llama_init_from_model. n_threads=0: all cores. training: F32 KV cache, no flash "
             "attention, n_ctx == n_batch == n_ubatch (for llama_opt_init).")
         .def("close", &Context::close)
