@@ -163,6 +163,16 @@ def test_token_prompt_and_eval(model):
         assert int(logits.argmax()) == a.tokens[0]  # greedy = argmax of the prompt's last logits
 
 
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test: in a full suite run here a
+    handler left by another library swallowed the raised SIGINT ("DID NOT RAISE")."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+@pytest.mark.usefixtures("default_sigint")
 def test_ctrl_c_interrupts_a_long_prompt_and_the_model_stays_usable(model):
     ids = (model.tokenize("All work and no play makes Jack a dull boy. ") * 200)[:3000]
     with model.context(n_ctx=4096, n_batch=4096, n_ubatch=512) as ctx:
@@ -184,6 +194,7 @@ def test_ctrl_c_interrupts_a_long_prompt_and_the_model_stays_usable(model):
     assert model.generate(PROMPT, max_tokens=4, temperature=0).tokens
 
 
+@pytest.mark.usefixtures("default_sigint")
 def test_ctrl_c_during_streaming(model):
     s = model.generate(PROMPT, max_tokens=64, temperature=0, stream=True)
     got = []
