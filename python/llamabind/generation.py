@@ -322,8 +322,8 @@ class Processing:
         if arr.shape != (ctx.model.n_vocab,):
             raise ValueError(f"a logits processor returned shape {arr.shape}; expected ({ctx.model.n_vocab},)")
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        top = arr.max()
-        if np.isnan(top) or top == np.inf or np.isnan(arr).any():
+        top = arr.max()  # NaN if any value is NaN: one pass per token checks NaN, +inf and all -inf
+        if np.isnan(top) or top == np.inf:
             raise ValueError("a logits processor returned NaN or +inf logits (use -inf to forbid a token)")
         if top == -np.inf:
             raise ValueError("the logits processors forbade every token (all logits are -inf)")
