@@ -136,13 +136,15 @@ def download(repo_id: str, filename: str | None = None, *, tag: str | None = Non
 
 
 def download_spec(spec: str) -> Path:
-    """``org/repo[:QUANT]`` (llama.cpp's ``-hf``) to a local path, as :func:`download` by tag."""
+    """``org/repo[:QUANT]`` (llama.cpp's ``-hf``) to a local path, as :func:`download` by tag
+    (same errors)."""
     repo, _, tag = spec.partition(":")
     return download(repo, tag=tag or None)
 
 
 def download_uri(uri: str | os.PathLike) -> Path:
-    """``hf://org/repo/path/in/repo.gguf`` (optionally ``org/repo@revision/...``) to a local path."""
+    """``hf://org/repo/path/in/repo.gguf`` (optionally ``org/repo@revision/...``) to a local path,
+    as :func:`download` of that file (same errors; ValueError for a malformed URI)."""
     rest = os.fspath(uri)[len("hf://") :]
     parts = rest.split("/", 2)
     if len(parts) != 3 or not all(parts):

@@ -32,7 +32,9 @@ MUST_MATCH = ("kind", "ctx_size", "n_train", "batch_size", "seed", "shuffle", "o
 
 def save_checkpoint(directory: str | os.PathLike, ctx: Context, weights: Any, state: dict) -> Path:
     """Write ``directory/step-{state['step']:07d}/`` (replacing one of that name) and return its
-    path. ``weights``: the LoraAdapter being trained or the Model (full fine-tune)."""
+    path. ``weights``: the LoraAdapter being trained or the Model (full fine-tune). Reads the
+    moments with Context.opt_state (ggml_opt_get_param, patch 0028). Raises OSError if the
+    directory cannot be written, ValueError before the optimizer's first step."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state['step']:07d}"
