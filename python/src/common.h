@@ -1,6 +1,7 @@
 // Shared declarations of the llamabind._core extension (one .cpp per area).
 #pragma once
 
+#include <ggml.h>
 #include <nanobind/nanobind.h>
 
 #include <stdexcept>
@@ -24,6 +25,8 @@ void register_errors(nb::module_ & m);
 // ---- logging.cpp: llama.cpp/ggml logs -> Python logging
 void register_logging(nb::module_ & m);
 void install_log_callback();
+// The callback llama.cpp's logs go through (also given to libmtmd: mtmd.cpp)
+void log_to_python(enum ggml_log_level level, const char * text, void * user_data);
 // Deliver lines logged on threads unknown to Python (queued there; see logging.cpp). Takes the GIL.
 void flush_logs();
 // The last error/warning lines that llama.cpp logged on this thread (drained by the call).
@@ -45,5 +48,6 @@ void register_graph(nb::module_ & m);
 void register_ops(nb::module_ & m);
 void register_rpc(nb::module_ & m);
 void register_server(nb::module_ & m);
+void register_mtmd(nb::module_ & m);
 
 }  // namespace lb

@@ -103,7 +103,7 @@ static void call_handler(int level, const std::string & line) {
     }
 }
 
-static void log_callback(enum ggml_log_level level, const char * text, void *) {
+void log_to_python(enum ggml_log_level level, const char * text, void *) {
     if (!text) return;
     if (level != GGML_LOG_LEVEL_CONT) {
         if (!t_line.empty()) {  // a new record starts: flush an unterminated previous one
@@ -124,7 +124,7 @@ static void log_callback(enum ggml_log_level level, const char * text, void *) {
 }
 
 void install_log_callback() {
-    llama_log_set(log_callback, nullptr);
+    llama_log_set(log_to_python, nullptr);
 }
 
 std::string take_recent_errors() {

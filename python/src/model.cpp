@@ -35,6 +35,7 @@ void Model::release() {
         l->owner = nullptr;
     }
     loras.clear();
+    free_projectors(*this);
     if (model) {
         llama_model_free(model);
         model = nullptr;

@@ -60,4 +60,5 @@ NB_MODULE(_core, m) {
     lb::register_ops(m);
     lb::register_rpc(m);
     lb::register_server(m);
+    lb::register_mtmd(m);
 }

@@ -17,6 +17,7 @@ namespace lb {
 struct Context;
 struct Lora;
 struct Sampler;
+struct Projector;
 
 struct Model {
     llama_model * model = nullptr;
@@ -26,6 +27,7 @@ struct Model {
     bool output_offloaded = false;  // the output layer (logits) is on a GPU/RPC device
     std::set<Context *> contexts;   // open contexts on this model; closed with it
     std::set<Lora *> loras;         // LoRA adapters loaded on it (llama.cpp frees them with the model)
+    std::set<Projector *> projectors;  // multimodal projectors (mtmd.cpp), freed before the model
     std::atomic<int> in_use{ 0 };   // native calls running without the GIL (e.g. tokenize)
 
     ~Model() { release(); }
@@ -93,6 +95,9 @@ struct Lora {
 
 // context.cpp: token ids as llama_token, each checked against the model's n_vocab (ValueError)
 std::vector<llama_token> checked_tokens(const Context & self, const std::vector<int64_t> & tokens);
+
+// mtmd.cpp: free the model's projectors (before the model: libmtmd holds its vocab)
+void free_projectors(Model & m);
 
 // state.cpp: state_get/state_set/state_save_file/state_load_file on _core.Context
 void add_state_methods(nb::class_<Context> & cls);

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Write multimodal projector (mmproj) GGUFs with random weights in the layout of real ones, for
+the multimodal tests and benchmarks (no trained projector is reachable here).
+
+    python bench/make_mmproj.py vision -o /tmp/mmproj-gemma3.gguf [--n-embd-text 576]
+    python bench/make_mmproj.py audio  -o /tmp/mmproj-ultravox.gguf
+
+The keys and tensor names are the ones llama.cpp's ``tools/mtmd/clip.cpp`` reads (clip-impl.h's
+KEY_* and TN_*), as ``convert_hf_to_gguf.py --mmproj`` writes them:
+
+- vision, ``gemma3``: Gemma 3's SigLIP encoder (patch conv, learned position embeddings,
+  pre-norm ViT blocks with biases, GELU MLP, post-LN), the 4x4 average pool and the projector
+  (RMS soft-embedding norm, ``mm.input_projection``). Real Gemma 3: 896 px, patch 14, 1152 wide,
+  27 blocks, 256 tokens per image. Default here: 224 px, patch 14, 192 wide, 2 blocks, 16 tokens
+  per image (``--size real`` writes the real shapes).
+- audio, ``ultravox``: a Whisper encoder (two conv1d over 128 mel bins, the second with stride 2,
+  1500 positions, pre-norm blocks, no bias on attn_k) with Ultravox's projector (frames stacked by
+  8, RMS pre-norm, SwiGLU MLP, RMS mid-norm). Default: Whisper-tiny's 384 wide (so the second
+  conv1d's im2col has KW*IC = 3*384 = 1152 > 1024 columns), 2 blocks; ``--size real``:
+  Whisper-large's 1280 wide, 32 blocks.
+
+``--n-embd-text`` is the text model's n_embd (576: SmolLM2-135M's; mtmd refuses a projector
+whose output width differs from the text model's). Matrices are F16 (as the converter writes
+them), norms, biases and position embeddings F32. The output is meaningless; the path is real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+# (width, blocks, heads, ffn, image size, patch) per size
+VISION = {"small": (192, 2, 3, 768, 224, 14), "real": (1152, 27, 16, 4304, 896, 14)}
+AUDIO = {"small": (384, 2, 6, 1536), "real": (1280, 32, 20, 5120)}
+
+
+def _writer(path: str, kind: str, name: str):
+    import gguf
+
+    w = gguf.GGUFWriter(path, "clip")
+    w.add_string("general.name", name)
+    w.add_string("general.description", f"random-weight {kind} projector in a real projector's layout (llamabind)")
+    w.add_uint32("general.file_type", 1)  # mostly F16
+    return w
+
+
+def _blocks(w, rng: np.random.Generator, prefix: str, n: int, width: int, n_ff: int, k_bias: bool) -> None:
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float16)
+
+    def vec(k: int, scale: float = 0.02) -> np.ndarray:
+        return (rng.standard_normal(k) * scale).astype(np.float32)
+
+    for i in range(n):
+        b = f"{prefix}.blk.{i}"
+        for p in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"{b}.{p}.weight", mat(width, width))
+            if p != "attn_k" or k_bias:
+                w.add_tensor(f"{b}.{p}.bias", vec(width))
+        for ln in ("ln1", "ln2"):
+            w.add_tensor(f"{b}.{ln}.weight", (1 + vec(width, 0.1)).astype(np.float32))
+            w.add_tensor(f"{b}.{ln}.bias", vec(width))
+        w.add_tensor(f"{b}.ffn_up.weight", mat(n_ff, width))
+        w.add_tensor(f"{b}.ffn_up.bias", vec(n_ff))
+        w.add_tensor(f"{b}.ffn_down.weight", mat(width, n_ff))
+        w.add_tensor(f"{b}.ffn_down.bias", vec(width))
+    w.add_tensor(f"{prefix}.post_ln.weight", np.ones(width, np.float32))
+    w.add_tensor(f"{prefix}.post_ln.bias", np.zeros(width, np.float32))
+
+
+def _common(w, modality: str, width: int, blocks: int, heads: int, n_ff: int, n_embd_text: int, eps: float) -> None:
+    w.add_uint32(f"clip.{modality}.embedding_length", width)
+    w.add_uint32(f"clip.{modality}.feed_forward_length", n_ff)
+    w.add_uint32(f"clip.{modality}.block_count", blocks)
+    w.add_uint32(f"clip.{modality}.projection_dim", n_embd_text)
+    w.add_uint32(f"clip.{modality}.attention.head_count", heads)
+    w.add_float32(f"clip.{modality}.attention.layer_norm_epsilon", eps)
+
+
+def vision(path: str, n_embd_text: int = 576, size: str = "small", seed: int = 0) -> str:
+    """A Gemma 3 vision projector (``clip.projector_type = gemma3``) at ``path``."""
+    width, blocks, heads, n_ff, image, patch = VISION[size]
+    rng = np.random.default_rng(seed)
+    w = _writer(path, "vision", f"gemma3-vision-random-{size}")
+    w.add_string("clip.projector_type", "gemma3")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.use_gelu", True)
+    _common(w, "vision", width, blocks, heads, n_ff, n_embd_text, 1e-6)
+    w.add_uint32("clip.vision.image_size", image)
+    w.add_uint32("clip.vision.patch_size", patch)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    n_patches = (image // patch) ** 2
+    w.add_tensor(
+        "v.patch_embd.weight", (rng.standard_normal((width, 3, patch, patch)) / patch / np.sqrt(3)).astype(np.float16)
+    )
+    w.add_tensor("v.patch_embd.bias", np.zeros(width, np.float32))
+    w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_patches, width)) * 0.02).astype(np.float32))
+    _blocks(w, rng, "v", blocks, width, n_ff, k_bias=True)
+    w.add_tensor("mm.soft_emb_norm.weight", np.ones(width, np.float32))  # the converter stores 1 + w
+    w.add_tensor("mm.input_projection.weight", (rng.standard_normal((width, n_embd_text)) * 0.02).astype(np.float16))
+    _finish(w)
+    return path
+
+
+def audio(path: str, n_embd_text: int = 576, size: str = "small", seed: int = 0) -> str:
+    """An Ultravox audio projector over a Whisper encoder (``clip.projector_type = ultravox``)."""
+    width, blocks, heads, n_ff = AUDIO[size]
+    n_mel, stack, hidden = 128, 8, 4 * n_embd_text
+    rng = np.random.default_rng(seed)
+    w = _writer(path, "audio", f"ultravox-whisper-random-{size}")
+    w.add_string("clip.projector_type", "ultravox")
+    w.add_bool("clip.has_audio_encoder", True)
+    _common(w, "audio", width, blocks, heads, n_ff, n_embd_text, 1e-5)
+    w.add_uint32("clip.audio.num_mel_bins", n_mel)
+    w.add_uint32("clip.audio.projector.stack_factor", stack)
+    w.add_tensor("a.conv1d.1.weight", (rng.standard_normal((width, n_mel, 3)) / np.sqrt(3 * n_mel)).astype(np.float16))
+    w.add_tensor("a.conv1d.1.bias", (rng.standard_normal((width, 1)) * 0.02).astype(np.float32))
+    w.add_tensor("a.conv1d.2.weight", (rng.standard_normal((width, width, 3)) / np.sqrt(3 * width)).astype(np.float16))
+    w.add_tensor("a.conv1d.2.bias", (rng.standard_normal((width, 1)) * 0.02).astype(np.float32))
+    w.add_tensor("a.position_embd.weight", (rng.standard_normal((1500, width)) * 0.02).astype(np.float32))
+    _blocks(w, rng, "a", blocks, width, n_ff, k_bias=False)
+    w.add_tensor("mm.a.norm_pre.weight", np.ones(width * stack, np.float32))
+    w.add_tensor(
+        "mm.a.mlp.1.weight", (rng.standard_normal((2 * hidden, width * stack)) / np.sqrt(width * stack)).astype(np.float16)
+    )
+    w.add_tensor("mm.a.norm_mid.weight", np.ones(hidden, np.float32))
+    w.add_tensor("mm.a.mlp.2.weight", (rng.standard_normal((n_embd_text, hidden)) * 0.02).astype(np.float16))
+    _finish(w)
+    return path
+
+
+def _finish(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("kind", choices=["vision", "audio"])
+    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("--n-embd-text", type=int, default=576, help="the text model's n_embd (576: SmolLM2-135M)")
+    ap.add_argument("--size", choices=["small", "real"], default="small")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    (vision if a.kind == "vision" else audio)(a.output, a.n_embd_text, a.size, a.seed)
+    print(a.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
