@@ -4,6 +4,7 @@ the multimodal tests and benchmarks (no trained projector is reachable here).
 
     python bench/make_mmproj.py vision -o /tmp/mmproj-gemma3.gguf [--n-embd-text 576]
     python bench/make_mmproj.py audio  -o /tmp/mmproj-ultravox.gguf
+    python bench/make_mmproj.py omni   -o /tmp/mmproj-both.gguf      # both encoders in one file
 
 The keys and tensor names are the ones llama.cpp's ``tools/mtmd/clip.cpp`` reads (clip-impl.h's
 KEY_* and TN_*), as ``convert_hf_to_gguf.py --mmproj`` writes them:
@@ -81,10 +82,15 @@ def _common(w, modality: str, width: int, blocks: int, heads: int, n_ff: int, n_
 
 def vision(path: str, n_embd_text: int = 576, size: str = "small", seed: int = 0) -> str:
     """A Gemma 3 vision projector (``clip.projector_type = gemma3``) at ``path``."""
-    width, blocks, heads, n_ff, image, patch = VISION[size]
-    rng = np.random.default_rng(seed)
     w = _writer(path, "vision", f"gemma3-vision-random-{size}")
     w.add_string("clip.projector_type", "gemma3")
+    _vision(w, np.random.default_rng(seed), n_embd_text, size)
+    _finish(w)
+    return path
+
+
+def _vision(w, rng: np.random.Generator, n_embd_text: int, size: str) -> None:
+    width, blocks, heads, n_ff, image, patch = VISION[size]
     w.add_bool("clip.has_vision_encoder", True)
     w.add_bool("clip.use_gelu", True)
     _common(w, "vision", width, blocks, heads, n_ff, n_embd_text, 1e-6)
@@ -100,18 +106,37 @@ def vision(path: str, n_embd_text: int = 576, size: str = "small", seed: int = 0
     w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_patches, width)) * 0.02).astype(np.float32))
     _blocks(w, rng, "v", blocks, width, n_ff, k_bias=True)
     w.add_tensor("mm.soft_emb_norm.weight", np.ones(width, np.float32))  # the converter stores 1 + w
-    w.add_tensor("mm.input_projection.weight", (rng.standard_normal((width, n_embd_text)) * 0.02).astype(np.float16))
-    _finish(w)
-    return path
+    w.add_tensor(  # outputs of about the text model's embedding scale (std 0.1)
+        "mm.input_projection.weight",
+        (rng.standard_normal((width, n_embd_text)) * 0.1 / np.sqrt(width)).astype(np.float16),
+    )
 
 
 def audio(path: str, n_embd_text: int = 576, size: str = "small", seed: int = 0) -> str:
     """An Ultravox audio projector over a Whisper encoder (``clip.projector_type = ultravox``)."""
-    width, blocks, heads, n_ff = AUDIO[size]
-    n_mel, stack, hidden = 128, 8, 4 * n_embd_text
-    rng = np.random.default_rng(seed)
     w = _writer(path, "audio", f"ultravox-whisper-random-{size}")
     w.add_string("clip.projector_type", "ultravox")
+    _audio(w, np.random.default_rng(seed), n_embd_text, size)
+    _finish(w)
+    return path
+
+
+def omni(path: str, n_embd_text: int = 576, size: str = "small", seed: int = 0) -> str:
+    """Both in one file, as the projectors of models that read images and audio ship (Qwen2.5-Omni,
+    Gemma 3n): ``clip.vision.projector_type = gemma3``, ``clip.audio.projector_type = ultravox``."""
+    w = _writer(path, "vision and audio", f"gemma3-ultravox-random-{size}")
+    w.add_string("clip.vision.projector_type", "gemma3")
+    w.add_string("clip.audio.projector_type", "ultravox")
+    rng = np.random.default_rng(seed)
+    _vision(w, rng, n_embd_text, size)
+    _audio(w, rng, n_embd_text, size)
+    _finish(w)
+    return path
+
+
+def _audio(w, rng: np.random.Generator, n_embd_text: int, size: str) -> None:
+    width, blocks, heads, n_ff = AUDIO[size]
+    n_mel, stack, hidden = 128, 8, 4 * n_embd_text
     w.add_bool("clip.has_audio_encoder", True)
     _common(w, "audio", width, blocks, heads, n_ff, n_embd_text, 1e-5)
     w.add_uint32("clip.audio.num_mel_bins", n_mel)
@@ -124,12 +149,13 @@ def audio(path: str, n_embd_text: int = 576, size: str = "small", seed: int = 0)
     _blocks(w, rng, "a", blocks, width, n_ff, k_bias=False)
     w.add_tensor("mm.a.norm_pre.weight", np.ones(width * stack, np.float32))
     w.add_tensor(
-        "mm.a.mlp.1.weight", (rng.standard_normal((2 * hidden, width * stack)) / np.sqrt(width * stack)).astype(np.float16)
+        "mm.a.mlp.1.weight",
+        (rng.standard_normal((2 * hidden, width * stack)) / np.sqrt(width * stack)).astype(np.float16),
     )
     w.add_tensor("mm.a.norm_mid.weight", np.ones(hidden, np.float32))
-    w.add_tensor("mm.a.mlp.2.weight", (rng.standard_normal((n_embd_text, hidden)) * 0.02).astype(np.float16))
-    _finish(w)
-    return path
+    w.add_tensor(  # outputs of about the text model's embedding scale (std 0.1)
+        "mm.a.mlp.2.weight", (rng.standard_normal((n_embd_text, hidden)) * 0.1 / np.sqrt(hidden)).astype(np.float16)
+    )
 
 
 def _finish(w) -> None:
@@ -141,13 +167,13 @@ def _finish(w) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kind", choices=["vision", "audio"])
+    ap.add_argument("kind", choices=["vision", "audio", "omni"])
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--n-embd-text", type=int, default=576, help="the text model's n_embd (576: SmolLM2-135M)")
     ap.add_argument("--size", choices=["small", "real"], default="small")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    (vision if a.kind == "vision" else audio)(a.output, a.n_embd_text, a.size, a.seed)
+    {"vision": vision, "audio": audio, "omni": omni}[a.kind](a.output, a.n_embd_text, a.size, a.seed)
     print(a.output)
     return 0
 

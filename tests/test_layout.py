@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "python" / "llamabind"
 SRC = ROOT / "python" / "src"
 FACE = {"__init__", "__main__"}
-FEATURES = {"generation", "chat", "batch", "embeddings", "speculative", "train", "server", "api"}
+FEATURES = {"generation", "chat", "batch", "embeddings", "speculative", "train", "server", "api", "multimodal"}
 
 
 def _modules() -> list[Path]:

@@ -26,6 +26,7 @@ from .build import build_info, devices, tool_path
 from .chat import ChatResult
 from .generation import GenerationResult, Stream, Timings, TokenLogprob
 from .model import ChatTemplates, LoraAdapter, json_schema_to_grammar
+from .projector import MEDIA_MARKER, Projector
 from .sampling import Sampler, SamplingParams
 from .server import serve
 
@@ -44,6 +45,8 @@ __all__ = [
     "LoraAdapter",
     "ChatResult",
     "ChatTemplates",
+    "Projector",
+    "MEDIA_MARKER",
     "json_schema_to_grammar",
     "build_info",
     "devices",

@@ -5,14 +5,16 @@ native-facing classes (:mod:`.model`, :mod:`.context`) plus the methods of the f
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from . import batch, chat, context, embeddings, generation, model
+from . import batch, chat, context, embeddings, generation, model, multimodal
 from .chat import ChatResult
 from .generation import GenerationResult, Stream
+from .projector import Projector
 
 __all__ = ["Model", "Context"]
 
@@ -34,7 +36,47 @@ class Context(context.Context):
 
 
 class Model(model.Model):
-    __doc__ = model.Model.__doc__
+    __doc__ = (
+        (model.Model.__doc__ or "")
+        + """
+    Images and audio: ``mmproj`` (a projector GGUF for this model: llama.cpp's ``--mmproj``)
+    loads a :class:`~llamabind.projector.Projector` (``mmproj_use_gpu``, ``image_min_tokens``,
+    ``image_max_tokens`` are its parameters), after which :meth:`chat` takes image and audio
+    content parts; or call :meth:`load_mmproj` later.
+    """
+    )
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        mmproj: str | os.PathLike | None = None,
+        mmproj_use_gpu: bool = True,
+        image_min_tokens: int | None = None,
+        image_max_tokens: int | None = None,
+        **params: Any,
+    ):
+        super().__init__(path, **params)
+        if mmproj is not None:
+            try:
+                self.load_mmproj(
+                    mmproj, use_gpu=mmproj_use_gpu, image_min_tokens=image_min_tokens, image_max_tokens=image_max_tokens
+                )
+            except BaseException:
+                self.close()
+                raise
+
+    def load_mmproj(self, path: str | os.PathLike, **params: Any) -> Projector:
+        """Load a multimodal projector (mmproj GGUF) for this model, replacing one loaded before;
+        ``params``: use_gpu, n_threads, image_min_tokens, image_max_tokens, warmup (see
+        :class:`~llamabind.projector.Projector`). Raises FileNotFoundError, or ValueError for a file
+        libmtmd cannot load or one made for a text model of another n_embd."""
+        return multimodal.load_mmproj(self, path, **params)
+
+    @property
+    def projector(self) -> Projector | None:
+        """The loaded projector (None without one): ``.modalities``, ``.media()``, ``.encode()``."""
+        return multimodal.projector_of(self)
 
     def context(self, **params: Any) -> Context:
         """A new :class:`Context` on this model; ``params`` (n_ctx, n_batch, n_ubatch, n_threads,

@@ -10,7 +10,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import generation
+from . import generation, multimodal
 from ._validate import one_of
 from .context import Context
 from .generation import GenerationResult, Stream
@@ -84,6 +84,7 @@ def chat(
     stream: bool = False,
     logprobs: int | None = None,
     logits_processor: Any = None,
+    fetch: Any = None,
     **sampling,
 ) -> ChatResult | Stream[ChatResult]:
     """Generate the assistant's reply to ``messages`` in ``ctx``.
@@ -99,15 +100,34 @@ def chat(
     logits_processor: as :func:`~llamabind.generation.generate`'s (input_ids are the rendered
     prompt's tokens and the reply's so far).
 
+    Images and audio (with a projector: ``Model(path, mmproj=...)``): a message's ``content``
+    may be a list of OpenAI content parts, ``{"type": "text", "text": ...}``, ``{"type":
+    "image_url", "image_url": {"url": ...}}`` (a ``data:image/...;base64,`` URL, a ``file://``
+    URL or local path, bytes, or a numpy uint8 (height, width, 3) RGB array) and ``{"type":
+    "input_audio", "input_audio": {"data": base64, "format": "wav"|"mp3"|"flac"}}``; also
+    ``{"type": "image"|"audio", "image"|"audio": bytes | path | array}`` (audio arrays: float32
+    mono PCM at the projector's sample rate). Each is rendered where it stands, as llama-server
+    renders it, and encoded by libmtmd; an image seen again in a follow-up turn is not encoded
+    again (its KV cache is reused with the prefix). ``http(s)`` URLs only through
+    ``fetch(url) -> bytes``; nothing is fetched by default.
+
     A follow-up turn that extends the conversation reuses the KV cache of the shared prefix.
     Returns a :class:`ChatResult`, or with stream=True a :class:`Stream` of raw text pieces whose
-    ``result`` is the ChatResult. Raises TypeError/ValueError for malformed arguments.
+    ``result`` is the ChatResult. Raises TypeError/ValueError for malformed arguments (and for
+    media without a projector, of a kind it does not take, corrupt, or too large for n_ctx).
     """
     params = SamplingParams.from_kwargs(sampling, "chat")
     one_of(reasoning_format, "reasoning_format", ("auto", "none", "deepseek", "deepseek-legacy"))
     schema = _response_schema(response_format)
     if (schema is not None or tools) and params.grammar is not None:
         raise ValueError("give either grammar or response_format/tools, not both")
+    messages, media = multimodal.split_media(messages)
+    projector = multimodal.projector_of(ctx.model)
+    if media and projector is None:
+        raise ValueError(
+            "the messages hold images or audio but the model has no projector: load one with "
+            "Model(path, mmproj='mmproj.gguf') or model.load_mmproj(path)"
+        )
     templates = ctx.model.chat_templates(template)
     cp = templates.apply(
         messages,
@@ -118,8 +138,9 @@ def chat(
         enable_thinking=enable_thinking,
         template_kwargs=template_kwargs,
     )
+    prompt = multimodal.prompt(projector, cp.prompt, media, fetch=fetch) if media and projector else cp.prompt
     gen = generation.run(
-        ctx, cp.prompt, max_tokens, params, stop, add_special=True, parse_special=True, logprobs=logprobs, chat=cp,
+        ctx, prompt, max_tokens, params, stop, add_special=True, parse_special=True, logprobs=logprobs, chat=cp,
         processors=generation.logits_processors(logits_processor),
     )  # fmt: skip
     out = _reply(gen, cp, bool(tools) and tool_choice != "none", reasoning_format)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -222,6 +222,17 @@ class Context:
             self.clear()
             raise RuntimeError("llama.cpp could not truncate the KV cache; it was cleared")
         self._tokens = self._tokens[:n]
+
+    def decode_media(self, chunk: Any, *, logits_last: bool = True) -> None:
+        """Evaluate an image or audio chunk (a :class:`~llamabind.projector.MediaChunk` of
+        ``Projector.tokenize``) after what sequence 0 holds: its encoder runs, then its embeddings
+        go through llama_decode in n_batch pieces (libmtmd's mtmd_helper_eval_chunk_single).
+        Its positions show as ``chunk.key`` in :attr:`tokens`. Raises ValueError when n_ctx has no
+        room for it, LlamaError when the encoder or decode fails; Ctrl-C rolls it back."""
+        n0 = self.n_past
+        chunk.native_eval(self._llama_context, n0, bool(logits_last))
+        if len(self._tokens) == n0:
+            self._tokens += [chunk.key] * (self.n_past - n0)
 
     def prefill(self, tokens: Sequence[int]) -> int:
         """Bring sequence 0 of the KV cache to hold exactly ``tokens``, reusing the longest prefix

@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from . import _log, speculative
+from . import _log, multimodal, speculative
 from ._validate import as_int, prompt_tokens, stop_strings
 from .context import Context, release_threads
 from .model import Model, json_schema_to_grammar
@@ -110,6 +110,7 @@ def generate(
     lookup_ngram: int | None = None,
     n_draft: int = 8,
     logits_processor: LogitsProcessor | Sequence[LogitsProcessor] | None = None,
+    media: Sequence[Any] | None = None,
     **sampling: Any,
 ) -> GenerationResult | Stream[GenerationResult]:
     """Generate a continuation of ``prompt`` in ``ctx`` through llama.cpp's sampler chain.
@@ -134,6 +135,9 @@ def generate(
             use (or None: changed in place). The sampler chain (penalties, top-k, grammar, ...)
             then samples from them. -inf forbids a token; NaN, +inf or no finite value is a
             ValueError. Not with speculative decoding or backend_sampling.
+        media: images or audio clips (see :meth:`~llamabind.projector.Projector.media`: bytes,
+            paths, data URLs, numpy arrays) for a model with a projector; the text prompt holds
+            one ``llamabind.MEDIA_MARKER`` ("<__media__>") per item, where each goes.
         **sampling: fields of :class:`~llamabind.SamplingParams` (temperature, top_k, top_p, min_p,
             typical_p, xtc_*, dry_*, mirostat*, repeat/frequency/presence penalties,
             logit_bias, grammar, seed, ...).
@@ -154,18 +158,26 @@ def generate(
     if draft is not None and logprobs is not None:
         raise ValueError("logprobs are not available with speculative decoding")
     procs = logits_processors(logits_processor)
+    mp: multimodal.MediaPrompt | None = None
+    if media is not None:
+        projector = multimodal.projector_of(ctx.model)
+        if projector is None:
+            raise ValueError("media need a projector: Model(path, mmproj='mmproj.gguf') or model.load_mmproj(path)")
+        if not isinstance(prompt, str):
+            raise TypeError("with media, the prompt must be text holding one MEDIA_MARKER per medium")
+        mp = multimodal.prompt(projector, prompt, list(media), add_special=add_special, parse_special=parse_special)
     if draft is not None and procs:
         raise ValueError("logits processors are not available with speculative decoding")
     gen = run(
-        ctx, prompt, max_tokens, params, stop, add_special, parse_special, logprobs=logprobs, draft=draft,
-        processors=procs,
+        ctx, mp if mp is not None else prompt, max_tokens, params, stop, add_special, parse_special,
+        logprobs=logprobs, draft=draft, processors=procs,
     )  # fmt: skip
     return Stream(gen) if stream else collect(gen)
 
 
 def run(
     ctx: Context,
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | multimodal.MediaPrompt,
     max_tokens: int,
     sampling: SamplingParams,
     stop: str | Sequence[str] | None,
@@ -188,19 +200,27 @@ def run(
     stops = stop_strings(stop)
     if chat is not None:
         stops += [s for s in chat.additional_stops if s and s not in stops]
-    tokens = prompt_tokens(
-        prompt, lambda text: model.tokenize(text, add_special=add_special, parse_special=parse_special), model.n_vocab
-    )
+    media = prompt if isinstance(prompt, multimodal.MediaPrompt) else None
+    if media is not None:
+        if draft is not None:
+            raise ValueError("speculative decoding does not take prompts with images or audio")
+        tokens, text_tokens = media.keys, media.text_tokens
+    else:
+        tokens = text_tokens = prompt_tokens(
+            prompt,
+            lambda text: model.tokenize(text, add_special=add_special, parse_special=parse_special),
+            model.n_vocab,
+        )
     n_ctx = ctx.n_ctx
     if len(tokens) >= n_ctx:
         raise ValueError(
             f"the prompt has {len(tokens)} tokens, which leaves no room in n_ctx ({n_ctx}); "
             "use a larger n_ctx or a shorter prompt"
         )
-    on_device = _backend_sampling(model, sampling, chat, logprobs, draft, bool(processors))
+    on_device = _backend_sampling(model, sampling, chat, logprobs, draft, bool(processors), media is not None)
     sampler = sampling.build(model, chat)
-    proc = Processing(processors, tokens) if processors else None
-    return _loop(ctx, tokens, max_tokens, sampler, stops, logprobs, draft, on_device, proc)
+    proc = Processing(processors, text_tokens) if processors else None
+    return _loop(ctx, tokens, max_tokens, sampler, stops, logprobs, draft, on_device, proc, media)
 
 
 def _backend_sampling(
@@ -210,10 +230,13 @@ def _backend_sampling(
     logprobs: int | None,
     draft: speculative.Speculator | None,
     processors: bool = False,
+    media: bool = False,
 ) -> bool:
     """Whether the chain runs in the decode graph (SamplingParams.backend_sampling)."""
     why_not = (
-        "a grammar or JSON schema"
+        "a prompt with images or audio"
+        if media
+        else "a grammar or JSON schema"
         if sampling.grammar is not None or (chat is not None and chat.grammar)
         else "logprobs"
         if logprobs is not None
@@ -352,6 +375,7 @@ def _loop(
     draft: speculative.Speculator | None,
     on_device: bool = False,
     proc: Processing | None = None,
+    media: multimodal.MediaPrompt | None = None,
 ) -> Generator[str, None, GenerationResult]:
     model = ctx.model
     me = ctx.start_generation()
@@ -365,10 +389,13 @@ def _loop(
     pending: list[int] = []  # tokens sampled ahead by speculative decoding, not yet emitted
     t0 = t1 = time.perf_counter()
     try:
-        sampler.accept(tokens)  # penalties see the prompt, as in llama.cpp's tools
+        sampler.accept(
+            media.text_tokens if media is not None else tokens
+        )  # penalties see the prompt, as llama.cpp's tools
         if on_device:
             sampler.attach(ctx)  # False: llama.cpp keeps it on the CPU
-        timings.prompt_reused = ctx.prefill(tokens)  # on the device, this samples the first token
+        # on the device, the prefill samples the first token
+        timings.prompt_reused = multimodal.prefill(ctx, media) if media is not None else ctx.prefill(tokens)
         t1 = time.perf_counter()
         timings.prompt_ms = (t1 - t0) * 1e3
         while len(generated) < max_tokens:

@@ -283,6 +283,9 @@ def serve(
     access_log: bool = False,
     cache_type_k: str | None = None,
     cache_type_v: str | None = None,
+    mmproj: str | os.PathLike | None = None,
+    mmproj_use_gpu: bool = True,
+    media_path: str | os.PathLike | None = None,
 ) -> Server:
     """Start an OpenAI-compatible server for ``model`` (a name or GGUF path) and return once it
     answers; :meth:`Server.stop` (or leaving the ``with`` block) ends it.
@@ -296,6 +299,9 @@ def serve(
     rpc, alias, chat_template, flash_attn, lora: as :class:`~llamabind.server_context.ServerContext`.
     cache_type_k/cache_type_v: the KV cache's types ("f16", "q8_0", ...; llama-server's
     --cache-type-k/-v; ServerContext's type_k/type_v).
+    mmproj: a projector GGUF: /v1/chat/completions then takes ``image_url`` and ``input_audio``
+    content parts (llama-server's --mmproj; /props lists the modalities); mmproj_use_gpu,
+    media_path (the directory ``file://`` URLs may read): as ServerContext's.
     max_body: request body limit in bytes (413). max_pending: requests in flight before 503.
 
     Raises FileNotFoundError, TypeError/ValueError (bad argument), OSError (the port is taken),
@@ -330,6 +336,9 @@ def serve(
             rpc_servers=rpc,
             type_k=cache_type_k,
             type_v=cache_type_v,
+            mmproj=mmproj,
+            mmproj_use_gpu=mmproj_use_gpu,
+            media_path=media_path,
         )
     except BaseException:
         sock.close()

@@ -37,7 +37,10 @@ class ServerContext:
     warning on the ``llamabind.server`` logger). alias: the model id clients name (default: the model's name,
     or the file name without .gguf). chat_template: a jinja template replacing the model's.
     flash_attn: "on", "off" or "auto". type_k, type_v: the KV cache's types (as :class:`Context`'s;
-    None: f16). lora: [(path, scale)] adapters. rpc_servers: ["host:port"]
+    None: f16). mmproj: a projector GGUF for images/audio in /v1/chat/completions (llama-server's
+    ``--mmproj``; mmproj_use_gpu, image_min_tokens, image_max_tokens as there); media_path: the
+    directory ``file://`` URLs may read from (llama-server's ``--media-path``; none by default).
+    lora: [(path, scale)] adapters. rpc_servers: ["host:port"]
     RPC servers whose devices the model uses (as ``Model(rpc=...)``; devices other models connected
     are left out).
 
@@ -68,6 +71,11 @@ class ServerContext:
         rpc_servers: Sequence[str] | None = None,
         type_k: str | None = None,
         type_v: str | None = None,
+        mmproj: str | os.PathLike | None = None,
+        mmproj_use_gpu: bool = True,
+        image_min_tokens: int | None = None,
+        image_max_tokens: int | None = None,
+        media_path: str | os.PathLike | None = None,
     ):
         path = models.resolve(os.fspath(model))
         if alias is None:  # the name the user gave (a known model), else the file's name without .gguf
@@ -112,6 +120,20 @@ class ServerContext:
             for p, _ in opts["lora"]:
                 if not os.path.exists(p):
                     raise FileNotFoundError(f"LoRA adapter not found: {p}")
+        if mmproj is not None:
+            if not os.path.isfile(mmproj):
+                raise FileNotFoundError(f"no such mmproj file: '{os.fspath(mmproj)}'")
+            opts["mmproj"] = os.fspath(mmproj)
+            opts["mmproj_use_gpu"] = bool(mmproj_use_gpu)
+            for name, value in (("image_min_tokens", image_min_tokens), ("image_max_tokens", image_max_tokens)):
+                if value is not None:
+                    opts[name] = as_int(value, name, 1)
+        if media_path is not None:
+            if not os.path.isdir(media_path):
+                raise NotADirectoryError(f"media_path must be a directory: '{os.fspath(media_path)}'")
+            opts["media_path"] = os.path.join(
+                os.path.abspath(media_path), ""
+            )  # llama-server joins it to the URL's path
         if rpc_servers:
             for e in rpc_servers:
                 endpoint(e)  # TypeError/ValueError for a malformed one; connected natively

@@ -154,10 +154,16 @@ static Media * media_from_bytes(const Projector & self, nb::bytes data) {
         raise_value("video input is not supported (this build of libmtmd has no video decoder)");
     }
     if (!w.bitmap) {
+        const std::string why = take_recent_errors();
+        if (why.find("does not support audio") != std::string::npos)
+            raise_value("this projector takes images, not audio ('" + self.path + "')");
+        if (why.find("does not support vision") != std::string::npos ||
+            why.find("does not support image") != std::string::npos)
+            raise_value("this projector takes audio, not images ('" + self.path + "')");
         raise_value(
             "cannot decode the media: not an image (JPEG, PNG, BMP, GIF, ...) or audio file (WAV, MP3, FLAC) that "
             "libmtmd reads, or a corrupt one\n" +
-            take_recent_errors());
+            why);
     }
     return wrap(w.bitmap);
 }
@@ -186,8 +192,8 @@ static Media * media_from_pcm(const Projector & self,
 }
 
 // Text with one marker per media -> [Chunk] (mtmd_tokenize).
-static nb::list tokenize(const Projector & self, const std::string & text,
-                                     const std::vector<const Media *> & media, bool add_special, bool parse_special) {
+static nb::list tokenize(const Projector & self, const std::string & text, const std::vector<const Media *> & media,
+                         bool add_special, bool parse_special) {
     mtmd_context * c = self.get();
     std::vector<const mtmd_bitmap *> bmps;
     for (const Media * m : media) {
@@ -209,7 +215,7 @@ static nb::list tokenize(const Projector & self, const std::string & text,
     }
     mtmd_input_text in{ text.c_str(), text.size(), add_special, parse_special };
     std::unique_ptr<mtmd_input_chunks, decltype(&mtmd_input_chunks_free)> out(mtmd_input_chunks_init(),
-                                                                               &mtmd_input_chunks_free);
+                                                                              &mtmd_input_chunks_free);
     clear_recent_errors();
     int32_t rc;
     {
@@ -218,8 +224,9 @@ static nb::list tokenize(const Projector & self, const std::string & text,
         rc = mtmd_tokenize(c, out.get(), &in, bmps.data(), bmps.size());
     }
     flush_logs();
-    if (rc != 0) raise_value("cannot preprocess the media (mtmd_tokenize returned " + std::to_string(rc) + ")\n" +
-                             take_recent_errors());
+    if (rc != 0)
+        raise_value("cannot preprocess the media (mtmd_tokenize returned " + std::to_string(rc) + ")\n" +
+                    take_recent_errors());
     nb::list chunks;
     for (size_t i = 0; i < mtmd_input_chunks_size(out.get()); ++i) {
         auto * ch = new Chunk();
@@ -345,8 +352,8 @@ void register_mtmd(nb::module_ & m) {
         .def("media_from_pcm", &media_from_pcm, nb::arg("pcm"), nb::arg("id"), nb::rv_policy::take_ownership)
         .def("tokenize", &tokenize, nb::arg("text"), nb::arg("media"), nb::arg("add_special") = true,
              nb::arg("parse_special") = true)
-        .def("eval_media", &eval_media, nb::arg("context"), nb::arg("chunk"), nb::arg("n_past"),
-             nb::arg("seq_id") = 0, nb::arg("logits_last") = true)
+        .def("eval_media", &eval_media, nb::arg("context"), nb::arg("chunk"), nb::arg("n_past"), nb::arg("seq_id") = 0,
+             nb::arg("logits_last") = true)
         .def("encode", &encode, nb::arg("chunk"))
         .def("captured", [](Projector & p) {
             nb::dict out;

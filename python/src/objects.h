@@ -24,11 +24,11 @@ struct Model {
     const llama_vocab * vocab = nullptr;
     std::string path;
     bool vocab_only = false;
-    bool output_offloaded = false;  // the output layer (logits) is on a GPU/RPC device
-    std::set<Context *> contexts;   // open contexts on this model; closed with it
-    std::set<Lora *> loras;         // LoRA adapters loaded on it (llama.cpp frees them with the model)
+    bool output_offloaded = false;     // the output layer (logits) is on a GPU/RPC device
+    std::set<Context *> contexts;      // open contexts on this model; closed with it
+    std::set<Lora *> loras;            // LoRA adapters loaded on it (llama.cpp frees them with the model)
     std::set<Projector *> projectors;  // multimodal projectors (mtmd.cpp), freed before the model
-    std::atomic<int> in_use{ 0 };   // native calls running without the GIL (e.g. tokenize)
+    std::atomic<int> in_use{ 0 };      // native calls running without the GIL (e.g. tokenize)
 
     ~Model() { release(); }
     void close();    // raises LlamaError if a context of this model is in use by another thread

@@ -215,6 +215,11 @@ struct ServerCore {
         if (has("embedding")) params.embedding = nb::cast<bool>(o["embedding"]);
         if (has("chat_template")) params.chat_template = nb::cast<std::string>(o["chat_template"]);
         if (has("alias")) params.model_alias = { nb::cast<std::string>(o["alias"]) };
+        if (has("mmproj")) params.mmproj.path = nb::cast<std::string>(o["mmproj"]);
+        if (has("mmproj_use_gpu")) params.mmproj_use_gpu = nb::cast<bool>(o["mmproj_use_gpu"]);
+        i32("image_min_tokens", params.image_min_tokens);
+        i32("image_max_tokens", params.image_max_tokens);
+        if (has("media_path")) params.media_path = nb::cast<std::string>(o["media_path"]);
         if (has("seed")) params.sampling.seed = nb::cast<uint32_t>(o["seed"]);
         if (has("flash_attn")) {
             const auto v = nb::cast<std::string>(o["flash_attn"]);

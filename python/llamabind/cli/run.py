@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .. import models
 from ..generation import Stream
+from ..projector import MEDIA_MARKER
 from .common import add_hf
 
 DEFAULT_PROMPT = "The three most useful things to know about the Python programming language are"
@@ -22,7 +24,16 @@ def _model_kwargs(args) -> dict:
         kw["split_mode"] = args.split_mode
     if args.tensor_split is not None:
         kw["tensor_split"] = args.tensor_split
+    if args.mmproj is not None:
+        kw["mmproj"] = args.mmproj
+    elif args.image or args.audio:
+        raise SystemExit("llamabind: --image/--audio need a projector: --mmproj MMPROJ.gguf")
     return kw
+
+
+def _media_parts(images, audio) -> list[dict]:
+    """Content parts for media files given on the command line (read by the projector)."""
+    return [{"type": "image", "image": f} for f in images or []] + [{"type": "audio", "audio": f} for f in audio or []]
 
 
 def _generation_kwargs(args) -> dict:
@@ -48,8 +59,11 @@ def _generate(args) -> int:
     from ..api import Model
 
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    media = [*(args.image or []), *(args.audio or [])]
     with Model(args.model, **_model_kwargs(args)) as m:
-        stream = m.generate(prompt, **_generation_kwargs(args))
+        if media and MEDIA_MARKER not in prompt:  # as llama-mtmd-cli: the media before the prompt
+            prompt = MEDIA_MARKER * len(media) + prompt
+        stream = m.generate(prompt, media=media or None, **_generation_kwargs(args))
         assert isinstance(stream, Stream)
         out = sys.stdout
         if args.prompt is None or args.echo:
@@ -73,12 +87,14 @@ def _generate(args) -> int:
 
 def _chat(args) -> int:
     """An interactive chat: each line is a user turn; the history is kept (and its KV cache
-    reused). Commands: /exit (or EOF) ends, /reset clears the history, /system TEXT sets it."""
+    reused). Commands: /exit (or EOF) ends, /reset clears the history, /system TEXT sets it,
+    /image FILE and /audio FILE attach media to the next turn (with --mmproj)."""
     from ..api import Model
 
     interactive = sys.stdin.isatty()
     with Model(args.model, progress=args.progress and interactive, **_model_kwargs(args)) as m:
         history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+        pending = _media_parts(args.image, args.audio)  # media for the next user turn
         while True:
             try:
                 line = input("> " if interactive else "")
@@ -96,17 +112,32 @@ def _chat(args) -> int:
             if cmd.startswith("/system "):
                 history = [{"role": "system", "content": cmd[8:]}] + [h for h in history if h["role"] != "system"]
                 continue
+            if cmd.startswith(("/image ", "/audio ")):
+                kind, path = cmd[1:6], cmd[7:].strip()
+                if m.projector is None:
+                    print("[/image and /audio need --mmproj]", file=sys.stderr)
+                elif not os.path.isfile(path):
+                    print(f"[no such file: {path}]", file=sys.stderr)
+                else:
+                    pending.append({"type": kind, kind: path})
+                    print(f"[{kind} {path} goes with your next message]", file=sys.stderr)
+                continue
             if not cmd:
                 continue
-            history.append({"role": "user", "content": line})
-            stream = m.chat(history, **_generation_kwargs(args))
-            assert isinstance(stream, Stream)
+            history.append({"role": "user", "content": [*pending, {"type": "text", "text": line}] if pending else line})
+            pending = []
             try:
+                stream = m.chat(history, **_generation_kwargs(args))
+                assert isinstance(stream, Stream)
                 for piece in stream:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
             except KeyboardInterrupt:
                 print("\n[interrupted]", file=sys.stderr)
+                history.pop()
+                continue
+            except ValueError as e:  # media the projector cannot read, a prompt too long for n_ctx
+                print(f"[{e}]", file=sys.stderr)
                 history.pop()
                 continue
             sys.stdout.write("\n")
@@ -133,6 +164,7 @@ def _info(args) -> int:
     print("flags:    " + " ".join(f"{k}={v}" for k, v in info["compile_flags"].items()))
     print("system:   " + info["system_info"].strip())
     print(f"tools:    {'built (llamabind/bin)' if info['tools'] else 'not built'}")
+    print("multimodal: libmtmd (images and audio through a projector: --mmproj)")
     return 0
 
 
@@ -177,6 +209,9 @@ def _model_and_sampling(p, max_tokens: int) -> None:
         action="store_false",
         help="keep the GGUF's weight layout on the CPU (no AMX/interleaved repacking), as llama-cli's -nr",
     )
+    p.add_argument("--mmproj", "-mm", default=None, metavar="GGUF", help="a multimodal projector for this model")
+    p.add_argument("--image", action="append", default=None, metavar="FILE", help="an image (repeatable; --mmproj)")
+    p.add_argument("--audio", action="append", default=None, metavar="FILE", help="a WAV/MP3/FLAC clip (--mmproj)")
 
 
 def add_parsers(sub) -> None:

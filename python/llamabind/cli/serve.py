@@ -42,6 +42,9 @@ def _serve(args) -> int:
         access_log=args.verbose,
         cache_type_k=args.cache_type_k,
         cache_type_v=args.cache_type_v,
+        mmproj=args.mmproj,
+        mmproj_use_gpu=not args.no_mmproj_offload,
+        media_path=args.media_path,
     )
     print(
         f"llamabind: serving {srv.model_id!r} at {srv.url} (OpenAI base URL {srv.url}/v1)", file=sys.stderr, flush=True
@@ -88,6 +91,9 @@ def add_parsers(sub) -> None:
     kv = sorted(KV_CACHE_TYPES)
     s.add_argument("--cache-type-k", "-ctk", choices=kv, default=None, help="KV cache type for K (default f16)")
     s.add_argument("--cache-type-v", "-ctv", choices=kv, default=None, help="KV cache type for V (quantized: -fa)")
+    s.add_argument("--mmproj", "-mm", default=None, metavar="GGUF", help="a multimodal projector: images/audio in chat")
+    s.add_argument("--no-mmproj-offload", action="store_true", help="run the projector's encoder on the CPU")
+    s.add_argument("--media-path", default=None, metavar="DIR", help="directory file:// media URLs may read from")
     s.add_argument("--lora", action="append", default=None, metavar="GGUF", help="apply this LoRA adapter")
     s.add_argument("--max-body", type=int, default=16 * 2**20, help="request body limit in bytes (413 beyond)")
     s.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503 (default 256)")

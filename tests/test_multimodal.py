@@ -1,0 +1,352 @@
+"""Images and audio through libmtmd: projector embeddings and greedy text against upstream's
+llama-mtmd-cli from the same build, the audio encoder's conv1d against numpy in float64, prompt
+caching across turns, every way of passing media, the errors, leaks, the server with the real
+openai client (and LangChain), and the CLI. The projectors are random-weight GGUFs in the layout
+of real ones (bench/make_mmproj.py: Gemma 3's SigLIP, Ultravox over Whisper), sized to SmolLM2."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import GPU_BUILD, ROOT, VENDOR, require_tool
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from memory import growth, malloc_trim, snapshot
+
+import llamabind
+
+IMAGE = VENDOR / "tools" / "mtmd" / "test-1.jpeg"
+AUDIO = VENDOR / "tools" / "mtmd" / "test-2.mp3"
+CPU_ONLY = {"n_gpu_layers": 0, "op_offload": False} if GPU_BUILD else {}
+
+
+def _make_mmproj():
+    spec = importlib.util.spec_from_file_location("make_mmproj", ROOT / "bench" / "make_mmproj.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def mmproj(tmp_path_factory):
+    """{"vision", "audio", "omni", "other"} -> path; "other": a vision projector for n_embd 256."""
+    d = tmp_path_factory.mktemp("mmproj")
+    mk = _make_mmproj()
+    return {
+        "vision": Path(mk.vision(str(d / "vision.gguf"))),
+        "audio": Path(mk.audio(str(d / "audio.gguf"))),
+        "omni": Path(mk.omni(str(d / "omni.gguf"))),
+        "other": Path(mk.vision(str(d / "other.gguf"), n_embd_text=256)),
+    }
+
+
+@pytest.fixture(scope="module")
+def omni(model_path, mmproj):
+    """SmolLM2 with a projector that takes images and audio."""
+    with llamabind.Model(model_path, mmproj=mmproj["omni"], n_ctx=2048, n_threads=2) as m:
+        yield m
+
+
+def _nmse(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(((a - b) ** 2).sum() / (b**2).sum())
+
+
+def _mtmd_cli(model_path, mmproj_path, media, *args, env=None, timeout=300):
+    cli = require_tool("llama-mtmd-cli")
+    flag = "--audio" if Path(media).suffix in (".mp3", ".wav", ".flac") else "--image"
+    cmd = [str(cli), "-m", str(model_path), "--mmproj", str(mmproj_path), flag, str(media), "-t", "2", "--jinja"]
+    r = subprocess.run(
+        cmd + list(args), capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _media_chunk(projector, source):
+    pieces = projector.tokenize("x" + llamabind.MEDIA_MARKER, [projector.media(source)])
+    (chunk,) = [p for p in pieces if not isinstance(p, int)]
+    return chunk
+
+
+# ---- against llama-mtmd-cli (same build, same files)
+
+
+@pytest.mark.parametrize("kind, media", [("image", IMAGE), ("audio", AUDIO)])
+def test_embeddings_equal_llama_mtmd_cli(omni, model_path, mmproj, tmp_path, kind, media):
+    """The projector's output for test-1.jpeg / test-2.mp3 equals what llama-mtmd-cli computes
+    (its MTMD_DEBUG_EMBEDDINGS dump) for the same file and mmproj."""
+    dump = tmp_path / "embd.bin"
+    _mtmd_cli(model_path, mmproj["omni"], media, "-p", "hi", "-n", "1", env={"MTMD_DEBUG_EMBEDDINGS": str(dump)})
+    raw = dump.read_bytes()
+    n_tok, n_embd = np.frombuffer(raw[:8], np.int32)
+    ref = np.frombuffer(raw[8:], np.float32).reshape(n_tok, n_embd)
+    chunk = _media_chunk(omni.projector, media)
+    assert chunk.kind == kind
+    got = omni.projector.encode(chunk)
+    assert got.shape == ref.shape == (chunk.n_tokens, omni.n_embd)
+    assert np.abs(ref).max() > 0.01  # a real output, not zeros
+    assert _nmse(got, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("media", [IMAGE, AUDIO], ids=["image", "audio"])
+def test_greedy_text_after_media_equals_llama_mtmd_cli(model_path, mmproj, media):
+    """Model.chat with [media, text] renders and evaluates as llama-mtmd-cli does (its single-turn
+    prompt is the marker then the text, with the model's jinja template): same greedy text."""
+    prompt = "What is in this file?"
+    want = _mtmd_cli(model_path, mmproj["omni"], media, "-p", prompt, "-n", "24", "--temp", "0", "-c", "2048")
+    kind = "image" if media == IMAGE else "audio"
+    with llamabind.Model(model_path, mmproj=mmproj["omni"], n_ctx=2048, n_threads=2) as m:
+        got = m.chat(
+            [{"role": "user", "content": [{"type": kind, kind: media}, {"type": "text", "text": prompt}]}],
+            max_tokens=24,
+            temperature=0,
+        )
+    assert got.generation.tokens, "generated nothing"
+    assert want.stdout.strip() == got.text.strip()
+
+
+def test_audio_encoder_conv1d_matches_numpy(model_path, mmproj):
+    """The Whisper encoder's two conv1d (the second's im2col has KW*IC = 3*384 = 1152 > 1024
+    columns: the case ggml's Metal im2col got wrong) against numpy float64 on the same mel input
+    and weights; and the clip's token count is the graph's (patch 0030: it aborted before)."""
+    import gguf
+
+    r = gguf.GGUFReader(mmproj["audio"])
+    w = {
+        t.name: np.asarray(t.data, np.float64).reshape(t.shape[::-1]) for t in r.tensors if t.name.startswith("a.conv")
+    }
+    oc, ic, kw = w["a.conv1d.2.weight"].shape
+    assert kw * ic > 1024
+    with llamabind.Model(model_path, n_ctx=512, n_threads=2) as m:
+        p = llamabind.Projector(m, mmproj["audio"], _capture=["inp_raw", "after_conv1d"])
+        chunk = _media_chunk(p, AUDIO)
+        p.encode(chunk)
+        cap = p._native.captured()
+    mel = cap["inp_raw"].reshape(cap["inp_raw"].shape[-2:]).astype(np.float64)  # (n_mel, n_frames)
+    assert mel.shape == (128, 3000)
+    assert chunk.n_tokens == math.ceil(3000 / 2 / 8)  # Whisper halves, Ultravox stacks 8 frames
+
+    def conv1d(x, weight, bias, stride):  # x (ic, n); weight (oc, ic, kw); padding kw // 2
+        k = weight.shape[2]
+        xp = np.pad(x, ((0, 0), (k // 2, k // 2)))
+        n_out = (xp.shape[1] - k) // stride + 1
+        cols = np.stack([xp[:, i * stride : i * stride + k] for i in range(n_out)])  # (n_out, ic, kw)
+        return np.einsum("nik,oik->on", cols, weight) + bias.reshape(-1, 1)
+
+    def gelu(x):
+        from math import erf
+
+        return 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
+
+    h = gelu(conv1d(mel, w["a.conv1d.1.weight"], w["a.conv1d.1.bias"], 1))
+    h = gelu(conv1d(h, w["a.conv1d.2.weight"], w["a.conv1d.2.bias"], 2))
+    assert cap["after_conv1d"].shape == (1500, oc)
+    assert _nmse(cap["after_conv1d"], h.T) <= 1e-6
+
+
+# ---- the Python API
+
+
+def test_prompt_cache_reuses_media_across_turns(omni):
+    """A follow-up turn evaluates only what follows the cached prefix, image included (the image's
+    positions are not encoded again), and answers as a fresh context does."""
+    turn1 = [{"role": "user", "content": [{"type": "image", "image": IMAGE}, {"type": "text", "text": "What is it?"}]}]
+    ctx = omni.context(n_ctx=2048)
+    r1 = ctx.chat(turn1, max_tokens=8, temperature=0)
+    turn2 = turn1 + [r1.message, {"role": "user", "content": "And its colors?"}]
+    r2 = ctx.chat(turn2, max_tokens=8, temperature=0)
+    image_end = r1.generation.prompt_tokens - 8  # the image sits before the question's few tokens
+    assert r2.generation.timings.prompt_reused >= image_end
+    assert r2.generation.prompt_tokens > r1.generation.prompt_tokens
+    with omni.context(n_ctx=2048) as fresh:
+        assert fresh.chat(turn2, max_tokens=8, temperature=0).text == r2.text
+    # another image at the same place is evaluated again: different content, different key
+    other = np.full((64, 96, 3), 200, np.uint8)
+    turn1b = [{"role": "user", "content": [{"type": "image", "image": other}, {"type": "text", "text": "What is it?"}]}]
+    r3 = ctx.chat(turn1b, max_tokens=4, temperature=0)
+    assert r3.generation.timings.prompt_reused < image_end - 10
+    ctx.close()
+
+
+def test_every_way_of_passing_an_image_is_the_same_image(omni, tmp_path):
+    data = IMAGE.read_bytes()
+    url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
+    p = omni.projector
+    ids = {_media_chunk(p, s).id for s in (IMAGE, str(IMAGE), IMAGE.as_uri(), data, url)}
+    assert len(ids) == 1
+    fetched = []
+    chunk = _media_chunk(p, IMAGE)
+    via_fetch = p.tokenize(
+        llamabind.MEDIA_MARKER, [p.media("https://example.invalid/a.jpg", fetch=lambda u: fetched.append(u) or data)]
+    )
+    assert fetched == ["https://example.invalid/a.jpg"]
+    assert [x.id for x in via_fetch if not isinstance(x, int)] == [chunk.id]
+    # numpy arrays: RGB uint8 images and float32 PCM at the projector's rate
+    rgb = np.random.default_rng(0).integers(0, 256, (48, 80, 3), dtype=np.uint8)
+    a, b = _media_chunk(p, rgb), _media_chunk(p, rgb[::-1].copy())
+    assert a.kind == "image" and a.id != b.id
+    assert not np.allclose(p.encode(a), p.encode(b))
+    pcm = np.sin(np.linspace(0, 2000, p.audio_sample_rate)).astype(np.float32)
+    assert _media_chunk(p, pcm).kind == "audio"
+    # generate() with a marker in a raw prompt
+    g = omni.generate("Look: " + llamabind.MEDIA_MARKER + " It is", media=[IMAGE], max_tokens=4, temperature=0)
+    assert len(g.tokens) == 4
+
+
+def test_errors_are_exceptions(model_path, omni, mmproj, tmp_path):
+    img = [{"type": "image", "image": IMAGE}, {"type": "text", "text": "hi"}]
+    with llamabind.Model(model_path, n_ctx=256, n_threads=2) as text_only:
+        with pytest.raises(ValueError, match="no projector"):
+            text_only.chat([{"role": "user", "content": img}])
+        with pytest.raises(ValueError, match="n_embd"):
+            text_only.load_mmproj(mmproj["other"])
+        with pytest.raises(FileNotFoundError):
+            text_only.load_mmproj(tmp_path / "missing.gguf")
+        not_gguf = tmp_path / "x.gguf"
+        not_gguf.write_bytes(b"GGUF" + b"\0" * 64)
+        with pytest.raises(ValueError, match="cannot load the projector"):
+            text_only.load_mmproj(not_gguf)
+    with llamabind.Model(model_path, mmproj=mmproj["vision"], n_ctx=256, n_threads=2) as vision:
+        wav = {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF").decode(), "format": "wav"}}
+        with pytest.raises(ValueError, match="takes images, not audio"):
+            vision.chat([{"role": "user", "content": [{"type": "audio", "audio": AUDIO}]}])
+        with pytest.raises(ValueError, match="not supported"):
+            vision.chat([{"role": "user", "content": [{**wav, "input_audio": {"data": "AAAA", "format": "ogg"}}]}])
+        with pytest.raises(ValueError, match="cannot decode the media"):
+            vision.chat([{"role": "user", "content": [{"type": "image", "image": b"\x89PNG not really"}]}])
+        with pytest.raises(ValueError, match="not valid base64"):
+            vision.chat(
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}]
+            )
+        with pytest.raises(ValueError, match="not fetched by default"):
+            vision.chat(
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.invalid/a.png"}}]}]
+            )
+        with pytest.raises(ValueError, match="markers"):
+            vision.generate("no marker here", media=[IMAGE])
+        with vision.context(n_ctx=256) as small:  # images of 16 positions each, more than n_ctx holds
+            many = [{"type": "image", "image": IMAGE}] * (small.n_ctx // 16 + 1)
+            with pytest.raises(ValueError, match="n_ctx"):
+                small.chat([{"role": "user", "content": many}])
+        p = vision.projector
+    with pytest.raises(ValueError, match="closed"):
+        p.media(IMAGE)  # the model's close() freed the projector: an exception, not a crash
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.one_of(st.binary(max_size=512), st.binary(min_size=1, max_size=64).map(lambda b: b"\xff\xd8\xff" + b)))
+def test_arbitrary_bytes_never_abort(omni, data):
+    """Random bytes (and random JPEG-looking headers) as media: a ValueError or a medium, never an abort."""
+    try:
+        m = omni.projector.media(data)
+    except ValueError:
+        return
+    assert m.nx > 0
+
+
+@pytest.mark.skipif(os.environ.get("LLAMABIND_SANITIZED") == "1", reason="RSS says nothing under ASan")
+def test_no_leak_over_projector_load_encode_close_cycles(model_path, mmproj):
+    with llamabind.Model(model_path, n_ctx=256, n_threads=1) as m:
+
+        def cycle():
+            p = m.load_mmproj(mmproj["vision"], warmup=False)
+            p.encode(_media_chunk(p, IMAGE))
+            p.close()
+
+        for _ in range(5):
+            cycle()
+        malloc_trim()
+        start = snapshot()
+        for _ in range(40):
+            cycle()
+        malloc_trim()
+        g = growth(start, snapshot())
+    assert g["heap_mb"] < 10 and g["rss_mb"] < 10, f"over 40 cycles: {g}"
+
+
+# ---- the server, through the real openai client
+
+
+@pytest.fixture(scope="module")
+def mm_srv(model_path, mmproj):
+    with llamabind.serve(model_path, port=0, parallel=1, ctx_size=2048, mmproj=mmproj["omni"], **CPU_ONLY) as s:
+        yield s
+
+
+def test_server_answers_image_and_audio_as_model_chat(mm_srv, model_path, mmproj):
+    import openai
+
+    client = openai.OpenAI(base_url=mm_srv.url + "/v1", api_key="unused", max_retries=0)
+    image = "data:image/jpeg;base64," + base64.b64encode(IMAGE.read_bytes()).decode()
+    audio = {"data": base64.b64encode(AUDIO.read_bytes()).decode(), "format": "mp3"}
+    convs = [
+        [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is in the picture?"}],
+        [{"type": "input_audio", "input_audio": audio}, {"type": "text", "text": "What do you hear?"}],
+    ]
+    with llamabind.Model(model_path, mmproj=mmproj["omni"], n_ctx=2048, n_threads=2, **CPU_ONLY) as m:
+        for content in convs:
+            msgs = [{"role": "user", "content": content}]
+            r = client.chat.completions.create(model=mm_srv.model_id, messages=msgs, max_tokens=16, temperature=0)
+            assert (
+                r.choices[0].message.content == m.context(n_ctx=2048).chat(msgs, max_tokens=16, temperature=0).content
+            )
+    props = json.loads(urllib.request.urlopen(mm_srv.url + "/props").read())
+    assert props["modalities"]["vision"] and props["modalities"]["audio"]
+    with pytest.raises(openai.BadRequestError):
+        bad = [{"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,AAAA"}}]
+        client.chat.completions.create(model=mm_srv.model_id, messages=[{"role": "user", "content": bad}], max_tokens=4)
+
+
+def test_langchain_human_message_with_an_image(mm_srv):
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage
+
+    image = "data:image/jpeg;base64," + base64.b64encode(IMAGE.read_bytes()).decode()
+    llm = lc.ChatOpenAI(
+        base_url=mm_srv.url + "/v1", api_key="unused", model=mm_srv.model_id, temperature=0, max_tokens=8
+    )
+    msg = HumanMessage(
+        content=[{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": image}}]
+    )
+    out = llm.invoke([msg])
+    assert isinstance(out.content, str) and out.content
+    assert out.usage_metadata["input_tokens"] > 16  # the image's 16 positions are in the prompt
+
+
+# ---- the CLI
+
+
+def test_cli_chat_with_image_and_generate_with_audio(model_path, mmproj):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    base = [sys.executable, "-m", "llamabind"]
+    common = ["-m", str(model_path), "--mmproj", str(mmproj["omni"]), "-t", "0", "-n", "8", "--n-ctx", "2048"]
+    r = subprocess.run(
+        base + ["chat", *common],
+        input=f"/image {IMAGE}\nWhat is in the picture?\n",
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    with llamabind.Model(model_path, mmproj=mmproj["omni"], n_ctx=2048) as m:
+        content = [{"type": "image", "image": IMAGE}, {"type": "text", "text": "What is in the picture?"}]
+        want = m.chat([{"role": "user", "content": content}], max_tokens=8, temperature=0)
+    assert r.stdout.strip() == want.text.strip()
+    g = subprocess.run(
+        base + ["generate", "Transcript:", *common, "--audio", str(AUDIO)], capture_output=True, text=True, timeout=300
+    )
+    assert g.returncode == 0, g.stderr
+    assert "prompt: " in g.stderr
+    bad = subprocess.run(base + ["generate", "x", "--image", str(IMAGE)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--mmproj" in bad.stderr
+    info = subprocess.run(base + ["info"], capture_output=True, text=True, timeout=120)
+    assert "libmtmd" in info.stdout
