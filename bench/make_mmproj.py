@@ -13,7 +13,8 @@ KEY_* and TN_*), as ``convert_hf_to_gguf.py --mmproj`` writes them:
   pre-norm ViT blocks with biases, GELU MLP, post-LN), the 4x4 average pool and the projector
   (RMS soft-embedding norm, ``mm.input_projection``). Real Gemma 3: 896 px, patch 14, 1152 wide,
   27 blocks, 256 tokens per image. Default here: 224 px, patch 14, 192 wide, 2 blocks, 16 tokens
-  per image (``--size real`` writes the real shapes).
+  per image (``--size base``: SigLIP-base's 768 x 12 blocks at 448 px, 64 tokens; ``--size real``:
+  the real shapes).
 - audio, ``ultravox``: a Whisper encoder (two conv1d over 128 mel bins, the second with stride 2,
   1500 positions, pre-norm blocks, no bias on attn_k) with Ultravox's projector (frames stacked by
   8, RMS pre-norm, SwiGLU MLP, RMS mid-norm). Default: Whisper-tiny's 384 wide (so the second
@@ -33,8 +34,12 @@ import sys
 import numpy as np
 
 # (width, blocks, heads, ffn, image size, patch) per size
-VISION = {"small": (192, 2, 3, 768, 224, 14), "real": (1152, 27, 16, 4304, 896, 14)}
-AUDIO = {"small": (384, 2, 6, 1536), "real": (1280, 32, 20, 5120)}
+VISION = {
+    "small": (192, 2, 3, 768, 224, 14),
+    "base": (768, 12, 12, 3072, 448, 14),  # SigLIP-base's blocks at 448 px: 64 tokens per image
+    "real": (1152, 27, 16, 4304, 896, 14),
+}
+AUDIO = {"small": (384, 2, 6, 1536), "base": (768, 12, 12, 3072), "real": (1280, 32, 20, 5120)}
 
 
 def _writer(path: str, kind: str, name: str):
@@ -170,7 +175,7 @@ def main() -> int:
     ap.add_argument("kind", choices=["vision", "audio", "omni"])
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--n-embd-text", type=int, default=576, help="the text model's n_embd (576: SmolLM2-135M)")
-    ap.add_argument("--size", choices=["small", "real"], default="small")
+    ap.add_argument("--size", choices=["small", "base", "real"], default="small")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     {"vision": vision, "audio": audio, "omni": omni}[a.kind](a.output, a.n_embd_text, a.size, a.seed)
