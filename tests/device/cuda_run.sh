@@ -39,6 +39,7 @@
 # opsarrays: (carry .device after build) issue 21: the op tests on CUDA0 with inputs bound in place,
 #         DeviceArray/DLPack tests with torch, then bench/ops.py (per-call overhead, element-wise,
 #         the 10-op chain: numpy round trips vs DeviceArray vs PyTorch CUDA).
+# multimodal: (carry .device-b after build) issue 29: tests/test_multimodal.py on CUDA0, bench/multimodal.py.
 # qlora:  (carry .device-b after build) issue 27: tests/test_qlora.py on CUDA0, the gradient-accumulation
 #         test, bench/train.py on the GPU with PyTorch beside it (SmolLM2); qlora1b: the 1B shape;
 #         ctx: SmolLM2 training at ctx 512-4096.
@@ -48,7 +49,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -115,6 +116,21 @@ qlora1b)
 build)
   cp .device/smollm2.part-a .device/tokenizer.gguf /tmp/
   [ -n "${LB_NO_MODELS:-}" ] || start_models
+  ;;
+multimodal)
+  # (carry .device-b after build) issue 29 on CUDA0: tests/test_multimodal.py with the text model and the
+  # projector's encoder offloaded (llama-mtmd-cli from the same build as the reference), then
+  # bench/multimodal.py: image prefill beside llama-mtmd-cli, SigLIP-base- and Gemma-3-sized projectors
+  join_model
+  t0=$SECONDS
+  LLAMABIND_REQUIRE_GPU=1 LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests/test_multimodal.py $PYTEST_ARGS 2>&1 \
+    | tee "$OUT/multimodal-tests.log" | tail -20
+  echo "multimodal tests in $((SECONDS - t0)) s"
+  for size in base real; do
+    python3 bench/multimodal.py --size $size --rounds ${LB_ROUNDS:-5} --threads 8 -ngl 99 --tag h100-$size 2>&1 \
+      | grep -vE "^(llama|load|print_info|common|main|ggml|init|clip|WARN|warmup|alloc)" | tail -12 | tee "$OUT/bench-multimodal-$size.txt"
+  done
+  cp bench/results/multimodal-h100-*.json "$OUT/"
   ;;
 opsarrays)
   t0=$SECONDS
