@@ -52,8 +52,10 @@ def mmproj(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def omni(model_path, mmproj):
-    """SmolLM2 with a projector that takes images and audio."""
-    with llamabind.Model(model_path, mmproj=mmproj["omni"], n_ctx=2048, n_threads=2) as m:
+    """SmolLM2 with a projector that takes images and audio. On a GPU build the text model stays on
+    the CPU (conftest's "exact": a cached prefix and a fresh one decode in other batch shapes, which
+    CUDA's kernels do not round alike); the projector's encoder runs on the GPU either way."""
+    with llamabind.Model(model_path, mmproj=mmproj["omni"], n_ctx=2048, n_threads=2, **CPU_ONLY) as m:
         yield m
 
 
@@ -152,7 +154,9 @@ def test_audio_encoder_conv1d_matches_numpy(model_path, mmproj):
     h = gelu(conv1d(mel, w["a.conv1d.1.weight"], w["a.conv1d.1.bias"], 1))
     h = gelu(conv1d(h, w["a.conv1d.2.weight"], w["a.conv1d.2.bias"], 2))
     assert cap["after_conv1d"].shape == (1500, oc)
-    assert _nmse(cap["after_conv1d"], h.T) <= 1e-6
+    # CPU: 1e-6 (the F16 im2col's rounding). CUDA multiplies the F16 columns in cuBLAS with F16
+    # compute on this path: 1.6e-6 measured on an H100
+    assert _nmse(cap["after_conv1d"], h.T) <= (5e-6 if GPU_BUILD else 1e-6)
 
 
 # ---- the Python API

@@ -40,9 +40,18 @@ struct Projector {
         if (!owner || !owner->model) raise_value("the projector's model is closed");
         return ctx;
     }
+    // a captured name, or the scheduler's copy of one on another backend ("CUDA0#inp_raw#0")
+    static std::string base_name(const char * name) {
+        std::string n(name);
+        const size_t a = n.find('#');
+        if (a == std::string::npos) return n;
+        const size_t b = n.find('#', a + 1);
+        return n.substr(a + 1, b == std::string::npos ? std::string::npos : b - a - 1);
+    }
     bool wanted(const char * name) const {
-        for (const auto & n : capture)
-            if (n == name) return true;
+        const std::string n = base_name(name);
+        for (const auto & c : capture)
+            if (c == n) return true;
         return false;
     }
 };
@@ -69,17 +78,18 @@ struct Chunk {
 static bool capture_cb(ggml_tensor * t, bool ask, void * ud) {
     auto * p = static_cast<Projector *>(ud);
     auto save = [p](ggml_tensor * x) {
-        if (x->type != GGML_TYPE_F32 || !x->buffer || p->captured.count(x->name)) return;
+        const std::string name = Projector::base_name(x->name);
+        if (x->type != GGML_TYPE_F32 || !x->buffer || p->captured.count(name)) return;
         std::vector<int64_t> shape;
         for (int i = ggml_n_dims(x) - 1; i >= 0; --i) shape.push_back(x->ne[i]);
         std::vector<float> data(ggml_nelements(x));
         if (!ggml_is_contiguous(x)) return;
         ggml_backend_tensor_get(x, data.data(), 0, ggml_nbytes(x));
-        p->captured[x->name] = { shape, std::move(data) };
+        p->captured[name] = { shape, std::move(data) };
     };
     bool want = p->wanted(t->name);
     for (int i = 0; i < GGML_MAX_SRC && !want; ++i)
-        want = t->src[i] && p->wanted(t->src[i]->name) && !p->captured.count(t->src[i]->name);
+        want = t->src[i] && p->wanted(t->src[i]->name) && !p->captured.count(Projector::base_name(t->src[i]->name));
     if (ask) return want;
     if (p->wanted(t->name)) save(t);
     for (int i = 0; i < GGML_MAX_SRC; ++i)
