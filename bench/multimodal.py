@@ -10,7 +10,8 @@ resolution); llamabind's is the wall time of ``Context.decode_media`` on the chu
 before it (and the same two lines, logged by libmtmd's helper in llamabind's process). Both are
 the first image after loading, in a fresh process (the CLI runs once per image; both warm the
 encoder up at load); a later image in the same process (warm) is reported beside. The projector
-is a random-weight Gemma 3 vision projector (bench/make_mmproj.py) of the chosen size; the text model SmolLM2-135M by default.
+is a random-weight Gemma 3 vision projector (bench/make_mmproj.py) of the chosen size; the text
+model SmolLM2-135M by default.
 
     .venv/bin/python bench/multimodal.py [--size base] [--rounds 3] [--model PATH] [--threads N] [--tag vm]
 Writes bench/results/multimodal-<tag>-<date>.json.
