@@ -147,8 +147,21 @@ def split_parts(model_path, tmp_path_factory):
     return parts
 
 
+@pytest.fixture(scope="module")
+def mmproj_path(tmp_path_factory):
+    """A random-weight vision projector for SmolLM2 (bench/make_mmproj.py)."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("make_mmproj", ROOT / "bench" / "make_mmproj.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return Path(mod.vision(str(tmp_path_factory.mktemp("mmproj") / "mmproj.gguf")))
+
+
 @pytest.fixture
-def fake_hub(model_path, split_parts, tmp_path):
+def fake_hub(model_path, split_parts, mmproj_path, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# SmolLM2 135M Instruct, GGUF\n")
     repos = {
@@ -156,7 +169,7 @@ def fake_hub(model_path, split_parts, tmp_path):
             "README.md": readme,
             "smollm2-135m-instruct-q4_1.gguf": model_path,
             "smollm2-135m-instruct-q8_0.gguf": model_path,  # the same bytes under another quant's name
-            "mmproj-smollm2-f16.gguf": readme,  # never a model
+            "mmproj-smollm2-f16.gguf": mmproj_path,  # never a model; -hf loads it as the projector
         },
         SPLIT_REPO: {p.name: p for p in split_parts},
     }
@@ -195,7 +208,11 @@ def test_cli_hf_repo_with_a_quant_tag_then_offline(fake_hub, model_path, tmp_pat
     want = _generate(env, "-m", str(model_path))
     assert _generate(env, "-hf", f"{REPO}:q4_1") == want  # the tag is case-insensitive
     gets = [p for m, p in fake_hub.log if m == "GET" and "/resolve/" in p]
-    assert gets == [f"/{REPO}/resolve/main/smollm2-135m-instruct-q4_1.gguf"], fake_hub.log
+    assert gets == [
+        f"/{REPO}/resolve/main/smollm2-135m-instruct-q4_1.gguf",
+        f"/{REPO}/resolve/main/mmproj-smollm2-f16.gguf",
+    ]
+    assert _generate(env, "-hf", f"{REPO}:q4_1", "--no-mmproj") == want
     cached = list((tmp_path / "hf" / "hub").rglob("smollm2-135m-instruct-q4_1.gguf"))
     assert cached, "not in huggingface_hub's cache"
     fake_hub.shutdown()
@@ -216,6 +233,8 @@ m = llamabind.Model.from_pretrained({SPLIT_REPO!r}, n_threads=2)   # no Q4_K_M/Q
 print(m.path.name, m.generate({PROMPT!r}, max_tokens=8, temperature=0).tokens == want)
 u = llamabind.Model("hf://{REPO}/smollm2-135m-instruct-q4_1.gguf", vocab_only=True)
 print(u.path.name)
+v = llamabind.Model.from_pretrained({REPO!r}, "*q4_1.gguf", mmproj=True, n_ctx=512)
+print(v.projector.modalities, v.projector.path.name)
 for kw in ({{"filename": "*.gguf"}}, {{"filename": "*q5_k*"}}):
     try:
         llamabind.Model.from_pretrained({REPO!r}, **kw)
@@ -233,9 +252,10 @@ except FileNotFoundError as e:
     parts = sorted(p for m, p in fake_hub.log if m == "GET" and p.startswith(f"/{SPLIT_REPO}/resolve/"))
     assert len(parts) == 3, parts  # every part downloaded
     assert lines[1] == "smollm2-135m-instruct-q4_1.gguf"
-    assert "3 files" in lines[2] and "q4_1.gguf" in lines[2] and "q8_0.gguf" in lines[2], lines[2]
-    assert lines[3].startswith("ValueError: no file") and "holds" in lines[3], lines[3]
-    assert lines[4].startswith("FileNotFoundError: no repository 'test-org/nothing'"), lines[4]
+    assert lines[2] == "['vision'] mmproj-smollm2-f16.gguf", lines[2]
+    assert "3 files" in lines[3] and "q4_1.gguf" in lines[3] and "q8_0.gguf" in lines[3], lines[3]
+    assert lines[4].startswith("ValueError: no file") and "holds" in lines[4], lines[4]
+    assert lines[5].startswith("FileNotFoundError: no repository 'test-org/nothing'"), lines[5]
 
 
 def test_pick_follows_llama_cpp_choice():
@@ -254,3 +274,9 @@ def test_pick_follows_llama_cpp_choice():
         hub.pick("o/r", files, filename="m-Q[48]*.gguf")
     with pytest.raises(ValueError, match="'org/name'"):
         hub.download("just-a-name")
+    # the projector, as llama.cpp's -hf finds it: in the model's folder, F16 first
+    assert hub.pick_mmproj(files) == "mmproj-m-Q8_0.gguf"
+    assert hub.pick_mmproj(["m.gguf", "mmproj-m-Q8_0.gguf", "mmproj-m-f16.gguf"]) == "mmproj-m-f16.gguf"
+    nested = ["a/m-Q4_K_M.gguf", "a/mmproj-Q8_0.gguf", "b/mmproj-F16.gguf"]
+    assert hub.pick_mmproj(nested, "a/m-Q4_K_M.gguf") == "a/mmproj-Q8_0.gguf"
+    assert hub.pick_mmproj(["m.gguf", "README.md"]) is None

@@ -135,6 +135,48 @@ def download(repo_id: str, filename: str | None = None, *, tag: str | None = Non
     return paths[0]
 
 
+def pick_mmproj(files: list[str], model_file: str | None = None) -> str | None:
+    """The multimodal projector among a repository's ``files``, as llama.cpp's ``-hf`` finds one: a
+    GGUF with "mmproj" in its name, in the model's folder if it has one there; of several, F16,
+    then BF16, Q8_0, F32, then the first. None when the repository has none."""
+    found = [f for f in files if f.endswith(".gguf") and "mmproj" in f.rsplit("/", 1)[-1].lower()]
+    if model_file is not None and "/" in model_file:
+        folder = model_file.rsplit("/", 1)[0] + "/"
+        found = [f for f in found if f.startswith(folder)] or found
+    for t in ("F16", "BF16", "Q8_0", "F32"):
+        pat = re.compile(r"[.-]" + t + r"[.-]", re.IGNORECASE)
+        hit = next((f for f in found if pat.search(f)), None)
+        if hit:
+            return hit
+    return found[0] if found else None
+
+
+def download_mmproj(
+    repo_id: str, filename: str | None = None, *, model_file: str | None = None, revision: str | None = None
+) -> Path | None:
+    """The local path of ``repo_id``'s multimodal projector: the file ``filename`` (a path or a
+    glob), else :func:`pick_mmproj`'s choice (None when the repository has no projector).
+    Downloaded into huggingface_hub's cache as :func:`download` does (same errors)."""
+    hf = _hub()
+    files = _repo_files(hf, repo_id, revision)
+    if filename is not None:
+        found = [f for f in files if _matches(f, filename)]
+        if len(found) != 1:
+            what = "no file" if not found else f"{len(found)} files ({', '.join(found)})"
+            raise ValueError(f"{what} of {repo_id} match {filename!r}: {_listing(repo_id, files)}")
+        name: str | None = found[0]
+    else:
+        name = pick_mmproj(files, model_file)
+    if name is None:
+        return None
+    try:
+        return Path(hf.hf_hub_download(repo_id, name, revision=revision))
+    except hf.errors.EntryNotFoundError:
+        raise FileNotFoundError(f"{repo_id} has no file {name!r}") from None
+    except (hf.errors.LocalEntryNotFoundError, hf.errors.HfHubHTTPError) as e:
+        raise ConnectionError(f"cannot download {name} of {repo_id}: {e}") from None
+
+
 def download_spec(spec: str) -> Path:
     """``org/repo[:QUANT]`` (llama.cpp's ``-hf``) to a local path, as :func:`download` by tag
     (same errors)."""

@@ -158,7 +158,13 @@ class Model:
 
     @classmethod
     def from_pretrained(
-        cls, repo_id: str, filename: str | None = None, *, revision: str | None = None, **kwargs: Any
+        cls,
+        repo_id: str,
+        filename: str | None = None,
+        *,
+        revision: str | None = None,
+        mmproj: bool | str | None = None,
+        **kwargs: Any,
     ) -> Any:
         """Load a GGUF model from Hugging Face repository ``repo_id`` ("org/name"), as
         llama-cpp-python's ``Llama.from_pretrained``: ``filename`` is a path or a glob naming one
@@ -167,10 +173,18 @@ class Model:
         ``HF_HUB_OFFLINE=1``) with every part of a split model; ``kwargs`` go to the
         constructor. Raises FileNotFoundError, ValueError (no file or several match: the
         repository's GGUF files are listed), ConnectionError, and the constructor's errors.
-        Wraps :func:`llamabind.hub.download`."""
+        ``mmproj``: True loads the repository's multimodal projector (llama.cpp's choice:
+        :func:`llamabind.hub.pick_mmproj`; FileNotFoundError if it has none), a path or glob names
+        one (``llamabind.Model`` takes it as ``mmproj=``). Wraps :func:`llamabind.hub.download`."""
         from . import hub
 
-        return cls(hub.download(repo_id, filename, revision=revision), **kwargs)
+        path = hub.download(repo_id, filename, revision=revision)
+        if mmproj is not None and mmproj is not False:
+            proj = hub.download_mmproj(repo_id, None if mmproj is True else str(mmproj), revision=revision)
+            if proj is None:
+                raise FileNotFoundError(f"{repo_id} has no multimodal projector (no GGUF named *mmproj*)")
+            kwargs["mmproj"] = proj
+        return cls(path, **kwargs)
 
     def __enter__(self) -> Model:
         return self

@@ -171,7 +171,7 @@ def _info(args) -> int:
 def _model_and_sampling(p, max_tokens: int) -> None:
     """The model, offload and sampling options generate and chat share."""
     p.add_argument("--model", "-m", default=models.DEFAULT, help=f"model name or GGUF path (default {models.DEFAULT})")
-    add_hf(p)
+    add_hf(p, mmproj=True)
     p.add_argument("--max-tokens", "-n", type=int, default=max_tokens)
     p.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=40)

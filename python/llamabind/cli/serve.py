@@ -70,7 +70,7 @@ def add_parsers(sub) -> None:
     )
     s.add_argument("model_pos", nargs="?", metavar="MODEL", help=f"model name or GGUF path (default {models.DEFAULT})")
     s.add_argument("--model", "-m", default=models.DEFAULT, help=argparse.SUPPRESS)
-    add_hf(s)
+    add_hf(s, mmproj=True)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port, printed)")
     s.add_argument("--parallel", "-np", type=int, default=4, help="slots decoded together (default 4)")
