@@ -74,3 +74,87 @@ def test_minilm_matches_sentence_transformers(minilm):
     np.fill_diagonal(sim_ours, -1)
     np.fill_diagonal(sim_ref, -1)
     assert np.unravel_index(sim_ours.argmax(), sim_ours.shape) == np.unravel_index(sim_ref.argmax(), sim_ref.shape)
+
+
+def _reranker(src: Path, dst: Path) -> Path:
+    """all-MiniLM-L6-v2's GGUF made a cross-encoder: pooling "rank" and a random classification head
+    (cls: n_embd x n_embd + tanh, cls.output: n_embd -> 1), the layout convert_hf_to_gguf.py writes
+    for BERT rerankers (ms-marco-MiniLM, bge-reranker). Its scores are meaningless; the path is
+    llama.cpp's reranking path."""
+    import gguf
+
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), "bert")
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "bert.pooling_type"):
+            continue
+        t = field.types[0]
+        if t == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, field.contents(), t, sub_type=field.types[-1])
+        else:
+            w.add_key_value(name, field.contents(), t)
+    w.add_uint32("bert.pooling_type", 4)  # LLAMA_POOLING_TYPE_RANK
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).reshape(t.shape[::-1]), raw_dtype=t.tensor_type)
+    rng = np.random.default_rng(0)
+    n = 384
+    w.add_tensor("cls.weight", (rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32))
+    w.add_tensor("cls.bias", np.zeros(n, np.float32))
+    w.add_tensor("cls.output.weight", (rng.standard_normal((1, n)) / np.sqrt(n)).astype(np.float32))
+    w.add_tensor("cls.output.bias", np.zeros(1, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_rerank_equals_llama_server(minilm, tmp_path):
+    """Model.rerank's scores equal upstream's llama-server /rerank (same build, same GGUF), pair by pair."""
+    import socket
+    import time
+    import urllib.request
+
+    from conftest import require_tool
+
+    server = require_tool("llama-server")
+    gguf_path = _reranker(minilm[0], tmp_path / "reranker.gguf")
+    query = "What is a cat?"
+    docs = SENTENCES
+    with llamabind.Model(gguf_path, n_threads=2) as m:
+        ours = m.rerank(query, docs, n_seq_max=1)  # one pair per decode, as llama-server -np 1 evaluates them
+        batched = dict(m.rerank(query, docs))  # all pairs in one decode: other summation orders
+        assert sorted(i for i, _ in ours) == list(range(len(docs)))
+        assert [s for _, s in ours] == sorted((s for _, s in ours), reverse=True)
+        assert [i for i, _ in m.rerank(query, docs, top_n=2, n_seq_max=1)] == [i for i, _ in ours[:2]]
+        with pytest.raises(ValueError, match="must not be empty"):
+            m.rerank(query, [])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen(
+        [str(server), "-m", str(gguf_path), "--reranking", "--port", str(port), "-t", "2", "-np", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        body = json.dumps({"query": query, "documents": docs}).encode()
+        req = urllib.request.Request(url + "/rerank", body, {"Content-Type": "application/json"})
+        theirs = json.loads(urllib.request.urlopen(req, timeout=120).read())["results"]
+    finally:
+        p.terminate()
+        p.wait(30)
+    ref = {r["index"]: r["relevance_score"] for r in theirs}
+    assert len(ref) == len(docs)
+    for i, score in ours:
+        assert score == pytest.approx(ref[i], abs=1e-6, rel=1e-6), (i, score, ref[i])
+        assert batched[i] == pytest.approx(ref[i], abs=1e-3), (i, batched[i], ref[i])  # 1.4e-4 measured
+    assert len({round(s, 3) for _, s in ours}) > 1  # the head separates the documents
+    with llamabind.Model(minilm[0], n_threads=2) as plain, pytest.raises(ValueError, match="not a reranker"):
+        plain.rerank(query, docs)

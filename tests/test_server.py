@@ -508,3 +508,25 @@ def test_cuda_offloaded_server(model_path, model):
         got = np.array([d.embedding for d in c.embeddings.create(model=s.model_id, input=texts).data])
         ref = model.embed(texts, pooling="mean")
         assert np.all(np.sum(got * ref, axis=1) > 0.999)  # both L2-normalized: the cosine
+
+
+def test_speculative_decoding_with_a_draft_model_gives_the_same_text(model_path):
+    """serve --model-draft (llama-server's -md, draft-simple): SmolLM2 drafting for itself, greedy;
+    the text equals the server's without a draft, and the draft was used (llama-server's timings
+    count drafted and accepted tokens)."""
+    prompt = "List the planets of the solar system in order from the Sun:"
+    body = {"prompt": prompt, "max_tokens": 48, "temperature": 0}
+    texts, timings = [], []
+    for draft in ({}, {"model_draft": model_path, "draft_max": 8, "draft_min": 1}):
+        with llamabind.serve(model_path, port=0, parallel=1, ctx_size=1024, **draft, **CPU_ONLY) as s:
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+            r = httpx.post(
+                s.url + "/completion", json={"prompt": prompt, "n_predict": 48, "temperature": 0}, timeout=300
+            )
+            timings.append(r.json()["timings"])
+    assert texts[0] == texts[1] and texts[0]
+    assert timings[1].get("draft_n", 0) > 0 and timings[1].get("draft_n_accepted", 0) > 0, timings[1]
+    with pytest.raises(ValueError, match="need a draft model"):
+        llamabind.serve(model_path, port=0, draft_max=4)

@@ -213,3 +213,48 @@ def test_a_model_on_vulkan_gives_the_cpus_logits_and_tokens(vulkan_env, model_pa
     # the first tokens: "Paris.\n\n" and the next word; after it the 135M model's top two are
     # within the GPU's rounding (as on CUDA, tests/test_multi_gpu.py)
     assert r["tokens"][0][:4] == r["tokens"][1][:4], r
+
+
+MTMD_PROBE = """
+import json, logging, sys, llamabind
+from llamabind import ops
+seen = []
+class Grab(logging.Handler):
+    def emit(self, record):
+        seen.append(record.getMessage())
+logging.getLogger("llamabind").addHandler(Grab())
+logging.getLogger("llamabind").setLevel(logging.INFO)
+out = {}
+with llamabind.Model(sys.argv[1], n_gpu_layers=0, n_threads=2) as m:
+    for gpu in (False, True):
+        p = llamabind.Projector(m, sys.argv[2], use_gpu=gpu)
+        for kind, path in (("image", sys.argv[3]), ("audio", sys.argv[4])):
+            pieces = p.tokenize("x" + llamabind.MEDIA_MARKER, [p.media(path)])
+            chunk = [x for x in pieces if not isinstance(x, int)][0]
+            out.setdefault(kind, []).append(p.encode(chunk))
+        p.close()
+print(json.dumps({
+    "backends": [s for s in seen if "CLIP using" in s],
+    "nmse": {k: float(ops.nmse(v[1], v[0])) for k, v in out.items()},
+}))
+"""
+
+
+def test_a_projector_on_vulkan_gives_the_cpus_embeddings(vulkan_env, model_path, tmp_path):
+    """Issue 29 on Vulkan (lavapipe): the random-weight Gemma 3 vision and Ultravox audio encoders
+    (bench/make_mmproj.py omni) on Vulkan0 against the same encoders on the CPU, for test-1.jpeg and
+    test-2.mp3 (the audio path's conv1d im2col has KW*IC = 1152 > 1024)."""
+    mmproj = tmp_path / "omni.gguf"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "make_mmproj.py"), "omni", "-o", str(mmproj)], check=True)
+    media = ROOT / "vendor" / "llama.cpp" / "tools" / "mtmd"
+    p = subprocess.run(
+        [sys.executable, "-c", MTMD_PROBE, str(model_path), str(mmproj), str(media / "test-1.jpeg"),
+         str(media / "test-2.mp3")],
+        env=vulkan_env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert any("Vulkan0" in s for s in r["backends"]) and any("CPU" in s for s in r["backends"]), r
+    # measured on lavapipe: image 1.6e-5, audio 5.5e-4 (two Whisper blocks, the stacked 3072-wide
+    # projector, F16 weights); a wrong kernel is O(1), as for the model's logits above (5e-3 there)
+    assert r["nmse"]["image"] < 1e-4 and r["nmse"]["audio"] < 5e-3, r

@@ -106,6 +106,11 @@ class Model(model.Model):
         """Embeddings of texts; see :func:`llamabind.embeddings.embed`."""
         return embeddings.embed(self, texts, **kwargs)
 
+    def rerank(self, query: str, documents: Sequence[str], **kwargs: Any) -> list[tuple[int, float]]:
+        """[(index, score)] of documents by relevance to query, for reranker models; see
+        :func:`llamabind.embeddings.rerank`."""
+        return embeddings.rerank(self, query, documents, **kwargs)
+
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> list[GenerationResult]:
         """Generate for several prompts at once in one context; see :func:`llamabind.batch.generate_batch`."""
         return batch.generate_batch(self, prompts, **kwargs)

@@ -223,6 +223,23 @@ class Context:
             raise RuntimeError("llama.cpp could not truncate the KV cache; it was cleared")
         self._tokens = self._tokens[:n]
 
+    def shift(self, n_keep: int, n_discard: int) -> None:
+        """Context shift of sequence 0, as llama-server's: drop the positions [n_keep, n_keep +
+        n_discard) from the KV cache (llama_memory_seq_rm) and move the rest down by n_discard
+        (llama_memory_seq_add; the keys' RoPE is updated at the next decode). ValueError for spans
+        outside the cache or a model whose memory cannot shift (recurrent models)."""
+        n_keep, n_discard = as_int(n_keep, "n_keep", 0), as_int(n_discard, "n_discard", 1)
+        n = self.n_past
+        if n_keep + n_discard > n:
+            raise ValueError(f"n_keep + n_discard ({n_keep} + {n_discard}) exceeds the {n} positions in the cache")
+        self._llama_context.seq_add(0, n_keep + n_discard, n, 0)  # checks llama_memory_can_shift first
+        if not self._llama_context.seq_rm(0, n_keep, n_keep + n_discard):
+            self.clear()
+            raise RuntimeError("llama.cpp could not remove the span from the KV cache; it was cleared")
+        self._llama_context.seq_add(0, n_keep + n_discard, n, -n_discard)
+        known = len(self._tokens) == n
+        self._tokens = self._tokens[:n_keep] + self._tokens[n_keep + n_discard :] if known else []
+
     def decode_media(self, chunk: Any, *, logits_last: bool = True) -> None:
         """Evaluate an image or audio chunk (a :class:`~llamabind.projector.MediaChunk` of
         ``Projector.tokenize``) after what sequence 0 holds: its encoder runs, then its embeddings

@@ -94,3 +94,85 @@ def embed(
         return out[0] if single else out
     arr = np.stack(out).astype(np.float32, copy=False)
     return arr[0] if single else arr
+
+
+_RERANK = "embeddings.rerank"  # Model.attachments[_RERANK] = (n_ctx, Context)
+
+
+def rerank_tokens(model: Model, query: str, document: str) -> list[int]:
+    """The tokens llama-server's /rerank evaluates for (query, document) (format_prompt_rerank): the
+    GGUF's "rerank" template with {query} and {document} filled in, else BOS? query EOS? SEP?
+    document EOS? (each as the vocabulary asks; EOS falls back to SEP)."""
+    template = model.chat_template("rerank")
+    if template is not None:
+        prompt = template.replace("{query}", query).replace("{document}", document)
+        return model.tokenize(prompt, add_special=False, parse_special=True)
+    eos = model.token_eos if model.token_eos is not None else model.token_sep
+    out: list[int] = []
+    if model.add_bos and model.token_bos is not None:
+        out.append(model.token_bos)
+    out += model.tokenize(query, add_special=False)
+    if model.add_eos and eos is not None:
+        out.append(eos)
+    if model.add_sep and model.token_sep is not None:
+        out.append(model.token_sep)
+    out += model.tokenize(document, add_special=False)
+    if model.add_eos and eos is not None:
+        out.append(eos)
+    return out
+
+
+def rerank(
+    model: Model, query: str, documents: Sequence[str], *, top_n: int | None = None, n_seq_max: int = 16
+) -> list[tuple[int, float]]:
+    """Relevance of each document to ``query`` by a reranker model (a cross-encoder GGUF whose
+    pooling is "rank": bge-reranker, jina-reranker, Qwen3-Reranker, ...), as llama-server's
+    /rerank computes it: each (query, document) pair is one sequence (see :func:`rerank_tokens`),
+    its score the classification head's first output (llama_get_embeddings_seq).
+
+    Returns ``[(index, score), ...]`` sorted by score, highest first, the first ``top_n`` (None:
+    all); scores are raw logits (float). Raises ValueError (no documents, a pair longer than the
+    model's context, a model whose GGUF pooling is not "rank"), TypeError (not str).
+    """
+    _log.sync_level()
+    if not isinstance(query, str) or isinstance(documents, str):
+        raise TypeError("query must be a str and documents a sequence of str")
+    docs = list(documents)
+    if not docs:
+        raise ValueError("documents must not be empty")
+    if not all(isinstance(d, str) for d in docs):
+        raise TypeError("documents must be str")
+    if top_n is not None:
+        as_int(top_n, "top_n", 1)
+    as_int(n_seq_max, "n_seq_max", 1, 256)
+    arch = model.metadata.get("general.architecture", "")
+    if model.metadata.get(f"{arch}.pooling_type") != Context.POOLING["rank"] or model.n_cls_out < 1:
+        raise ValueError(
+            f"this model is not a reranker: its GGUF's {arch}.pooling_type is not 4 (rank), the pooling of "
+            "cross-encoders converted with a classification head"
+        )
+    n_ctx = min(model.n_ctx_train or 512, 8192)
+    held = model.attachments.get(_RERANK)
+    if held is None or held[1].closed or held[0] != (n_ctx, n_seq_max):
+        if held is not None:
+            held[1].close()
+        ctx = Context(
+            model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=n_seq_max, embeddings=True, pooling="rank",
+            kv_unified=True, n_threads=model.context_params["n_threads"],
+        )  # fmt: skip
+        held = model.attachments[_RERANK] = ((n_ctx, n_seq_max), ctx)
+    ctx = held[1]
+    tokens = [rerank_tokens(model, query, d) for d in docs]
+    for i, t in enumerate(tokens):
+        if len(t) > n_ctx:
+            raise ValueError(f"query + documents[{i}] is {len(t)} tokens, more than the model's context ({n_ctx})")
+    scores = [0.0] * len(docs)
+    for group in pack([len(t) for t in tokens], n_ctx, n_seq_max):
+        ctx.clear()
+        ctx.decode_batch([(s, tokens[i]) for s, i in enumerate(group)])
+        for s, i in enumerate(group):
+            scores[i] = float(ctx.embedding(s, -1)[0])
+    ctx.clear()
+    release_threads()
+    ranked = sorted(enumerate(scores), key=lambda x: -x[1])
+    return ranked[:top_n] if top_n is not None else ranked

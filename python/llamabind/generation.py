@@ -33,6 +33,7 @@ class Timings:
     prompt_ms: float = 0.0
     generated_tokens: int = 0
     generate_ms: float = 0.0
+    context_shifts: int = 0  # times the KV cache was shifted to make room (generate(context_shift=True))
 
     @property
     def prompt_tps(self) -> float:
@@ -111,6 +112,8 @@ def generate(
     n_draft: int = 8,
     logits_processor: LogitsProcessor | Sequence[LogitsProcessor] | None = None,
     media: Sequence[Any] | None = None,
+    context_shift: bool = False,
+    n_keep: int = 0,
     **sampling: Any,
 ) -> GenerationResult | Stream[GenerationResult]:
     """Generate a continuation of ``prompt`` in ``ctx`` through llama.cpp's sampler chain.
@@ -138,6 +141,11 @@ def generate(
         media: images or audio clips (see :meth:`~llamabind.projector.Projector.media`: bytes,
             paths, data URLs, numpy arrays) for a model with a projector; the text prompt holds
             one ``llamabind.MEDIA_MARKER`` ("<__media__>") per item, where each goes.
+        context_shift: when the context is full, keep going (llama-server's ``--context-shift``):
+            keep the first ``n_keep`` tokens (-1: the whole prompt; plus BOS where the model adds
+            one), drop half of the rest from the KV cache and move the remainder down
+            (:meth:`Context.shift`), as llama-server does; without it generation stops there with
+            finish_reason "length". Not with prompts holding media, nor speculative decoding.
         **sampling: fields of :class:`~llamabind.SamplingParams` (temperature, top_k, top_p, min_p,
             typical_p, xtc_*, dry_*, mirostat*, repeat/frequency/presence penalties,
             logit_bias, grammar, seed, ...).
@@ -168,9 +176,12 @@ def generate(
         mp = multimodal.prompt(projector, prompt, list(media), add_special=add_special, parse_special=parse_special)
     if draft is not None and procs:
         raise ValueError("logits processors are not available with speculative decoding")
+    if context_shift and (draft is not None or mp is not None):
+        raise ValueError("context_shift cannot be used with speculative decoding or media")
+    keep = as_int(n_keep, "n_keep", -1) if context_shift else None
     gen = run(
         ctx, mp if mp is not None else prompt, max_tokens, params, stop, add_special, parse_special,
-        logprobs=logprobs, draft=draft, processors=procs,
+        logprobs=logprobs, draft=draft, processors=procs, n_keep=keep,
     )  # fmt: skip
     return Stream(gen) if stream else collect(gen)
 
@@ -188,6 +199,7 @@ def run(
     chat: Any = None,
     draft: speculative.Speculator | None = None,
     processors: Sequence[LogitsProcessor] = (),
+    n_keep: int | None = None,
 ) -> Generator[str, None, GenerationResult]:
     """Validate everything, then return the generation loop: a generator of text pieces whose
     return value is the GenerationResult. ``chat``: a rendered chat prompt (ChatTemplates.apply)
@@ -220,7 +232,10 @@ def run(
     on_device = _backend_sampling(model, sampling, chat, logprobs, draft, bool(processors), media is not None)
     sampler = sampling.build(model, chat)
     proc = Processing(processors, text_tokens) if processors else None
-    return _loop(ctx, tokens, max_tokens, sampler, stops, logprobs, draft, on_device, proc, media)
+    keep = None
+    if n_keep is not None:  # context shift: llama-server's n_keep (-1: the prompt), + BOS, at most n_ctx - 4
+        keep = min(n_ctx - 4, (len(tokens) if n_keep < 0 else n_keep) + (1 if model.add_bos else 0))
+    return _loop(ctx, tokens, max_tokens, sampler, stops, logprobs, draft, on_device, proc, media, keep)
 
 
 def _backend_sampling(
@@ -376,6 +391,7 @@ def _loop(
     on_device: bool = False,
     proc: Processing | None = None,
     media: multimodal.MediaPrompt | None = None,
+    keep: int | None = None,
 ) -> Generator[str, None, GenerationResult]:
     model = ctx.model
     me = ctx.start_generation()
@@ -427,7 +443,11 @@ def _loop(
                 break
             if pending:
                 continue  # speculative decoding already evaluated it
-            if ctx.n_past >= n_ctx:
+            if keep is not None and ctx.n_past + 1 >= n_ctx:  # context shift, as llama-server's pre_decode
+                n_left = ctx.n_past - keep
+                ctx.shift(keep, max(0, min(n_left // 2, n_left - 1)))
+                timings.context_shifts += 1
+            elif ctx.n_past >= n_ctx:
                 break  # the context is full: finish_reason "length"
             if draft is None:
                 _check_current(ctx, me)  # resumed after a yield: a newer generation may own the cache

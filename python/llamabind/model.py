@@ -261,6 +261,20 @@ class Model:
         """The end-of-sequence token id (llama_vocab_eos), or None if the vocabulary has none."""
         return cast("int | None", self._llama_model.token_eos)
 
+    @property
+    def token_sep(self) -> int | None:
+        """The separator token id (llama_vocab_sep; BERT's [SEP]), or None."""
+        return cast("int | None", self._llama_model.token_sep)
+
+    add_bos = property(lambda self: self._llama_model.add_bos, doc="Whether tokenize() adds BOS (the vocabulary's).")
+    add_eos = property(lambda self: self._llama_model.add_eos, doc="Whether tokenize() adds EOS (the vocabulary's).")
+    add_sep = property(
+        lambda self: self._llama_model.add_sep, doc="Whether a pair is joined with SEP (the vocabulary's)."
+    )
+    n_cls_out = property(
+        lambda self: self._llama_model.n_cls_out, doc="Outputs of the classification head (rerankers; 0: none)."
+    )
+
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (wraps llama_vocab_is_eog)."""
         return self._llama_model.is_eog(token)

@@ -286,6 +286,10 @@ def serve(
     mmproj: str | os.PathLike | None = None,
     mmproj_use_gpu: bool = True,
     media_path: str | os.PathLike | None = None,
+    model_draft: str | os.PathLike | None = None,
+    draft_max: int | None = None,
+    draft_min: int | None = None,
+    context_shift: bool = False,
 ) -> Server:
     """Start an OpenAI-compatible server for ``model`` (a name or GGUF path) and return once it
     answers; :meth:`Server.stop` (or leaving the ``with`` block) ends it.
@@ -301,7 +305,9 @@ def serve(
     --cache-type-k/-v; ServerContext's type_k/type_v).
     mmproj: a projector GGUF: /v1/chat/completions then takes ``image_url`` and ``input_audio``
     content parts (llama-server's --mmproj; /props lists the modalities); mmproj_use_gpu,
-    media_path (the directory ``file://`` URLs may read): as ServerContext's.
+    media_path (the directory ``file://`` URLs may read): as ServerContext's. model_draft,
+    draft_max, draft_min: speculative decoding with a draft model (llama-server's ``-md``), and
+    context_shift (``--context-shift``): as ServerContext's.
     max_body: request body limit in bytes (413). max_pending: requests in flight before 503.
 
     Raises FileNotFoundError, TypeError/ValueError (bad argument), OSError (the port is taken),
@@ -339,6 +345,10 @@ def serve(
             mmproj=mmproj,
             mmproj_use_gpu=mmproj_use_gpu,
             media_path=media_path,
+            model_draft=model_draft,
+            draft_max=draft_max,
+            draft_min=draft_min,
+            context_shift=context_shift,
         )
     except BaseException:
         sock.close()

@@ -40,6 +40,12 @@ class ServerContext:
     None: f16). mmproj: a projector GGUF for images/audio in /v1/chat/completions (llama-server's
     ``--mmproj``; mmproj_use_gpu, image_min_tokens, image_max_tokens as there); media_path: the
     directory ``file://`` URLs may read from (llama-server's ``--media-path``; none by default).
+    model_draft: a small model of the same vocabulary for speculative decoding (llama-server's
+    ``-md`` with ``--spec-type draft-simple``; the output is the target's); draft_max/draft_min: the
+    tokens drafted per step (``--spec-draft-n-max/-n-min``; llama.cpp's defaults 3 and 0);
+    n_gpu_layers_draft: the draft's offload (-1: all). context_shift: a generation that fills its
+    slot's context drops half of it after the request's ``n_keep`` tokens and goes on (llama-server's
+    ``--context-shift``); else it stops with finish_reason "length".
     lora: [(path, scale)] adapters. rpc_servers: ["host:port"]
     RPC servers whose devices the model uses (as ``Model(rpc=...)``; devices other models connected
     are left out).
@@ -76,6 +82,11 @@ class ServerContext:
         image_min_tokens: int | None = None,
         image_max_tokens: int | None = None,
         media_path: str | os.PathLike | None = None,
+        model_draft: str | os.PathLike | None = None,
+        draft_max: int | None = None,
+        draft_min: int | None = None,
+        n_gpu_layers_draft: int | None = None,
+        context_shift: bool = False,
     ):
         path = models.resolve(os.fspath(model))
         if alias is None:  # the name the user gave (a known model), else the file's name without .gguf
@@ -134,6 +145,20 @@ class ServerContext:
             opts["media_path"] = os.path.join(
                 os.path.abspath(media_path), ""
             )  # llama-server joins it to the URL's path
+        opts["context_shift"] = bool(context_shift)
+        if model_draft is not None:
+            opts["model_draft"] = str(models.resolve(os.fspath(model_draft)))
+            for name, value, lo in (
+                ("draft_max", draft_max, 1),
+                ("draft_min", draft_min, 0),
+                ("n_gpu_layers_draft", n_gpu_layers_draft, -1),
+            ):
+                if value is not None:
+                    opts[name] = as_int(value, name, lo)
+            if draft_max is not None and draft_min is not None and draft_min > draft_max:
+                raise ValueError(f"draft_min ({draft_min}) must be <= draft_max ({draft_max})")
+        elif draft_max is not None or draft_min is not None:
+            raise ValueError("draft_max/draft_min need a draft model (model_draft)")
         if rpc_servers:
             for e in rpc_servers:
                 endpoint(e)  # TypeError/ValueError for a malformed one; connected natively

@@ -491,6 +491,20 @@ static bool seq_rm(Context & self, int64_t seq, int64_t p0, int64_t p1) {
     return llama_memory_seq_rm(mem, (llama_seq_id) seq, (llama_pos) p0, (llama_pos) p1);
 }
 
+// Add delta to the positions [p0, p1) of a sequence (llama_memory_seq_add: RoPE'd K is shifted at the
+// next decode). Context shift: seq_rm of a span, then the rest moved down over it.
+static void seq_add(Context & self, int64_t seq, int64_t p0, int64_t p1, int64_t delta) {
+    llama_memory_t mem = memory(self, seq);
+    if (seq < 0) raise_value("seq_add needs a sequence id >= 0");
+    if (p0 < -1 || p1 < -1) raise_value("positions must be >= 0, or -1 for an open end");
+    if (!llama_memory_can_shift(mem)) {
+        raise_value("this model's KV cache cannot shift positions (llama_memory_can_shift: false)");
+    }
+    BusyGuard guard(self);
+    self.has_logits = false;
+    llama_memory_seq_add(mem, (llama_seq_id) seq, (llama_pos) p0, (llama_pos) p1, (llama_pos) delta);
+}
+
 static void seq_cp(Context & self, int64_t src, int64_t dst, int64_t p0, int64_t p1) {
     llama_memory_t mem = memory(self, src);
     check_seq(self.get(), dst);
@@ -557,6 +571,8 @@ void register_context(nb::module_ & m) {
              "(logprob of token or None, top ids, top logprobs) of the raw logits at batch position idx.")
         .def("embedding", &embedding, nb::arg("seq_id") = 0, nb::arg("idx") = -1,
              "Pooled embedding of a sequence (llama_get_embeddings_seq), or of a batch position with pooling none.")
+        .def("seq_add", &seq_add, nb::arg("seq_id"), nb::arg("p0"), nb::arg("p1"), nb::arg("delta"),
+             "Add delta to positions [p0, p1) of a sequence (-1: open end). Wraps llama_memory_seq_add.")
         .def("seq_rm", &seq_rm, nb::arg("seq_id"), nb::arg("p0") = -1, nb::arg("p1") = -1,
              "Remove positions [p0, p1) of a sequence (-1: all sequences / open end). Wraps llama_memory_seq_rm.")
         .def("seq_cp", &seq_cp, nb::arg("src"), nb::arg("dst"), nb::arg("p0") = -1, nb::arg("p1") = -1,

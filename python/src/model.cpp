@@ -331,6 +331,10 @@ void register_model(nb::module_ & m) {
         .def_prop_ro("token_bos", [](const Model & s) { return opt_token(llama_vocab_bos(s.get_vocab())); })
         .def_prop_ro("token_eos", [](const Model & s) { return opt_token(llama_vocab_eos(s.get_vocab())); })
         .def_prop_ro("add_bos", [](const Model & s) { return llama_vocab_get_add_bos(s.get_vocab()); })
+        .def_prop_ro("add_eos", [](const Model & s) { return llama_vocab_get_add_eos(s.get_vocab()); })
+        .def_prop_ro("add_sep", [](const Model & s) { return llama_vocab_get_add_sep(s.get_vocab()); })
+        .def_prop_ro("token_sep", [](const Model & s) { return opt_token(llama_vocab_sep(s.get_vocab())); })
+        .def_prop_ro("n_cls_out", [](const Model & s) { return llama_model_n_cls_out(s.get()); })
         .def(
             "is_eog",
             [](const Model & s, int64_t t) {

@@ -220,6 +220,14 @@ struct ServerCore {
         i32("image_min_tokens", params.image_min_tokens);
         i32("image_max_tokens", params.image_max_tokens);
         if (has("media_path")) params.media_path = nb::cast<std::string>(o["media_path"]);
+        if (has("context_shift")) params.ctx_shift = nb::cast<bool>(o["context_shift"]);
+        if (has("model_draft")) {  // llama-server's -md with --spec-type draft-simple
+            params.speculative.draft.mparams.path = nb::cast<std::string>(o["model_draft"]);
+            params.speculative.types = { COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE };
+            i32("draft_max", params.speculative.draft.n_max);
+            i32("draft_min", params.speculative.draft.n_min);
+            i32("n_gpu_layers_draft", params.speculative.draft.n_gpu_layers);
+        }
         if (has("seed")) params.sampling.seed = nb::cast<uint32_t>(o["seed"]);
         if (has("flash_attn")) {
             const auto v = nb::cast<std::string>(o["flash_attn"]);
@@ -249,6 +257,8 @@ struct ServerCore {
         const int32_t n_threads = has("n_threads") ? nb::cast<int32_t>(o["n_threads"]) : common_cpu_get_num_math();
         params.cpuparams.n_threads = n_threads;
         params.cpuparams_batch.n_threads = n_threads;
+        params.speculative.draft.cpuparams.n_threads = n_threads;  // arg.cpp's postprocess_cpu_params
+        params.speculative.draft.cpuparams_batch.n_threads = n_threads;
         while (params.tensor_buft_overrides.size() < llama_max_tensor_buft_overrides()) {
             params.tensor_buft_overrides.push_back({ nullptr, nullptr });
         }

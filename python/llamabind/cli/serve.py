@@ -45,6 +45,10 @@ def _serve(args) -> int:
         mmproj=args.mmproj,
         mmproj_use_gpu=not args.no_mmproj_offload,
         media_path=args.media_path,
+        model_draft=args.model_draft,
+        draft_max=args.draft_max,
+        draft_min=args.draft_min,
+        context_shift=args.context_shift,
     )
     print(
         f"llamabind: serving {srv.model_id!r} at {srv.url} (OpenAI base URL {srv.url}/v1)", file=sys.stderr, flush=True
@@ -94,6 +98,10 @@ def add_parsers(sub) -> None:
     s.add_argument("--mmproj", "-mm", default=None, metavar="GGUF", help="a multimodal projector: images/audio in chat")
     s.add_argument("--no-mmproj-offload", action="store_true", help="run the projector's encoder on the CPU")
     s.add_argument("--media-path", default=None, metavar="DIR", help="directory file:// media URLs may read from")
+    s.add_argument("--context-shift", action="store_true", help="a full context drops half and goes on")
+    s.add_argument("--model-draft", "-md", default=None, metavar="GGUF", help="a draft model: speculative decoding")
+    s.add_argument("--draft-max", type=int, default=None, help="tokens drafted per step (default 3)")
+    s.add_argument("--draft-min", type=int, default=None, help="fewest drafted tokens used (default 0)")
     s.add_argument("--lora", action="append", default=None, metavar="GGUF", help="apply this LoRA adapter")
     s.add_argument("--max-body", type=int, default=16 * 2**20, help="request body limit in bytes (413 beyond)")
     s.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503 (default 256)")
