@@ -4,6 +4,10 @@ llama-server built from the same tree, the same model, slots, context and thread
 
     python bench/server.py [--model M] [--parallel 8] [--ctx 8192] [--threads 2] [-ngl 0]
                            [--clients 1,4,8] [--requests 4] [--max-tokens 64] [--rounds 3]
+                           [--draft D [--draft-max 8] [--draft-min 1]]
+
+With --draft both servers decode speculatively with the draft model D (llamabind serve --model-draft,
+llama-server -md --spec-type draft-simple), and a third row is llamabind serve without it.
 
 Both servers run as subprocesses for the whole run (an idle one waits on a condition variable and uses
 no CPU); each round measures every (server, clients) cell in alternating server order. A client is a
@@ -36,11 +40,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def start_llamabind(args) -> tuple[subprocess.Popen, str]:
+def start_llamabind(args, draft: bool = True) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "llamabind", "serve", args.model, "--port", "0", "--parallel", str(args.parallel),
            "--ctx-size", str(args.ctx), "--threads", str(args.threads)]  # fmt: skip
     if args.ngl is not None:
         cmd += ["-ngl", str(args.ngl)]
+    if args.draft and draft:
+        cmd += ["--model-draft", args.draft, "--draft-max", str(args.draft_max), "--draft-min", str(args.draft_min)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     t0 = time.time()
     while time.time() - t0 < 300:
@@ -72,6 +78,9 @@ def start_llama_server(args, path: str) -> tuple[subprocess.Popen, str]:
            "-c", str(args.ctx), "-t", str(args.threads), "--kv-unified", "--no-webui"]  # fmt: skip
     if args.ngl is not None:
         cmd += ["-ngl", str(args.ngl)]
+    if args.draft:  # at this pin -md needs the type named; the draft's offload follows -ngl's default
+        cmd += ["-md", args.draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(args.draft_max),
+                "--spec-draft-n-min", str(args.draft_min)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
@@ -149,9 +158,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--draft", default=None, help="a draft model: both servers decode speculatively (+ a row without)")
+    ap.add_argument("--draft-max", type=int, default=8)
+    ap.add_argument("--draft-min", type=int, default=1)
     args = ap.parse_args()
     from llamabind import models
 
+    if args.draft:
+        args.draft = str(models.resolve(args.draft))
     path = str(models.resolve(args.model))
     args.model = path
     levels = [int(c) for c in args.clients.split(",")]
@@ -159,6 +173,8 @@ def main() -> int:
     try:
         procs["llamabind"] = start_llamabind(args)
         procs["llama-server"] = start_llama_server(args, path)
+        if args.draft:
+            procs["llamabind-nodraft"] = start_llamabind(args, draft=False)
         ids = {k: httpx.get(u + "/v1/models").json()["data"][0]["id"] for k, (_, u) in procs.items()}
         for k, (_, u) in procs.items():  # warm-up: first decode, allocations
             one_request(httpx.Client(timeout=600), u, ids[k], "Hello", 8)
@@ -192,7 +208,8 @@ def main() -> int:
     lines = [
         f"bench/server.py: {Path(path).name}, {args.parallel} slots, ctx {args.ctx}, {args.threads} threads, "
         f"-ngl {args.ngl}, {args.requests} x {args.max_tokens}-token streamed requests per client, "
-        f"{args.rounds} rounds (median)",
+        f"{args.rounds} rounds (median)"
+        + (f"; draft {Path(args.draft).name} ({args.draft_min}-{args.draft_max} tokens)" if args.draft else ""),
         f"{'clients':>7} | {'server':12} | {'tok/s':>8} | {'TTFT p50 ms':>11} | {'TTFT p99 ms':>11} | ratio",
     ]
     for c in levels:
