@@ -1,12 +1,12 @@
-"""Command line: ``python -m llamabind generate|chat|finetune|eval|fuse|serve|rpc-server|info``,
-one module per area (run: generate, chat, info; tune: finetune, eval, fuse; serve)."""
+"""Command line: ``python -m llamabind generate|chat|finetune|eval|fuse|serve|convert|rpc-server|info``,
+one module per area (run: generate, chat, info; tune: finetune, eval, fuse; serve; convert)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import common, run, serve, tune
+from . import common, convert, run, serve, tune
 
 __all__ = ["main"]
 
@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     run.add_parsers(sub)
     tune.add_parsers(sub)
     serve.add_parsers(sub)
+    convert.add_parsers(sub)
     sub.add_parser("rpc-server", help="serve this host's devices over ggml RPC (see rpc-server --help)")
     args = ap.parse_args(argv)
     try:
