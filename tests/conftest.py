@@ -3,6 +3,8 @@ upstream tree (for its tokenizer vectors) and upstream's tools built from the sa
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -65,6 +67,52 @@ def require_tool(name: str) -> Path:
             pytest.fail(msg)
         pytest.skip(msg)
     return p
+
+
+@contextlib.contextmanager
+def llama_server(model_path, *args: str, timeout: float = 300):
+    """Upstream's llama-server from this build on ``model_path`` (with ``args``) on a free port,
+    until the block ends; yields its URL once /health answers. Its log goes to a temporary file,
+    shown if it exits early."""
+    import socket
+    import subprocess
+    import tempfile
+    import time
+    import urllib.request
+
+    exe = require_tool("llama-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryFile() as log:
+        p = subprocess.Popen([str(exe), "-m", str(model_path), "--port", str(port), *args],
+                             stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if p.poll() is not None:
+                    log.seek(0)
+                    pytest.fail(f"llama-server exited with {p.returncode}:\n{log.read().decode()[-3000:]}")
+                try:
+                    if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
+                        break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        pytest.fail("llama-server did not answer /health in time")
+                    time.sleep(0.1)
+            yield url
+        finally:
+            p.terminate()
+            p.wait(30)
+
+
+def post_json(url: str, body: dict, timeout: float = 600) -> dict:
+    """POST ``body`` as JSON; the JSON answer."""
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=timeout).read())
 
 
 def run_python(code: str, timeout: float = 120, **kw):

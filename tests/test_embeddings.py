@@ -111,13 +111,8 @@ def _reranker(src: Path, dst: Path) -> Path:
 
 def test_rerank_equals_llama_server(minilm, tmp_path):
     """Model.rerank's scores equal upstream's llama-server /rerank (same build, same GGUF), pair by pair."""
-    import socket
-    import time
-    import urllib.request
+    from conftest import llama_server, post_json
 
-    from conftest import require_tool
-
-    server = require_tool("llama-server")
     gguf_path = _reranker(minilm[0], tmp_path / "reranker.gguf")
     query = "What is a cat?"
     docs = SENTENCES
@@ -129,27 +124,8 @@ def test_rerank_equals_llama_server(minilm, tmp_path):
         assert [i for i, _ in m.rerank(query, docs, top_n=2, n_seq_max=1)] == [i for i, _ in ours[:2]]
         with pytest.raises(ValueError, match="must not be empty"):
             m.rerank(query, [])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen(
-        [str(server), "-m", str(gguf_path), "--reranking", "--port", str(port), "-t", "2", "-np", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.1)
-        body = json.dumps({"query": query, "documents": docs}).encode()
-        req = urllib.request.Request(url + "/rerank", body, {"Content-Type": "application/json"})
-        theirs = json.loads(urllib.request.urlopen(req, timeout=120).read())["results"]
-    finally:
-        p.terminate()
-        p.wait(30)
+    with llama_server(gguf_path, "--reranking", "-t", "2", "-np", "1") as url:
+        theirs = post_json(url + "/rerank", {"query": query, "documents": docs})["results"]
     ref = {r["index"]: r["relevance_score"] for r in theirs}
     assert len(ref) == len(docs)
     for i, score in ours:

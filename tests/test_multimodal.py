@@ -210,6 +210,9 @@ def test_every_way_of_passing_an_image_is_the_same_image(omni, tmp_path):
 
 def test_errors_are_exceptions(model_path, omni, mmproj, tmp_path):
     img = [{"type": "image", "image": IMAGE}, {"type": "text", "text": "hi"}]
+    # an in-process server first: its core points libmtmd's (global) log callback at common's silent
+    # logger, and libmtmd's reasons then went missing from these messages (found in a full suite run)
+    llamabind.serve(model_path, port=0, parallel=1, ctx_size=256, **CPU_ONLY).stop()
     with llamabind.Model(model_path, n_ctx=256, n_threads=2) as text_only:
         with pytest.raises(ValueError, match="no projector"):
             text_only.chat([{"role": "user", "content": img}])

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import generation, multimodal
-from ._validate import one_of
+from ._validate import as_int, one_of
 from .context import Context
 from .generation import GenerationResult, Stream
 from .model import ChatTemplates
@@ -85,6 +85,8 @@ def chat(
     logprobs: int | None = None,
     logits_processor: Any = None,
     fetch: Any = None,
+    context_shift: bool = False,
+    n_keep: int = 0,
     **sampling,
 ) -> ChatResult | Stream[ChatResult]:
     """Generate the assistant's reply to ``messages`` in ``ctx``.
@@ -110,6 +112,9 @@ def chat(
     renders it, and encoded by libmtmd; an image seen again in a follow-up turn is not encoded
     again (its KV cache is reused with the prefix). ``http(s)`` URLs only through
     ``fetch(url) -> bytes``; nothing is fetched by default.
+
+    context_shift / n_keep: as :func:`~llamabind.generation.generate`'s (a reply that fills the
+    context drops half of it after n_keep tokens and goes on; n_keep=-1 keeps the whole prompt).
 
     A follow-up turn that extends the conversation reuses the KV cache of the shared prefix.
     Returns a :class:`ChatResult`, or with stream=True a :class:`Stream` of raw text pieces whose
@@ -139,9 +144,12 @@ def chat(
         template_kwargs=template_kwargs,
     )
     prompt = multimodal.prompt(projector, cp.prompt, media, fetch=fetch) if media and projector else cp.prompt
+    if context_shift and media:
+        raise ValueError("context_shift cannot be used with media (a medium's positions cannot be split)")
+    keep = as_int(n_keep, "n_keep", -1) if context_shift else None
     gen = generation.run(
         ctx, prompt, max_tokens, params, stop, add_special=True, parse_special=True, logprobs=logprobs, chat=cp,
-        processors=generation.logits_processors(logits_processor),
+        processors=generation.logits_processors(logits_processor), n_keep=keep,
     )  # fmt: skip
     out = _reply(gen, cp, bool(tools) and tool_choice != "none", reasoning_format)
     if stream:

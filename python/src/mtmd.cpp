@@ -75,6 +75,13 @@ struct Chunk {
     std::unique_ptr<mtmd_input_chunk, decltype(&mtmd_input_chunk_free)> c{ nullptr, &mtmd_input_chunk_free };
 };
 
+// libmtmd's log callback is a global that tools/server's server_context constructor points at common's
+// logger (silenced in llamabind): point it back at Python logging before each call, so that libmtmd's
+// reasons reach the exception messages (take_recent_errors) after a server was started in this process
+static void own_logs() {
+    mtmd_helper_log_set(log_to_python, nullptr);
+}
+
 static bool capture_cb(ggml_tensor * t, bool ask, void * ud) {
     auto * p = static_cast<Projector *>(ud);
     auto save = [p](ggml_tensor * x) {
@@ -113,6 +120,7 @@ static void projector_init(Projector * self, Model & model, const std::string & 
     }
     self->capture = capture;
     self->marker = marker;
+    own_logs();
     mtmd_context_params p = mtmd_context_params_default();
     p.use_gpu = use_gpu;
     p.print_timings = false;
@@ -150,6 +158,7 @@ static Media * wrap(mtmd_bitmap * b) {
 static Media * media_from_bytes(const Projector & self, nb::bytes data) {
     mtmd_context * c = self.get();
     if (data.size() == 0) raise_value("the media is empty (0 bytes)");
+    own_logs();
     clear_recent_errors();
     mtmd_helper_bitmap_wrapper w;
     {
@@ -224,6 +233,7 @@ static nb::list tokenize(const Projector & self, const std::string & text, const
             raise_value("this projector takes audio, not images ('" + self.path + "')");
     }
     mtmd_input_text in{ text.c_str(), text.size(), add_special, parse_special };
+    own_logs();
     std::unique_ptr<mtmd_input_chunks, decltype(&mtmd_input_chunks_free)> out(mtmd_input_chunks_init(),
                                                                               &mtmd_input_chunks_free);
     clear_recent_errors();
@@ -268,6 +278,7 @@ static int64_t eval_media(Projector & self, Context & ctx, const Chunk & chunk, 
     SigintScope sigint;
     llama_pos new_n_past = (llama_pos) n_past;
     int32_t rc;
+    own_logs();
     clear_recent_errors();
     ctx.has_logits = false;
     {
@@ -300,6 +311,7 @@ static nb::ndarray<nb::numpy, float> encode(Projector & self, const Chunk & chun
         raise_value("encode takes an image or audio chunk");
     const size_t n_tok = mtmd_input_chunk_get_n_tokens(chunk.c.get());
     const size_t n_embd = (size_t) llama_model_n_embd_inp(self.owner->get());
+    own_logs();
     clear_recent_errors();
     int32_t rc;
     {
@@ -316,7 +328,7 @@ static nb::ndarray<nb::numpy, float> encode(Projector & self, const Chunk & chun
 }
 
 void register_mtmd(nb::module_ & m) {
-    mtmd_helper_log_set(log_to_python, nullptr);  // mtmd's and clip's logs -> Python logging
+    own_logs();  // mtmd's and clip's logs -> Python logging
     nb::class_<Media>(m, "Media", "An image or audio clip decoded for a projector (mtmd_bitmap).")
         .def_prop_ro("is_audio", [](const Media & x) { return mtmd_bitmap_is_audio(x.get()); })
         .def_prop_ro("nx", [](const Media & x) { return mtmd_bitmap_get_nx(x.get()); })

@@ -8,6 +8,7 @@
 #include "common.h"
 #include "rpc.h"
 
+#include <mtmd-helper.h>
 #include <server-context.h>
 #include <server-http.h>
 
@@ -158,6 +159,8 @@ struct ServerCore {
     std::atomic<bool> stopped{ false };
 
     explicit ServerCore(const nb::dict & options) {
+        // server_context's constructor sent libmtmd's logs to common's logger (silent here): to Python logging
+        mtmd_helper_log_set(log_to_python, nullptr);
         set_params(options);
         routes = std::make_unique<server_routes>(params, ctx);
         auto & r = *routes;
