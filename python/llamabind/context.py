@@ -232,7 +232,8 @@ class Context:
         n = self.n_past
         if n_keep + n_discard > n:
             raise ValueError(f"n_keep + n_discard ({n_keep} + {n_discard}) exceeds the {n} positions in the cache")
-        self._llama_context.seq_add(0, n_keep + n_discard, n, 0)  # checks llama_memory_can_shift first
+        if not self._llama_context.can_shift:
+            raise ValueError("this model's KV cache cannot shift positions (llama_memory_can_shift: false)")
         if not self._llama_context.seq_rm(0, n_keep, n_keep + n_discard):
             self.clear()
             raise RuntimeError("llama.cpp could not remove the span from the KV cache; it was cleared")

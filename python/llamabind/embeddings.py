@@ -19,6 +19,23 @@ __all__ = ["embed"]
 _ATTACHMENT = "embeddings.context"  # Model.attachments[_ATTACHMENT] = ((pooling, n_ctx, n_seq_max), Context)
 
 
+def _pooled_context(model: Model, pooling: str, n_ctx: int, n_seq_max: int) -> Context:
+    """The model's embedding context (embed and rerank share it): kept in Model.attachments while
+    the pooling and sizes stay the same, else replaced. n_batch = n_ubatch = n_ctx: every sequence
+    in one ubatch, as non-causal encoders need."""
+    key = (pooling, n_ctx, n_seq_max)
+    held = model.attachments.get(_ATTACHMENT)
+    if held is None or held[1].closed or held[0] != key:
+        if held is not None:
+            held[1].close()
+        ctx = Context(
+            model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=n_seq_max, embeddings=True, pooling=pooling,
+            kv_unified=True, n_threads=model.context_params["n_threads"],
+        )  # fmt: skip
+        held = model.attachments[_ATTACHMENT] = (key, ctx)
+    return held[1]
+
+
 def embed(
     model: Model, texts: str | Sequence[str], *, pooling: str | None = None, normalize: bool = True, n_seq_max: int = 32
 ) -> np.ndarray | list[np.ndarray]:
@@ -51,24 +68,7 @@ def embed(
     if pooling is None:  # the model's own (GGUF {arch}.pooling_type); mean for a model without one
         own = model.metadata.get(f"{model.metadata.get('general.architecture')}.pooling_type", 0)
         pooling = {1: "mean", 2: "cls", 3: "last"}.get(own, "mean")
-    key = (pooling, n_ctx, n_seq_max)
-    held = model.attachments.get(_ATTACHMENT)
-    if held is None or held[1].closed or held[0] != key:
-        if held is not None:
-            held[1].close()
-        ctx = Context(
-            model,
-            n_ctx=n_ctx,
-            n_batch=n_ctx,
-            n_ubatch=n_ctx,
-            n_seq_max=n_seq_max,
-            embeddings=True,
-            pooling=pooling,
-            kv_unified=True,
-            n_threads=model.context_params["n_threads"],
-        )
-        held = model.attachments[_ATTACHMENT] = (key, ctx)
-    ctx = held[1]
+    ctx = _pooled_context(model, pooling, n_ctx, n_seq_max)
     tokens = [model.tokenize(t, add_special=True, parse_special=False) for t in items]
     for i, t in enumerate(tokens):
         if not t:
@@ -94,9 +94,6 @@ def embed(
         return out[0] if single else out
     arr = np.stack(out).astype(np.float32, copy=False)
     return arr[0] if single else arr
-
-
-_RERANK = "embeddings.rerank"  # Model.attachments[_RERANK] = (n_ctx, Context)
 
 
 def rerank_tokens(model: Model, query: str, document: str) -> list[int]:
@@ -152,16 +149,7 @@ def rerank(
             "cross-encoders converted with a classification head"
         )
     n_ctx = min(model.n_ctx_train or 512, 8192)
-    held = model.attachments.get(_RERANK)
-    if held is None or held[1].closed or held[0] != (n_ctx, n_seq_max):
-        if held is not None:
-            held[1].close()
-        ctx = Context(
-            model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=n_seq_max, embeddings=True, pooling="rank",
-            kv_unified=True, n_threads=model.context_params["n_threads"],
-        )  # fmt: skip
-        held = model.attachments[_RERANK] = ((n_ctx, n_seq_max), ctx)
-    ctx = held[1]
+    ctx = _pooled_context(model, "rank", n_ctx, n_seq_max)
     tokens = [rerank_tokens(model, query, d) for d in docs]
     for i, t in enumerate(tokens):
         if len(t) > n_ctx:

@@ -131,7 +131,9 @@ def prefill(ctx: Context, p: MediaPrompt) -> int:
     that ends between pieces (a medium is evaluated whole); the last piece is always
     evaluated, for its logits. Returns the positions reused."""
     keys = p.keys
-    cached = ctx.tokens if len(ctx.tokens) == ctx.n_past else []
+    cached = ctx.tokens
+    if len(cached) != ctx.n_past:  # the record no longer mirrors the cache: nothing to reuse
+        cached = []
     n, limit = 0, min(len(cached), len(keys) - 1)
     while n < limit and cached[n] == keys[n]:
         n += 1

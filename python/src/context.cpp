@@ -571,6 +571,9 @@ void register_context(nb::module_ & m) {
              "(logprob of token or None, top ids, top logprobs) of the raw logits at batch position idx.")
         .def("embedding", &embedding, nb::arg("seq_id") = 0, nb::arg("idx") = -1,
              "Pooled embedding of a sequence (llama_get_embeddings_seq), or of a batch position with pooling none.")
+        .def_prop_ro(
+            "can_shift", [](const Context & c) { return llama_memory_can_shift(llama_get_memory(c.get())); },
+            "Whether the KV cache can shift positions (llama_memory_can_shift; false for recurrent models).")
         .def("seq_add", &seq_add, nb::arg("seq_id"), nb::arg("p0"), nb::arg("p1"), nb::arg("delta"),
              "Add delta to positions [p0, p1) of a sequence (-1: open end). Wraps llama_memory_seq_add.")
         .def("seq_rm", &seq_rm, nb::arg("seq_id"), nb::arg("p0") = -1, nb::arg("p1") = -1,

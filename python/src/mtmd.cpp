@@ -75,9 +75,8 @@ struct Chunk {
     std::unique_ptr<mtmd_input_chunk, decltype(&mtmd_input_chunk_free)> c{ nullptr, &mtmd_input_chunk_free };
 };
 
-// libmtmd's log callback is a global that tools/server's server_context constructor points at common's
-// logger (silenced in llamabind): point it back at Python logging before each call, so that libmtmd's
-// reasons reach the exception messages (take_recent_errors) after a server was started in this process
+// libmtmd's logs -> Python logging (register_mtmd; ServerCore sets it again after tools/server's
+// server_context constructor has pointed it at common's silenced logger)
 static void own_logs() {
     mtmd_helper_log_set(log_to_python, nullptr);
 }
@@ -120,7 +119,6 @@ static void projector_init(Projector * self, Model & model, const std::string & 
     }
     self->capture = capture;
     self->marker = marker;
-    own_logs();
     mtmd_context_params p = mtmd_context_params_default();
     p.use_gpu = use_gpu;
     p.print_timings = false;
@@ -158,7 +156,6 @@ static Media * wrap(mtmd_bitmap * b) {
 static Media * media_from_bytes(const Projector & self, nb::bytes data) {
     mtmd_context * c = self.get();
     if (data.size() == 0) raise_value("the media is empty (0 bytes)");
-    own_logs();
     clear_recent_errors();
     mtmd_helper_bitmap_wrapper w;
     {
@@ -233,7 +230,6 @@ static nb::list tokenize(const Projector & self, const std::string & text, const
             raise_value("this projector takes audio, not images ('" + self.path + "')");
     }
     mtmd_input_text in{ text.c_str(), text.size(), add_special, parse_special };
-    own_logs();
     std::unique_ptr<mtmd_input_chunks, decltype(&mtmd_input_chunks_free)> out(mtmd_input_chunks_init(),
                                                                               &mtmd_input_chunks_free);
     clear_recent_errors();
@@ -278,7 +274,6 @@ static int64_t eval_media(Projector & self, Context & ctx, const Chunk & chunk, 
     SigintScope sigint;
     llama_pos new_n_past = (llama_pos) n_past;
     int32_t rc;
-    own_logs();
     clear_recent_errors();
     ctx.has_logits = false;
     {
@@ -311,7 +306,6 @@ static nb::ndarray<nb::numpy, float> encode(Projector & self, const Chunk & chun
         raise_value("encode takes an image or audio chunk");
     const size_t n_tok = mtmd_input_chunk_get_n_tokens(chunk.c.get());
     const size_t n_embd = (size_t) llama_model_n_embd_inp(self.owner->get());
-    own_logs();
     clear_recent_errors();
     int32_t rc;
     {
