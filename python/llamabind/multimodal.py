@@ -22,7 +22,7 @@ _AUDIO_FORMATS = ("wav", "mp3", "flac")
 def load_mmproj(model: Model, path: str | os.PathLike, **params: Any) -> Projector:
     """Load ``path`` as ``model``'s projector (replacing one loaded before); ``params`` as
     :class:`~llamabind.projector.Projector`'s (use_gpu, n_threads, image_min_tokens,
-    image_max_tokens, warmup)."""
+    image_max_tokens, warmup). Raises as that constructor does (FileNotFoundError, ValueError)."""
     old = model.attachments.pop(_ATTACHMENT, None)
     if old is not None:
         old.close()
@@ -129,7 +129,10 @@ def prompt(
 def prefill(ctx: Context, p: MediaPrompt) -> int:
     """Bring sequence 0 of ``ctx``'s KV cache to hold ``p``, reusing the longest cached prefix
     that ends between pieces (a medium is evaluated whole); the last piece is always
-    evaluated, for its logits. Returns the positions reused."""
+    evaluated, for its logits. Returns the positions reused. Token runs go through
+    :meth:`Context.decode` (llama_decode), media through :meth:`Context.decode_media`
+    (mtmd_helper_eval_chunk_single); raises as those do (ValueError: no room in n_ctx; LlamaError:
+    the encoder or decode failed; KeyboardInterrupt on Ctrl-C)."""
     keys = p.keys
     cached = ctx.tokens
     if len(cached) != ctx.n_past:  # the record no longer mirrors the cache: nothing to reuse

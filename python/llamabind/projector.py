@@ -185,7 +185,9 @@ class Projector:
 
     def encode(self, chunk: MediaChunk) -> np.ndarray:
         """The projector's output for one media chunk: float32 (n_tokens, n_embd), the
-        embeddings the text model reads in its place (wraps mtmd_encode_chunk)."""
+        embeddings the text model reads in its place (wraps mtmd_encode_chunk, then
+        mtmd_get_output_embd). Raises ValueError for a text chunk or a closed projector, LlamaError
+        when the encoder fails."""
         return cast(np.ndarray, self._native.encode(chunk.native))
 
 
