@@ -46,7 +46,9 @@ def test_llamabind_server_context_shift_and_the_default_stop(model, model_path):
     assert reply.generation.timings.context_shifts >= 1 and len(reply.generation.tokens) == N_PREDICT
     # the cache fills to n_ctx; the token sampled from its last position is the last one
     assert cut.finish_reason == "length" and cut.prompt_tokens + len(cut.tokens) == N_CTX + 1
-    assert cut.tokens == want.tokens[: len(cut.tokens)]
+    # up to the shift: cut's last token comes from the full cache's last position, which the shifting
+    # generation never evaluates (it shifts first); they part there at a near tie (seen on an H100 host)
+    assert cut.tokens[:-1] == want.tokens[: len(cut.tokens) - 1]
     with llamabind.serve(model_path, port=0, parallel=1, ctx_size=N_CTX, context_shift=True, **CPU_ONLY) as s:
         body = {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0, "ignore_eos": True, "return_tokens": True}
         got = httpx.post(s.url + "/completion", json=body, timeout=600).json()["tokens"]

@@ -159,6 +159,94 @@ def test_audio_encoder_conv1d_matches_numpy(model_path, mmproj):
     assert _nmse(cap["after_conv1d"], h.T) <= (5e-6 if GPU_BUILD else 1e-6)
 
 
+# ---- M-RoPE: an image of h x w tokens on max(h, w) positions (Qwen2-VL and its successors)
+
+
+@pytest.fixture(scope="module")
+def qwen2vl(model_path, tmp_path_factory):
+    """(text model, mmproj): SmolLM2's weights as llama.cpp's qwen2vl architecture (M-RoPE) and a
+    random-weight Qwen2-VL projector; images capped at 64 tokens (image_max_tokens, both sides)."""
+    d = tmp_path_factory.mktemp("qwen2vl")
+    mk = _make_mmproj()
+    return Path(mk.mrope_text(str(model_path), str(d / "text.gguf"))), Path(mk.qwen2vl(str(d / "mmproj.gguf")))
+
+
+def test_mrope_image_equals_llama_mtmd_cli(qwen2vl, tmp_path):
+    """The projector's output and the greedy text after it equal llama-mtmd-cli's: the text after an
+    M-RoPE image starts n_pos (not n_tokens, not 1) positions after it, and the image's cells count
+    against n_ctx (found this way: text went on at the image's first position + 1)."""
+    text, mmproj = qwen2vl
+    prompt = "What is in this file?"
+    dump = tmp_path / "embd.bin"
+    limit = ("--image-max-tokens", "64", "-c", "2048")
+    want = _mtmd_cli(
+        text, mmproj, IMAGE, "-p", prompt, "-n", "24", "--temp", "0", *limit, env={"MTMD_DEBUG_EMBEDDINGS": str(dump)}
+    )
+    raw = dump.read_bytes()
+    n_tok, n_embd = np.frombuffer(raw[:8], np.int32)
+    ref = np.frombuffer(raw[8:], np.float32).reshape(n_tok, n_embd)
+    with llamabind.Model(text, mmproj=mmproj, image_max_tokens=64, n_ctx=2048, n_threads=2, **CPU_ONLY) as m:
+        chunk = _media_chunk(m.projector, IMAGE)
+        assert chunk.n_tokens == n_tok <= 64 and chunk.n_pos < chunk.n_tokens  # a grid on max(h, w) positions
+        got = m.projector.encode(chunk)
+        assert np.abs(ref).max() > 0.01 and _nmse(got, ref) <= 1e-6
+        content = [{"type": "image", "image": IMAGE}, {"type": "text", "text": prompt}]
+        with m.context(n_ctx=2048) as ctx:
+            r = ctx.chat([{"role": "user", "content": content}], max_tokens=24, temperature=0)
+            assert want.stdout.strip() == r.text.strip() != ""
+            assert ctx.n_cells == ctx.n_past + chunk.n_tokens - chunk.n_pos
+            assert len(ctx.tokens) == ctx.n_past  # the record holds positions: prompt caching reuses it
+    # serve --image-max-tokens (upstream's server core, its own position bookkeeping): the same
+    # text, and usage counts the image's tokens as Model.chat does
+    import openai
+
+    url = "data:image/jpeg;base64," + base64.b64encode(IMAGE.read_bytes()).decode()
+    with llamabind.serve(text, port=0, parallel=1, ctx_size=2048, mmproj=mmproj, image_max_tokens=64, **CPU_ONLY) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": prompt}]
+        msgs = [{"role": "user", "content": content}]
+        got = client.chat.completions.create(model=s.model_id, messages=msgs, max_tokens=24, temperature=0)
+    assert got.choices[0].message.content == r.text
+    assert got.usage.prompt_tokens == r.generation.prompt_tokens
+
+
+def test_mrope_prompt_cache_and_n_ctx(qwen2vl):
+    """Across turns an M-RoPE image is reused as on other models and the reply equals a fresh
+    context's; n_ctx bounds cells: an image whose positions fit but whose tokens do not is a
+    ValueError, and a generation stops with "length" when the cells are full."""
+    text, mmproj = qwen2vl
+    turn1 = [{"role": "user", "content": [{"type": "image", "image": IMAGE}, {"type": "text", "text": "What is it?"}]}]
+    with llamabind.Model(text, mmproj=mmproj, image_max_tokens=64, n_ctx=2048, n_threads=2, **CPU_ONLY) as m:
+        chunk = _media_chunk(m.projector, IMAGE)
+        with m.context(n_ctx=2048) as ctx:
+            r1 = ctx.chat(turn1, max_tokens=6, temperature=0)
+            turn2 = turn1 + [r1.message, {"role": "user", "content": "And its colors?"}]
+            r2 = ctx.chat(turn2, max_tokens=6, temperature=0)
+            assert r2.generation.timings.prompt_reused >= r1.generation.prompt_tokens - 8
+            with m.context(n_ctx=2048) as fresh:
+                assert fresh.chat(turn2, max_tokens=6, temperature=0).text == r2.text
+            ctx.clear()
+            assert ctx.n_past == ctx.n_cells == 0
+        with m.context(n_ctx=256) as small:
+
+            def images(count):
+                content = [{"type": "image", "image": IMAGE}] * count + [{"type": "text", "text": "Hi"}]
+                return [{"role": "user", "content": content}]
+
+            count, last = 1, None
+            while True:  # more images each time, until their cells exceed n_ctx
+                try:
+                    r = small.chat(images(count), max_tokens=300, temperature=0, ignore_eos=True)
+                except ValueError as e:
+                    assert "n_ctx" in str(e)
+                    break
+                assert r.generation.finish_reason == "length" and small.n_cells == small.n_ctx
+                assert small.n_cells == r.generation.prompt_tokens + len(r.generation.tokens) - 1
+                count, last = count + 1, r
+            extra = chunk.n_tokens - chunk.n_pos
+            assert count >= 2 and last.generation.prompt_tokens - (count - 1) * extra + chunk.n_pos + 16 < small.n_ctx
+
+
 # ---- the Python API
 
 

@@ -143,8 +143,15 @@ class Context:
 
     @property
     def n_past(self) -> int:
-        """Tokens of sequence 0 currently in the KV cache."""
+        """The next position of sequence 0: the tokens it holds, where a medium of an M-RoPE model
+        (Qwen2-VL ...) counts its n_pos positions, not its n_tokens (see :attr:`n_cells`)."""
         return self._llama_context.pos(0)
+
+    @property
+    def n_cells(self) -> int:
+        """KV cache cells sequence 0 holds (what n_ctx bounds): :attr:`n_past`, plus the tokens an
+        M-RoPE medium has beyond its positions (an image of h x w tokens takes max(h, w) positions)."""
+        return self._llama_context.n_cells(0)
 
     @property
     def tokens(self) -> list[int]:
@@ -285,7 +292,8 @@ class Context:
     # --- batches of several sequences and embeddings
     def pos(self, seq_id: int = 0) -> int:
         """The next position of a sequence (the number of its tokens in the KV cache; wraps
-        llama_memory_seq_pos_max + 1). ValueError for a seq_id outside [0, n_seq_max)."""
+        llama_memory_seq_pos_max + 1, or past an M-RoPE medium's positions). ValueError for a
+        seq_id outside [0, n_seq_max)."""
         return self._llama_context.pos(seq_id)
 
     def decode_sequence(self, tokens: Sequence[int], seq_id: int) -> None:

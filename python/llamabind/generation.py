@@ -224,9 +224,10 @@ def run(
             model.n_vocab,
         )
     n_ctx = ctx.n_ctx
-    if len(tokens) >= n_ctx:
+    n_prompt = media.n_tokens if media is not None else len(tokens)
+    if n_prompt >= n_ctx:
         raise ValueError(
-            f"the prompt has {len(tokens)} tokens, which leaves no room in n_ctx ({n_ctx}); "
+            f"the prompt has {n_prompt} tokens, which leaves no room in n_ctx ({n_ctx}); "
             "use a larger n_ctx or a shorter prompt"
         )
     on_device = _backend_sampling(model, sampling, chat, logprobs, draft, bool(processors), media is not None)
@@ -396,7 +397,7 @@ def _loop(
     model = ctx.model
     me = ctx.start_generation()
     n_ctx = ctx.n_ctx
-    timings = Timings(prompt_tokens=len(tokens))
+    timings = Timings(prompt_tokens=media.n_tokens if media is not None else len(tokens))
 
     out = TextState(model, stops)
     generated: list[int] = []
@@ -443,11 +444,11 @@ def _loop(
                 break
             if pending:
                 continue  # speculative decoding already evaluated it
-            if keep is not None and ctx.n_past + 1 >= n_ctx:  # context shift, as llama-server's pre_decode
+            if keep is not None and ctx.n_cells + 1 >= n_ctx:  # context shift, as llama-server's pre_decode
                 n_left = ctx.n_past - keep
                 ctx.shift(keep, max(0, min(n_left // 2, n_left - 1)))
                 timings.context_shifts += 1
-            elif ctx.n_past >= n_ctx:
+            elif ctx.n_cells >= n_ctx:
                 break  # the context is full: finish_reason "length"
             if draft is None:
                 _check_current(ctx, me)  # resumed after a yield: a newer generation may own the cache
@@ -468,7 +469,7 @@ def _loop(
         text=out.text,
         tokens=generated,
         finish_reason=finish,
-        prompt_tokens=len(tokens),
+        prompt_tokens=timings.prompt_tokens,
         timings=timings,
         stop=out.matched,
         logprobs=lps,

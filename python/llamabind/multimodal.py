@@ -90,18 +90,22 @@ class MediaPrompt:
     """A tokenized prompt of token ids and :class:`~llamabind.projector.MediaChunk` s.
 
     keys: one int per KV cache position (a token id, or a media chunk's negative key);
-    text_tokens: the token ids alone (what penalties and logits processors see)."""
+    text_tokens: the token ids alone (what penalties and logits processors see); n_tokens: the
+    tokens (KV cells) it takes: ``len(keys)`` but where an M-RoPE medium's n_tokens exceed its n_pos."""
 
     def __init__(self, pieces: list[int | MediaChunk]):
         self.pieces = pieces
         self.keys: list[int] = []
         self.text_tokens: list[int] = []
+        self.n_tokens = 0
         for p in pieces:
             if isinstance(p, MediaChunk):
                 self.keys += [p.key] * p.n_pos
+                self.n_tokens += p.n_tokens
             else:
                 self.keys.append(p)
                 self.text_tokens.append(p)
+                self.n_tokens += 1
 
     @property
     def media(self) -> list[MediaChunk]:
@@ -129,7 +133,7 @@ def prompt(
 def prefill(ctx: Context, p: MediaPrompt) -> int:
     """Bring sequence 0 of ``ctx``'s KV cache to hold ``p``, reusing the longest cached prefix
     that ends between pieces (a medium is evaluated whole); the last piece is always
-    evaluated, for its logits. Returns the positions reused. Token runs go through
+    evaluated, for its logits. Returns the tokens (KV cells) reused. Token runs go through
     :meth:`Context.decode` (llama_decode), media through :meth:`Context.decode_media`
     (mtmd_helper_eval_chunk_single); raises as those do (ValueError: no room in n_ctx; LlamaError:
     the encoder or decode failed; KeyboardInterrupt on Ctrl-C)."""
@@ -149,6 +153,7 @@ def prefill(ctx: Context, p: MediaPrompt) -> int:
         first += 1
     if isinstance(p.pieces[first], MediaChunk):
         n = starts[first]
+    reused = n + sum(x.n_tokens - x.n_pos for x in p.pieces[:first] if isinstance(x, MediaChunk))
     if n == 0:
         ctx.clear()
     else:
@@ -165,4 +170,4 @@ def prefill(ctx: Context, p: MediaPrompt) -> int:
             run.append(piece)
     if run:
         ctx.decode(run)
-    return n
+    return reused

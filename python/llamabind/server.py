@@ -285,6 +285,8 @@ def serve(
     cache_type_v: str | None = None,
     mmproj: str | os.PathLike | None = None,
     mmproj_use_gpu: bool = True,
+    image_min_tokens: int | None = None,
+    image_max_tokens: int | None = None,
     media_path: str | os.PathLike | None = None,
     model_draft: str | os.PathLike | None = None,
     draft_max: int | None = None,
@@ -305,7 +307,8 @@ def serve(
     --cache-type-k/-v; ServerContext's type_k/type_v).
     mmproj: a projector GGUF: /v1/chat/completions then takes ``image_url`` and ``input_audio``
     content parts (llama-server's --mmproj; /props lists the modalities); mmproj_use_gpu,
-    media_path (the directory ``file://`` URLs may read): as ServerContext's. model_draft,
+    image_min_tokens, image_max_tokens (bounds on an image's tokens where the projector's
+    resolution is dynamic), media_path (the directory ``file://`` URLs may read): as ServerContext's. model_draft,
     draft_max, draft_min: speculative decoding with a draft model (llama-server's ``-md``), and
     context_shift (``--context-shift``): as ServerContext's.
     max_body: request body limit in bytes (413). max_pending: requests in flight before 503.
@@ -344,6 +347,8 @@ def serve(
             type_v=cache_type_v,
             mmproj=mmproj,
             mmproj_use_gpu=mmproj_use_gpu,
+            image_min_tokens=image_min_tokens,
+            image_max_tokens=image_max_tokens,
             media_path=media_path,
             model_draft=model_draft,
             draft_max=draft_max,

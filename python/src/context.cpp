@@ -148,8 +148,34 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
     model.contexts.insert(self);
 }
 
-static llama_pos next_pos(llama_context * c, llama_seq_id seq) {
-    return llama_memory_seq_pos_max(llama_get_memory(c), seq) + 1;  // pos_max is -1 for an empty sequence
+llama_pos next_pos(Context & self, llama_seq_id seq) {
+    llama_pos p = llama_memory_seq_pos_max(llama_get_memory(self.get()), seq) + 1;  // -1 for an empty sequence
+    auto it = self.media.find(seq);
+    if (it != self.media.end() && !it->second.empty()) p = std::max(p, it->second.back().p0 + it->second.back().n_pos);
+    return p;
+}
+
+int64_t n_cells(Context & self, llama_seq_id seq) {
+    int64_t n = next_pos(self, seq);
+    auto it = self.media.find(seq);
+    if (it != self.media.end()) {
+        for (const auto & m : it->second) n += m.n_tokens - m.n_pos;
+    }
+    return n;
+}
+
+void forget_media(Context & self, llama_seq_id seq, llama_pos p0, llama_pos p1) {
+    const llama_pos lo = std::max<llama_pos>(p0, 0);
+    const llama_pos hi = p1 < 0 ? std::numeric_limits<llama_pos>::max() : p1;
+    for (auto it = self.media.begin(); it != self.media.end();) {
+        if (seq < 0 || it->first == seq) {
+            auto & v = it->second;
+            v.erase(std::remove_if(v.begin(), v.end(),
+                                   [&](const Context::MediaSpan & m) { return m.p0 >= lo && m.p0 < hi; }),
+                    v.end());
+        }
+        it = it->second.empty() ? self.media.erase(it) : std::next(it);
+    }
 }
 
 static void check_seq(llama_context * c, int64_t seq) {
@@ -173,7 +199,7 @@ static std::vector<int32_t> run_batch(Context & self, const std::vector<Entry> &
     size_t total = 0;
     for (const auto & e : entries) total += e.n;
     std::vector<llama_pos> p0(entries.size());
-    for (size_t k = 0; k < entries.size(); ++k) p0[k] = next_pos(c, entries[k].seq);
+    for (size_t k = 0; k < entries.size(); ++k) p0[k] = next_pos(self, entries[k].seq);
     BatchBuf & bb = self.batch;
     bb.token.resize(total);
     bb.pos.resize(total);
@@ -242,9 +268,9 @@ std::vector<llama_token> checked_tokens(const Context & self, const std::vector<
     return t;
 }
 
-static void check_room(llama_context * c, llama_seq_id seq, size_t n) {
-    const llama_pos p = next_pos(c, seq);
-    const uint32_t n_ctx = llama_n_ctx_seq(c);
+static void check_room(Context & self, llama_seq_id seq, size_t n) {
+    const int64_t p = n_cells(self, seq);
+    const uint32_t n_ctx = llama_n_ctx_seq(self.get());
     if ((uint64_t) p + n > n_ctx) {
         raise_value("the context is full: sequence " + std::to_string(seq) + " holds " + std::to_string(p) +
                     " tokens, + " + std::to_string(n) + " new tokens > n_ctx per sequence (" + std::to_string(n_ctx) +
@@ -259,7 +285,7 @@ static void decode(Context & self, const std::vector<int64_t> & tokens, int64_t 
     if (tokens.empty()) raise_value("tokens must not be empty");
     check_seq(c, seq);
     std::vector<llama_token> t = checked_tokens(self, tokens);
-    check_room(c, (llama_seq_id) seq, t.size());
+    check_room(self, (llama_seq_id) seq, t.size());
     self.check_no_views("decode");
     BusyGuard guard(self);
     SigintScope sigint;
@@ -295,7 +321,7 @@ static std::vector<int32_t> decode_batch(Context & self,
         if (tokens.empty()) raise_value("the tokens of seq_id " + std::to_string(seq) + " are empty");
         ids.push_back(checked_tokens(self, tokens));
         es.push_back(Entry{ (llama_seq_id) seq, ids.back().data(), ids.back().size() });
-        check_room(c, (llama_seq_id) seq, tokens.size());
+        check_room(self, (llama_seq_id) seq, tokens.size());
         total += tokens.size();
     }
     if (total > llama_n_batch(c)) {
@@ -334,7 +360,7 @@ static nb::object eval(nb::handle py_self, const std::vector<int64_t> & tokens, 
     if (self.encoder_only) raise_value("eval() gives next-token logits: this is an encoder-only model, use embeddings");
     check_seq(c, seq);
     std::vector<llama_token> t = checked_tokens(self, tokens);
-    check_room(c, (llama_seq_id) seq, t.size());
+    check_room(self, (llama_seq_id) seq, t.size());
     self.check_no_views("eval");
     check_no_backend_sampler(self);
     const size_t n_vocab = (size_t) self.owner->n_vocab();
@@ -459,6 +485,7 @@ static void clear(Context & self) {
     self.check_no_views("clear the KV cache");
     BusyGuard guard(self);
     llama_memory_clear(llama_get_memory(c), true);
+    self.media.clear();
     self.has_logits = false;
     self.n_batch_last = 0;
 }
@@ -488,7 +515,9 @@ static bool seq_rm(Context & self, int64_t seq, int64_t p0, int64_t p1) {
     if (p0 < -1 || p1 < -1) raise_value("positions must be >= 0, or -1 for an open end");
     BusyGuard guard(self);
     self.has_logits = false;
-    return llama_memory_seq_rm(mem, (llama_seq_id) seq, (llama_pos) p0, (llama_pos) p1);
+    const bool ok = llama_memory_seq_rm(mem, (llama_seq_id) seq, (llama_pos) p0, (llama_pos) p1);
+    if (ok) forget_media(self, (llama_seq_id) seq, (llama_pos) p0, (llama_pos) p1);
+    return ok;
 }
 
 // Add delta to the positions [p0, p1) of a sequence (llama_memory_seq_add: RoPE'd K is shifted at the
@@ -503,6 +532,12 @@ static void seq_add(Context & self, int64_t seq, int64_t p0, int64_t p1, int64_t
     BusyGuard guard(self);
     self.has_logits = false;
     llama_memory_seq_add(mem, (llama_seq_id) seq, (llama_pos) p0, (llama_pos) p1, (llama_pos) delta);
+    auto it = self.media.find((llama_seq_id) seq);
+    if (it != self.media.end()) {
+        for (auto & m : it->second) {
+            if (m.p0 >= std::max<int64_t>(p0, 0) && (p1 < 0 || m.p0 < p1)) m.p0 += (llama_pos) delta;
+        }
+    }
 }
 
 static void seq_cp(Context & self, int64_t src, int64_t dst, int64_t p0, int64_t p1) {
@@ -512,12 +547,24 @@ static void seq_cp(Context & self, int64_t src, int64_t dst, int64_t p0, int64_t
     if (p0 < -1 || p1 < -1) raise_value("positions must be >= 0, or -1 for an open end");
     BusyGuard guard(self);
     llama_memory_seq_cp(mem, (llama_seq_id) src, (llama_seq_id) dst, (llama_pos) p0, (llama_pos) p1);
+    auto it = self.media.find((llama_seq_id) src);
+    if (it != self.media.end()) {
+        std::vector<Context::MediaSpan> spans = it->second;  // copied first: dst's entry may be created
+        auto & out = self.media[(llama_seq_id) dst];
+        for (const auto & m : spans) {
+            if (m.p0 >= std::max<int64_t>(p0, 0) && (p1 < 0 || m.p0 < p1)) out.push_back(m);
+        }
+        std::sort(out.begin(), out.end(), [](const auto & a, const auto & b) { return a.p0 < b.p0; });
+        if (out.empty()) self.media.erase((llama_seq_id) dst);
+    }
 }
 
 static void seq_keep(Context & self, int64_t seq) {
     llama_memory_t mem = memory(self, seq);
     BusyGuard guard(self);
     llama_memory_seq_keep(mem, (llama_seq_id) seq);
+    for (auto it = self.media.begin(); it != self.media.end();)
+        it = it->first == seq ? std::next(it) : self.media.erase(it);
 }
 
 void register_context(nb::module_ & m) {
@@ -546,9 +593,17 @@ void register_context(nb::module_ & m) {
             "pos",
             [](Context & s, int64_t seq) {
                 check_seq(s.get(), seq);
-                return next_pos(s.get(), (llama_seq_id) seq);
+                return next_pos(s, (llama_seq_id) seq);
             },
-            nb::arg("seq_id") = 0, "Tokens held for a sequence: its next position (llama_memory_seq_pos_max + 1).")
+            nb::arg("seq_id") = 0,
+            "A sequence's next position: llama_memory_seq_pos_max + 1, or past its last M-RoPE medium's positions.")
+        .def(
+            "n_cells",
+            [](Context & s, int64_t seq) {
+                check_seq(s.get(), seq);
+                return n_cells(s, (llama_seq_id) seq);
+            },
+            nb::arg("seq_id") = 0, "KV cache cells a sequence holds: its positions, + the tokens M-RoPE media add.")
         .def(
             "pos_min",
             [](Context & s, int64_t seq) {

@@ -263,9 +263,15 @@ static int64_t eval_media(Projector & self, Context & ctx, const Chunk & chunk, 
     if (mtmd_input_chunk_get_type(chunk.c.get()) == MTMD_INPUT_CHUNK_TYPE_TEXT)
         raise_value("eval_media takes an image or audio chunk");
     const llama_pos n_pos = mtmd_input_chunk_get_n_pos(chunk.c.get());
+    const size_t n_tokens = mtmd_input_chunk_get_n_tokens(chunk.c.get());
+    if (n_past != next_pos(ctx, (llama_seq_id) seq_id)) {
+        raise_value("eval_media: n_past " + std::to_string(n_past) + " is not the sequence's next position " +
+                    std::to_string(next_pos(ctx, (llama_seq_id) seq_id)));
+    }
+    const int64_t held = n_cells(ctx, (llama_seq_id) seq_id);
     const uint32_t n_ctx = llama_n_ctx_seq(lc);
-    if ((uint64_t) n_past + (uint64_t) n_pos > n_ctx) {
-        raise_value("the media takes " + std::to_string(n_pos) + " positions after " + std::to_string(n_past) +
+    if ((uint64_t) held + n_tokens > n_ctx) {
+        raise_value("the media takes " + std::to_string(n_tokens) + " tokens after " + std::to_string(held) +
                     ", more than n_ctx (" + std::to_string(n_ctx) +
                     ") has room for; use a larger n_ctx or fewer image tokens (image_max_tokens)");
     }
@@ -292,6 +298,9 @@ static int64_t eval_media(Projector & self, Context & ctx, const Chunk & chunk, 
         }
         throw LlamaError("evaluating the media failed (mtmd_helper_eval_chunk_single returned " + std::to_string(rc) +
                          ")\n" + take_recent_errors());
+    }
+    if ((size_t) n_pos != n_tokens) {  // M-RoPE: n_tokens cells on n_pos positions
+        ctx.media[(llama_seq_id) seq_id].push_back(Context::MediaSpan{ (llama_pos) n_past, n_pos, (int32_t) n_tokens });
     }
     ctx.has_logits = logits_last;
     ctx.n_batch_last = logits_last ? 1 : 0;

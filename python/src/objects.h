@@ -9,8 +9,10 @@
 #include <llama.h>
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <set>
+#include <vector>
 
 namespace lb {
 
@@ -74,6 +76,15 @@ struct Context {
     std::shared_ptr<struct TrainState> train;     // llama_opt_* state once opt_init ran (train.cpp)
     Sampler * backend_sampler = nullptr;          // the chain llama_set_sampler attached to seq 0
     BatchBuf batch;
+    // Media whose tokens outnumber their positions, per sequence in position order: an M-RoPE image
+    // puts n_tokens embeddings (a grid) on n_pos positions, every KV cell at position p0, so neither
+    // the next position nor the cells held follow from llama_memory_seq_pos_max (llama-server's
+    // server_tokens::pos_next keeps the same record). Kept by mtmd.cpp's eval_media and context.cpp.
+    struct MediaSpan {
+        llama_pos p0, n_pos;
+        int32_t n_tokens;
+    };
+    std::map<llama_seq_id, std::vector<MediaSpan>> media;
 
     ~Context() { release(); }
     void close();    // raises LlamaError while another thread is inside decode/sample on it
@@ -95,6 +106,12 @@ struct Lora {
 
 // context.cpp: token ids as llama_token, each checked against the model's n_vocab (ValueError)
 std::vector<llama_token> checked_tokens(const Context & self, const std::vector<int64_t> & tokens);
+
+// context.cpp: the next position of a sequence, and the KV cells it holds (they differ after
+// M-RoPE media); forget_media drops the media record of positions [p0, p1) (-1: open end; seq -1: all)
+llama_pos next_pos(Context & self, llama_seq_id seq);
+int64_t n_cells(Context & self, llama_seq_id seq);
+void forget_media(Context & self, llama_seq_id seq, llama_pos p0, llama_pos p1);
 
 // mtmd.cpp: free the model's projectors (before the model: libmtmd holds its vocab)
 void free_projectors(Model & m);

@@ -24,6 +24,7 @@ static nb::bytes state_get(Context & self) {
 
 static void after_failed_restore(Context & self) {
     llama_memory_clear(llama_get_memory(self.get()), true);  // a partial restore is not a state: start empty
+    self.media.clear();
     self.has_logits = false;
 }
 
@@ -42,6 +43,7 @@ static void state_set(Context & self, nb::bytes data) {
         raise_value("not a state of this context (llama_state_set_data read " + std::to_string(n) + " of " +
                     std::to_string(data.size()) + " bytes); the KV cache was cleared\n" + take_recent_errors());
     }
+    self.media.clear();       // nor the M-RoPE media record (positions past the last image are lost)
     self.has_logits = false;  // at this pin a state holds the KV cache only, not the outputs
     self.n_batch_last = 0;
 }
@@ -78,6 +80,7 @@ static std::vector<int32_t> state_load_file(Context & self, const std::string & 
         raise_value("'" + path + "' is not a state file of this context; the KV cache was cleared\n" +
                     take_recent_errors());
     }
+    self.media.clear();
     self.has_logits = false;
     self.n_batch_last = 0;
     return std::vector<int32_t>(t.begin(), t.begin() + n);

@@ -126,6 +126,7 @@ multimodal)
   LLAMABIND_REQUIRE_GPU=1 LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests/test_multimodal.py $PYTEST_ARGS 2>&1 \
     | tee "$OUT/multimodal-tests.log" | tail -20
   echo "multimodal tests in $((SECONDS - t0)) s"
+  [ -n "${LB_NO_BENCH:-}" ] && exit 0
   for size in base real; do
     python3 bench/multimodal.py --size $size --rounds ${LB_ROUNDS:-5} --threads 8 -ngl 99 --tag h100-$size 2>&1 \
       | grep -vE "^(llama|load|print_info|common|main|ggml|init|clip|WARN|warmup|alloc)" | tail -12 | tee "$OUT/bench-multimodal-$size.txt"

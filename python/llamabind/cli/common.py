@@ -21,6 +21,15 @@ def add_hf(p: argparse.ArgumentParser, mmproj: bool = False) -> None:
         p.add_argument("--no-mmproj", action="store_true", help="with -hf: leave the repository's projector out")
 
 
+def add_image_tokens(p: argparse.ArgumentParser) -> None:
+    """``--image-min-tokens/--image-max-tokens``: bounds on an image's tokens for projectors with
+    dynamic resolution (Qwen-VL ...; llama.cpp's flags of the same names)."""
+    for bound in ("min", "max"):
+        p.add_argument(
+            f"--image-{bound}-tokens", type=int, default=None, metavar="N", help=f"{bound}imum tokens per image"
+        )
+
+
 def resolve_hf(args: argparse.Namespace) -> None:
     """Replace the command's model with the -hf repository's file, downloaded if needed."""
     spec = getattr(args, "hf_repo", None)

@@ -10,7 +10,7 @@ import sys
 from .. import models
 from ..generation import Stream
 from ..projector import MEDIA_MARKER
-from .common import add_hf
+from .common import add_hf, add_image_tokens
 
 DEFAULT_PROMPT = "The three most useful things to know about the Python programming language are"
 
@@ -25,7 +25,7 @@ def _model_kwargs(args) -> dict:
     if args.tensor_split is not None:
         kw["tensor_split"] = args.tensor_split
     if args.mmproj is not None:
-        kw["mmproj"] = args.mmproj
+        kw.update(mmproj=args.mmproj, image_min_tokens=args.image_min_tokens, image_max_tokens=args.image_max_tokens)
     elif args.image or args.audio:
         raise SystemExit("llamabind: --image/--audio need a projector: --mmproj MMPROJ.gguf")
     return kw
@@ -212,6 +212,7 @@ def _model_and_sampling(p, max_tokens: int) -> None:
     p.add_argument("--mmproj", "-mm", default=None, metavar="GGUF", help="a multimodal projector for this model")
     p.add_argument("--image", action="append", default=None, metavar="FILE", help="an image (repeatable; --mmproj)")
     p.add_argument("--audio", action="append", default=None, metavar="FILE", help="a WAV/MP3/FLAC clip (--mmproj)")
+    add_image_tokens(p)
 
 
 def add_parsers(sub) -> None:

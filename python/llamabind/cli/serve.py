@@ -7,7 +7,7 @@ import sys
 
 from .. import models
 from ..context import KV_CACHE_TYPES
-from .common import add_hf
+from .common import add_hf, add_image_tokens
 
 
 def _serve(args) -> int:
@@ -44,6 +44,8 @@ def _serve(args) -> int:
         cache_type_v=args.cache_type_v,
         mmproj=args.mmproj,
         mmproj_use_gpu=not args.no_mmproj_offload,
+        image_min_tokens=args.image_min_tokens,
+        image_max_tokens=args.image_max_tokens,
         media_path=args.media_path,
         model_draft=args.model_draft,
         draft_max=args.draft_max,
@@ -97,6 +99,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--cache-type-v", "-ctv", choices=kv, default=None, help="KV cache type for V (quantized: -fa)")
     s.add_argument("--mmproj", "-mm", default=None, metavar="GGUF", help="a multimodal projector: images/audio in chat")
     s.add_argument("--no-mmproj-offload", action="store_true", help="run the projector's encoder on the CPU")
+    add_image_tokens(s)
     s.add_argument("--media-path", default=None, metavar="DIR", help="directory file:// media URLs may read from")
     s.add_argument("--context-shift", action="store_true", help="a full context drops half and goes on")
     s.add_argument("--model-draft", "-md", default=None, metavar="GGUF", help="a draft model: speculative decoding")
