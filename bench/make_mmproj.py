@@ -7,6 +7,8 @@ the multimodal tests and benchmarks (no trained projector is reachable here).
     python bench/make_mmproj.py omni   -o /tmp/mmproj-both.gguf      # both encoders in one file
     python bench/make_mmproj.py qwen2vl -o /tmp/mmproj-qwen2vl.gguf --text-from SmolLM2.gguf \
         --text-out /tmp/smollm2-mrope.gguf                              # + an M-RoPE text model
+    python bench/make_mmproj.py idefics3 -o /tmp/mmproj-smolvlm.gguf --text-from SmolLM2.gguf \
+        --text-out /tmp/smollm2-smolvlm.gguf                            # + SmolVLM's image tokens
 
 The keys and tensor names are the ones llama.cpp's ``tools/mtmd/clip.cpp`` reads (clip-impl.h's
 KEY_* and TN_*), as ``convert_hf_to_gguf.py --mmproj`` writes them:
@@ -23,6 +25,9 @@ KEY_* and TN_*), as ``convert_hf_to_gguf.py --mmproj`` writes them:
   conv1d's im2col has KW*IC = 3*384 = 1152 > 1024 columns), 2 blocks; ``--size real``:
   Whisper-large's 1280 wide, 32 blocks.
 
+- vision, ``idefics3``: SmolVLM's (SigLIP at 512 px, patch 16, a 4x4 pixel shuffle, one linear
+  layer: 64 tokens per tile); an image is cut into 512 px tiles after an overview, one medium in
+  several chunks. ``idefics3_text`` gives a text model SmolVLM's two image tokens.
 - vision, ``qwen2vl_merger``: Qwen2-VL's ViT (two patch convs, one per frame of a temporal
   patch, no position embeddings: 2D M-RoPE in every block; LayerNorm blocks with biases) and its
   merger (LayerNorm, 2x2 patches concatenated, GELU MLP). Images keep their aspect ratio: an
@@ -107,7 +112,55 @@ def vision(path: str, n_embd_text: int = 576, size: str = "small", seed: int = 0
 
 
 def _vision(w, rng: np.random.Generator, n_embd_text: int, size: str) -> None:
-    width, blocks, heads, n_ff, image, patch = VISION[size]
+    width = _siglip(w, rng, n_embd_text, *VISION[size])
+    w.add_tensor("mm.soft_emb_norm.weight", np.ones(width, np.float32))  # the converter stores 1 + w
+    w.add_tensor(  # outputs of about the text model's embedding scale (std 0.1)
+        "mm.input_projection.weight",
+        (rng.standard_normal((width, n_embd_text)) * 0.1 / np.sqrt(width)).astype(np.float16),
+    )
+
+
+def idefics3(path: str, n_embd_text: int = 576, size: str = "small", seed: int = 0, longest_edge: int = 1024) -> str:
+    """A SmolVLM / Idefics3 vision projector (``clip.projector_type = idefics3``): SigLIP at 512 px,
+    patch 16, then a 4x4 pixel shuffle and one linear layer (``mm.model.fc``): 64 tokens per tile.
+    An image is resized so that its longest edge is ``longest_edge`` (SmolVLM-256M's: 2048; 1024
+    here: test-1.jpeg becomes 2 x 2 tiles), cut into 512 px tiles, and a 512 px overview goes first:
+    one medium, several image chunks with the row/column text between them. The text model needs
+    the tokens ``<fake_token_around_image>`` and ``<global-img>``: see :func:`idefics3_text`."""
+    width, blocks, heads, n_ff, _, _ = VISION[size]
+    scale = 4
+    rng = np.random.default_rng(seed)
+    w = _writer(path, "vision", f"idefics3-vision-random-{size}")
+    w.add_string("clip.projector_type", "idefics3")
+    w.add_uint32("clip.vision.projector.scale_factor", scale)
+    w.add_uint32("clip.vision.preproc_image_size", longest_edge)
+    _siglip(w, rng, n_embd_text, width, blocks, heads, n_ff, 512, 16)
+    fc = rng.standard_normal((n_embd_text, width * scale * scale)) * 0.1 / np.sqrt(width * scale * scale)
+    w.add_tensor("mm.model.fc.weight", fc.astype(np.float16))  # outputs of about the embeddings' scale
+    _finish(w)
+    return path
+
+
+def idefics3_text(src: str, dst: str) -> str:
+    """A copy of ``src`` (SmolLM2) whose vocabulary has SmolVLM's image tokens: two of its
+    StarCoder-era control tokens (``<jupyter_start>``, ``<jupyter_text>``) renamed
+    ``<fake_token_around_image>`` and ``<global-img>``, which libmtmd looks up for Idefics3's
+    layout. Weights and every other token are ``src``'s."""
+    renames = {"<jupyter_start>": "<fake_token_around_image>", "<jupyter_text>": "<global-img>"}
+
+    def rename(name: str, value):
+        if name != "tokenizer.ggml.tokens":
+            return value
+        missing = set(renames) - set(value)
+        if missing:
+            raise ValueError(f"{src} has no {sorted(missing)} to rename")
+        return [renames.get(t, t) for t in value]
+
+    return _copy_gguf(src, dst, value=rename)
+
+
+def _siglip(w, rng, n_embd_text, width, blocks, heads, n_ff, image, patch) -> int:
+    """SigLIP's encoder (patch conv, learned position embeddings, blocks, post-LN); returns its width."""
     w.add_bool("clip.has_vision_encoder", True)
     w.add_bool("clip.use_gelu", True)
     _common(w, "vision", width, blocks, heads, n_ff, n_embd_text, 1e-6)
@@ -122,11 +175,7 @@ def _vision(w, rng: np.random.Generator, n_embd_text: int, size: str) -> None:
     w.add_tensor("v.patch_embd.bias", np.zeros(width, np.float32))
     w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_patches, width)) * 0.02).astype(np.float32))
     _blocks(w, rng, "v", blocks, width, n_ff, k_bias=True)
-    w.add_tensor("mm.soft_emb_norm.weight", np.ones(width, np.float32))  # the converter stores 1 + w
-    w.add_tensor(  # outputs of about the text model's embedding scale (std 0.1)
-        "mm.input_projection.weight",
-        (rng.standard_normal((width, n_embd_text)) * 0.1 / np.sqrt(width)).astype(np.float16),
-    )
+    return width
 
 
 def audio(path: str, n_embd_text: int = 576, size: str = "small", seed: int = 0) -> str:
@@ -189,31 +238,53 @@ def mrope_text(src: str, dst: str) -> str:
     on pydoc's docstring; greedy replies part at near ties)."""
     import gguf
 
+    fields = gguf.GGUFReader(src).fields
+    arch = str(fields["general.architecture"].contents())
+    n_rot = int(fields[f"{arch}.rope.dimension_count"].contents())
+    q = n_rot // 2 // 8  # Qwen2-VL: head 128, sections 16, 24, 24 of 64 rotated pairs
+    heads = {
+        "attn_q": int(fields[f"{arch}.attention.head_count"].contents()),
+        "attn_k": int(fields[f"{arch}.attention.head_count_kv"].contents()),
+    }
+
+    def unpermute(name: str, data: np.ndarray) -> np.ndarray:
+        part = name.split(".")[-2]
+        if part not in heads:
+            return data
+        n_head, rows = (
+            heads[part],
+            data.shape[0],
+        )  # the converter's permute undone: rows (head, d/2, 2) -> (head, 2, d/2)
+        return data.reshape(n_head, rows // n_head // 2, 2, -1).swapaxes(1, 2).reshape(data.shape)
+
+    sections = ("qwen2vl.rope.dimension_sections", [2 * q, 3 * q, 3 * q, 0])
+    return _copy_gguf(src, dst, arch="qwen2vl", extra=[sections], tensor=unpermute)
+
+
+def _copy_gguf(src: str, dst: str, arch: str | None = None, value=None, tensor=None, extra=()) -> str:
+    """``src``'s keys and tensors written to ``dst``: ``arch`` renames the architecture (and its
+    keys' prefix), ``value(name, contents)`` and ``tensor(name, data)`` may change what is copied,
+    ``extra``: [(key, array)] added."""
+    import gguf
+
     r = gguf.GGUFReader(src)
-    arch = str(r.fields["general.architecture"].contents())
-    w = gguf.GGUFWriter(dst, "qwen2vl")
+    old = str(r.fields["general.architecture"].contents())
+    arch = arch or old
+    w = gguf.GGUFWriter(dst, arch)
     for name, f in r.fields.items():
         if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment"):
             continue
-        key = "qwen2vl" + name[len(arch) :] if name.startswith(arch + ".") else name
+        key = arch + name[len(old) :] if name.startswith(old + ".") else name
+        v = f.contents() if value is None else value(name, f.contents())
         kind = f.types[0]
         if kind == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, f.contents(), kind, sub_type=f.types[-1])
+            w.add_key_value(key, v, kind, sub_type=f.types[-1])
         else:
-            w.add_key_value(key, f.contents(), kind)
-    n_rot = int(r.fields[f"{arch}.rope.dimension_count"].contents())
-    q = n_rot // 2 // 8  # Qwen2-VL: head 128, sections 16, 24, 24 of 64 rotated pairs
-    w.add_array("qwen2vl.rope.dimension_sections", [2 * q, 3 * q, 3 * q, 0])
-    heads = {
-        "attn_q": int(r.fields[f"{arch}.attention.head_count"].contents()),
-        "attn_k": int(r.fields[f"{arch}.attention.head_count_kv"].contents()),
-    }
+            w.add_key_value(key, v, kind)
+    for key, array in extra:
+        w.add_array(key, array)
     for t in r.tensors:
-        data = np.asarray(t.data)
-        part = t.name.split(".")[-2]
-        if part in heads:  # undo the converter's permute: rows (head, d/2, 2) -> (head, 2, d/2)
-            n_head, rows = heads[part], data.shape[0]
-            data = data.reshape(n_head, rows // n_head // 2, 2, -1).swapaxes(1, 2).reshape(data.shape)
+        data = t.data if tensor is None else tensor(t.name, np.asarray(t.data))
         w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
     _finish(w)
     return dst
@@ -252,21 +323,22 @@ def _finish(w) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kind", choices=["vision", "audio", "omni", "qwen2vl"])
+    ap.add_argument("kind", choices=["vision", "audio", "omni", "qwen2vl", "idefics3"])
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--n-embd-text", type=int, default=576, help="the text model's n_embd (576: SmolLM2-135M)")
     ap.add_argument("--size", choices=["small", "base", "real"], default="small")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--text-from", help="qwen2vl: a llama-architecture GGUF to rewrite as an M-RoPE text model")
-    ap.add_argument("--text-out", help="qwen2vl: where that M-RoPE text model goes")
+    ap.add_argument("--text-from", help="qwen2vl, idefics3: a llama-architecture GGUF to rewrite as their text model")
+    ap.add_argument("--text-out", help="qwen2vl, idefics3: where that text model goes")
     a = ap.parse_args()
-    if bool(a.text_from) != bool(a.text_out) or (a.text_from and a.kind != "qwen2vl"):
-        ap.error("--text-from and --text-out go together, with qwen2vl")
-    make = {"vision": vision, "audio": audio, "omni": omni, "qwen2vl": qwen2vl}[a.kind]
+    texts = {"qwen2vl": mrope_text, "idefics3": idefics3_text}
+    if bool(a.text_from) != bool(a.text_out) or (a.text_from and a.kind not in texts):
+        ap.error("--text-from and --text-out go together, with qwen2vl or idefics3")
+    make = {"vision": vision, "audio": audio, "omni": omni, "qwen2vl": qwen2vl, "idefics3": idefics3}[a.kind]
     make(a.output, a.n_embd_text, a.size, a.seed)
     print(a.output)
     if a.text_from:
-        print(mrope_text(a.text_from, a.text_out))
+        print(texts[a.kind](a.text_from, a.text_out))
     return 0
 
 

@@ -159,6 +159,54 @@ def test_audio_encoder_conv1d_matches_numpy(model_path, mmproj):
     assert _nmse(cap["after_conv1d"], h.T) <= (5e-6 if GPU_BUILD else 1e-6)
 
 
+# ---- tiles: SmolVLM / Idefics3 cuts an image into 512 px tiles after an overview (one medium, several chunks)
+
+
+@pytest.fixture(scope="module")
+def smolvlm(model_path, tmp_path_factory):
+    """(text model, mmproj): SmolLM2 with SmolVLM's two image tokens, and a random-weight Idefics3
+    projector whose longest edge is 1024 px (test-1.jpeg: 2 x 2 tiles + the overview)."""
+    d = tmp_path_factory.mktemp("smolvlm")
+    mk = _make_mmproj()
+    return Path(mk.idefics3_text(str(model_path), str(d / "text.gguf"))), Path(mk.idefics3(str(d / "mmproj.gguf")))
+
+
+@pytest.mark.parametrize("max_tokens", [None, 128], ids=["longest-edge", "image_max_tokens"])
+def test_tiled_image_equals_llama_mtmd_cli(smolvlm, model_path, tmp_path, max_tokens):
+    """An image in tiles (the rows and columns between them in text) gives llama-mtmd-cli's greedy
+    text; the last tile's embeddings equal its dump; a second turn reuses the whole image. A text
+    model without SmolVLM's image tokens is a ValueError (libmtmd puts -1 where they go)."""
+    text, mmproj = smolvlm
+    if max_tokens is None:
+        with llamabind.Model(model_path, mmproj=mmproj, n_ctx=1024, n_threads=2, **CPU_ONLY) as plain:
+            with pytest.raises(ValueError, match="vocabulary lacks"):
+                plain.chat([{"role": "user", "content": [{"type": "image", "image": IMAGE}]}], max_tokens=2)
+    prompt = "What is in this file?"
+    dump = tmp_path / "embd.bin"
+    limit = ["--image-max-tokens", str(max_tokens)] if max_tokens else []
+    want = _mtmd_cli(
+        text, mmproj, IMAGE, "-p", prompt, "-n", "24", "--temp", "0", "-c", "4096", *limit,
+        env={"MTMD_DEBUG_EMBEDDINGS": str(dump)},
+    )  # fmt: skip
+    raw = dump.read_bytes()
+    n_tok, n_embd = np.frombuffer(raw[:8], np.int32)
+    ref = np.frombuffer(raw[8:], np.float32).reshape(n_tok, n_embd)
+    with llamabind.Model(text, mmproj=mmproj, image_max_tokens=max_tokens, n_ctx=4096, n_threads=2, **CPU_ONLY) as m:
+        p = m.projector
+        pieces = p.tokenize("x" + llamabind.MEDIA_MARKER, [p.media(IMAGE)])
+        tiles = [x for x in pieces if not isinstance(x, int)]
+        assert len(tiles) >= 2 and {t.n_tokens for t in tiles} == {64} and len({t.key for t in tiles}) == 1
+        assert max_tokens is None or sum(t.n_tokens for t in tiles) <= max_tokens
+        assert _nmse(p.encode(tiles[-1]), ref) <= 1e-6 and np.abs(ref).max() > 0.01
+        turn1 = [{"role": "user", "content": [{"type": "image", "image": IMAGE}, {"type": "text", "text": prompt}]}]
+        with m.context(n_ctx=4096) as ctx:
+            r1 = ctx.chat(turn1, max_tokens=24, temperature=0)
+            assert want.stdout.strip() == r1.text.strip() != ""
+            turn2 = turn1 + [r1.message, {"role": "user", "content": "And the colors?"}]
+            r2 = ctx.chat(turn2, max_tokens=4, temperature=0)
+            assert r2.generation.timings.prompt_reused >= r1.generation.prompt_tokens - 8
+
+
 # ---- M-RoPE: an image of h x w tokens on max(h, w) positions (Qwen2-VL and its successors)
 
 

@@ -174,10 +174,16 @@ class Projector:
         """Tokenize ``text`` holding one :data:`MEDIA_MARKER` per item of ``media`` (from
         :meth:`media`) into token ids and :class:`MediaChunk` s, in order (wraps mtmd_tokenize:
         the projector's own begin/end-of-image text around each). ValueError when the markers and
-        media differ in number, or a medium is of a kind the projector does not take."""
+        media differ in number, a medium is of a kind the projector does not take, or the
+        projector's layout needs special tokens the text model's vocabulary lacks."""
         out: list[int | MediaChunk] = []
         for ch in self._native.tokenize(text, list(media), bool(add_special), bool(parse_special)):
             if ch.type == "text":
+                if min(ch.tokens, default=0) < 0:  # libmtmd's lookup of a token the vocabulary lacks
+                    raise ValueError(
+                        "the projector's image layout needs special tokens (e.g. SmolVLM's "
+                        "<fake_token_around_image>) that this model's vocabulary lacks: it was made for another model"
+                    )
                 out += ch.tokens
             else:
                 out.append(MediaChunk(ch.type, ch.n_tokens, ch.n_pos, ch.id, _key(ch.id), ch, self._native))
