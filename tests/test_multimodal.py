@@ -258,10 +258,11 @@ def test_mrope_image_equals_llama_mtmd_cli(qwen2vl, tmp_path):
     assert got.usage.prompt_tokens == r.generation.prompt_tokens
 
 
-def test_mrope_prompt_cache_and_n_ctx(qwen2vl):
+def test_mrope_prompt_cache_state_and_n_ctx(qwen2vl, tmp_path):
     """Across turns an M-RoPE image is reused as on other models and the reply equals a fresh
-    context's; n_ctx bounds cells: an image whose positions fit but whose tokens do not is a
-    ValueError, and a generation stops with "length" when the cells are full."""
+    context's, and a saved state restores it (positions and cells); n_ctx bounds cells: an image
+    whose positions fit but whose tokens do not is a ValueError, and a generation stops with
+    "length" when the cells are full."""
     text, mmproj = qwen2vl
     turn1 = [{"role": "user", "content": [{"type": "image", "image": IMAGE}, {"type": "text", "text": "What is it?"}]}]
     with llamabind.Model(text, mmproj=mmproj, image_max_tokens=64, n_ctx=2048, n_threads=2, **CPU_ONLY) as m:
@@ -273,8 +274,26 @@ def test_mrope_prompt_cache_and_n_ctx(qwen2vl):
             assert r2.generation.timings.prompt_reused >= r1.generation.prompt_tokens - 8
             with m.context(n_ctx=2048) as fresh:
                 assert fresh.chat(turn2, max_tokens=6, temperature=0).text == r2.text
+            # save_state/load_state keep the media record: a restored context goes on as this one
+            turn3 = turn2 + [r2.message, {"role": "user", "content": "Why?"}]
+            state = ctx.save_state()
+            with m.context(n_ctx=2048) as restored:
+                restored.load_state(state)
+                assert (restored.n_past, restored.n_cells, restored.tokens) == (ctx.n_past, ctx.n_cells, ctx.tokens)
+                r3 = restored.chat(turn3, max_tokens=6, temperature=0)
+            assert r3.generation.timings.prompt_reused >= r2.generation.prompt_tokens
+            assert ctx.chat(turn3, max_tokens=6, temperature=0).text == r3.text
+            with pytest.raises(ValueError, match="save_state"):
+                ctx.save_state_file(tmp_path / "session.bin")  # token ids only: refused, not mangled
+            # an image last: the next position is past its n_pos positions, in a restored context too
             ctx.clear()
             assert ctx.n_past == ctx.n_cells == 0
+            ctx.decode(m.tokenize("Look:"))
+            ctx.decode_media(chunk)
+            assert ctx.n_past == len(m.tokenize("Look:")) + chunk.n_pos
+            with m.context(n_ctx=2048) as restored:
+                restored.load_state(ctx.save_state())
+                assert (restored.n_past, restored.n_cells) == (ctx.n_past, ctx.n_cells)
         with m.context(n_ctx=256) as small:
 
             def images(count):

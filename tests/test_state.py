@@ -108,6 +108,10 @@ def test_state_roundtrip_bytes_and_file(model, tmp_path):
     with model.context(n_ctx=512) as d:
         d.load_state(state)
         assert d.generate(PROMPT, max_tokens=10, temperature=0).tokens == ref.tokens
+        # a state in the first format (int32 token ids, "LBTOKENS"), as earlier releases wrote it
+        raw = state[: len(state) - 24 - 8 * len(p)]  # the KV cache alone
+        d.load_state(raw + np.asarray(p, "<i4").tobytes() + len(p).to_bytes(8, "little") + b"LBTOKENS")
+        assert d.tokens == p and d.generate(PROMPT, max_tokens=10, temperature=0).tokens == ref.tokens
     with model.context(n_ctx=512) as e:
         assert e.load_state_file(tmp_path / "session.bin") == p
         r = e.generate(PROMPT, max_tokens=10, temperature=0)
@@ -122,6 +126,8 @@ def test_bad_state_raises_and_context_stays_usable(model, tmp_path):
             c.load_state(b"garbage")
         with pytest.raises(ValueError):
             c.load_state(b"\x00" * 100 + b"\x00" * 8 + b"LBTOKENS")
+        with pytest.raises(ValueError):  # the second format: a record longer than the bytes
+            c.load_state(b"\x00" * 100 + (10**6).to_bytes(8, "little") + b"\x00" * 8 + b"LBSTATE2")
         bad = tmp_path / "bad.bin"
         bad.write_bytes(b"ggsn" + b"\xff" * 64)
         with pytest.raises(ValueError):

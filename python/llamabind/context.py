@@ -351,22 +351,36 @@ class Context:
 
     def save_state(self) -> bytes:
         """The context's state as bytes: the KV cache (llama_state_get_data; at this pin it holds
-        no logits) and sequence 0's tokens. Restore with :meth:`load_state` on a context of the
-        same model and parameters; generate() then re-evaluates only the last token."""
-        return self._llama_context.state_get() + _state_trailer(self._tokens)
+        no logits) and sequence 0's record (token ids, media keys, M-RoPE media). Restore with
+        :meth:`load_state` on a context of the same model and parameters; generate() then
+        re-evaluates only the last token."""
+        spans = self._llama_context.media_spans(0)
+        return self._llama_context.state_get() + _state_trailer(self._tokens, spans)
 
     def load_state(self, data: bytes) -> None:
         """Restore :meth:`save_state` bytes. Raises ValueError (and empties the cache) for bytes
         that are not a state of this context."""
         if not isinstance(data, (bytes, bytearray)):
             raise TypeError(f"data must be bytes; got {type(data).__name__}")
-        state, tokens = _split_state(bytes(data))
+        state, tokens, spans = _split_state(bytes(data))
         self._tokens = []
         self._llama_context.state_set(state)
+        try:
+            self._llama_context.set_media_spans(0, spans)
+        except ValueError:
+            self._llama_context.clear()  # a partial restore is not a state: start empty
+            raise
         self._tokens = tokens
 
     def save_state_file(self, path: str | os.PathLike) -> None:
-        """Write the state and sequence 0's tokens to a session file (llama_state_save_file)."""
+        """Write the state and sequence 0's tokens to a session file (llama_state_save_file).
+        ValueError when sequence 0 holds images or audio (a session file holds token ids only:
+        use :meth:`save_state`)."""
+        if self._tokens and min(self._tokens) < 0:
+            raise ValueError(
+                "a session file (llama_state_save_file) holds token ids only and this context holds "
+                "images or audio: use save_state()/load_state()"
+            )
         self._llama_context.state_save_file(os.fspath(path), self._tokens)
 
     def load_state_file(self, path: str | os.PathLike) -> list[int]:
@@ -471,22 +485,33 @@ class Context:
         _core.opt_set_state(self._llama_context, it, flat)
 
 
-_TRAILER = b"LBTOKENS"
+_TRAILER = b"LBTOKENS"  # the first format (int32 token ids); still read
+_TRAILER2 = b"LBSTATE2"
 
 
-def _state_trailer(tokens: list[int]) -> bytes:
-    arr = np.asarray(tokens, dtype="<i4").tobytes()
-    return arr + len(tokens).to_bytes(8, "little") + _TRAILER
+def _state_trailer(tokens: list[int], spans: list[tuple[int, int, int]]) -> bytes:
+    """[int64 record][int64 (p0, n_pos, n_tokens) per M-RoPE medium][u64 n][u64 n_spans]LBSTATE2
+    (media keys are negative 64-bit ints; the first format, LBTOKENS, held int32 token ids)."""
+    arr = np.asarray(tokens, dtype="<i8").tobytes() + np.asarray(spans, dtype="<i8").reshape(-1, 3).tobytes()
+    return arr + len(tokens).to_bytes(8, "little") + len(spans).to_bytes(8, "little") + _TRAILER2
 
 
-def _split_state(data: bytes) -> tuple[bytes, list[int]]:
-    if len(data) < 16 or not data.endswith(_TRAILER):
-        raise ValueError("not a llamabind state (from Context.save_state)")
-    n = int.from_bytes(data[-16:-8], "little")
-    if n * 4 + 16 > len(data):
-        raise ValueError("not a llamabind state (from Context.save_state): bad token count")
-    tokens = np.frombuffer(data[-16 - 4 * n : -16], dtype="<i4").tolist()
-    return data[: -16 - 4 * n], tokens
+def _split_state(data: bytes) -> tuple[bytes, list[int], list[tuple[int, int, int]]]:
+    bad = "not a llamabind state (from Context.save_state)"
+    if len(data) >= 16 and data.endswith(_TRAILER):  # the first format: int32 token ids
+        n = int.from_bytes(data[-16:-8], "little")
+        if n * 4 + 16 > len(data):
+            raise ValueError(bad + ": bad token count")
+        return data[: -16 - 4 * n], np.frombuffer(data[-16 - 4 * n : -16], dtype="<i4").tolist(), []
+    if len(data) < 24 or not data.endswith(_TRAILER2):
+        raise ValueError(bad)
+    n, k = int.from_bytes(data[-24:-16], "little"), int.from_bytes(data[-16:-8], "little")
+    size = 8 * (n + 3 * k)
+    if size + 24 > len(data):
+        raise ValueError(bad + ": bad record size")
+    body = np.frombuffer(data[-24 - size : -24], dtype="<i8")
+    spans = [(int(a), int(b), int(c)) for a, b, c in body[n:].reshape(-1, 3)]
+    return data[: -24 - size], body[:n].tolist(), spans
 
 
 def _ids(x, what: str, lo: int) -> np.ndarray:

@@ -6,6 +6,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <Python.h>
@@ -17,6 +18,7 @@
 #include <csignal>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 namespace lb {
 
@@ -559,6 +561,30 @@ static void seq_cp(Context & self, int64_t src, int64_t dst, int64_t p0, int64_t
     }
 }
 
+// A restored state's M-RoPE media record: spans in position order, each inside n_ctx, with more
+// tokens than positions.
+static void set_media_spans(Context & self, int64_t seq,
+                            const std::vector<std::tuple<int64_t, int64_t, int64_t>> & spans) {
+    check_seq(self.get(), seq);
+    const int64_t n_ctx = llama_n_ctx_seq(self.get());
+    std::vector<Context::MediaSpan> v;
+    int64_t end = 0, extra = 0;
+    for (const auto & [p0, n_pos, n_tokens] : spans) {
+        if (p0 < end || n_pos < 1 || n_tokens <= n_pos || p0 + n_pos + extra + (n_tokens - n_pos) > n_ctx) {
+            raise_value("not a media record of this context: span (" + std::to_string(p0) + ", " +
+                        std::to_string(n_pos) + ", " + std::to_string(n_tokens) + ")");
+        }
+        end = p0 + n_pos;
+        extra += n_tokens - n_pos;
+        v.push_back(Context::MediaSpan{ (llama_pos) p0, (llama_pos) n_pos, (int32_t) n_tokens });
+    }
+    if (v.empty()) {
+        self.media.erase((llama_seq_id) seq);
+    } else {
+        self.media[(llama_seq_id) seq] = std::move(v);
+    }
+}
+
 static void seq_keep(Context & self, int64_t seq) {
     llama_memory_t mem = memory(self, seq);
     BusyGuard guard(self);
@@ -604,6 +630,20 @@ void register_context(nb::module_ & m) {
                 return n_cells(s, (llama_seq_id) seq);
             },
             nb::arg("seq_id") = 0, "KV cache cells a sequence holds: its positions, + the tokens M-RoPE media add.")
+        .def(
+            "media_spans",
+            [](Context & s, int64_t seq) {
+                check_seq(s.get(), seq);
+                std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+                auto it = s.media.find((llama_seq_id) seq);
+                if (it != s.media.end()) {
+                    for (const auto & m : it->second) out.emplace_back(m.p0, m.n_pos, m.n_tokens);
+                }
+                return out;
+            },
+            nb::arg("seq_id") = 0, "[(p0, n_pos, n_tokens)]: a sequence's M-RoPE media (for states).")
+        .def("set_media_spans", &set_media_spans, nb::arg("seq_id"), nb::arg("spans"),
+             "Replace a sequence's M-RoPE media record (a restored state's).")
         .def(
             "pos_min",
             [](Context & s, int64_t seq) {
