@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import llamabind
 from llamabind import LlamaError
@@ -259,3 +261,29 @@ def test_embeddings_pooling_on_a_decoder_model(model):
         model.embed([])
     with pytest.raises(ValueError):
         model.embed("x", pooling="max")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    record=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=8),
+    spans=st.lists(st.tuples(*[st.integers(-(2**63), 2**63 - 1)] * 3), max_size=3),
+    small=st.lists(st.tuples(*[st.integers(-2, 300)] * 3), max_size=3),
+)
+def test_any_state_trailer_is_loaded_or_refused(model, record, spans, small):
+    """A state's trailer (the record and the M-RoPE media spans) from anywhere: loaded, or a
+    ValueError with the cache emptied; the context decodes afterwards or raises, never aborts."""
+    with model.context(n_ctx=256) as c:
+        c.decode(model.tokenize("Hello"))
+        kv = c.save_state()[: -24 - 8 * len(c.tokens)]
+        for sp in (spans, small):
+            body = np.asarray(record, "<i8").tobytes() + np.asarray(sp, "<i8").reshape(-1, 3).tobytes()
+            data = kv + body + len(record).to_bytes(8, "little") + len(sp).to_bytes(8, "little") + b"LBSTATE2"
+            try:
+                c.load_state(data)
+            except ValueError:
+                assert c.n_past == 0
+                continue
+            try:
+                c.decode(model.tokenize(" world"))
+            except (ValueError, LlamaError):
+                pass

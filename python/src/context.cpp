@@ -570,7 +570,8 @@ static void set_media_spans(Context & self, int64_t seq,
     std::vector<Context::MediaSpan> v;
     int64_t end = 0, extra = 0;
     for (const auto & [p0, n_pos, n_tokens] : spans) {
-        if (p0 < end || n_pos < 1 || n_tokens <= n_pos || p0 + n_pos + extra + (n_tokens - n_pos) > n_ctx) {
+        const bool in_range = p0 >= 0 && p0 < n_ctx && n_pos >= 1 && n_pos < n_tokens && n_tokens <= n_ctx;
+        if (!in_range || p0 < end || p0 + n_tokens + extra > n_ctx) {  // (in range: no overflow)
             raise_value("not a media record of this context: span (" + std::to_string(p0) + ", " +
                         std::to_string(n_pos) + ", " + std::to_string(n_tokens) + ")");
         }
