@@ -107,9 +107,10 @@ struct Lora {
 // context.cpp: token ids as llama_token, each checked against the model's n_vocab (ValueError)
 std::vector<llama_token> checked_tokens(const Context & self, const std::vector<int64_t> & tokens);
 
-// context.cpp: the next position of a sequence, and the KV cells it holds (they differ after
+// memory.cpp: the next position of a sequence, and the KV cells it holds (they differ after
 // M-RoPE media); forget_media drops the media record of positions [p0, p1) (-1: open end; seq -1: all)
 llama_pos next_pos(Context & self, llama_seq_id seq);
+void check_seq(llama_context * c, int64_t seq);  // ValueError outside [0, n_seq_max)
 int64_t n_cells(Context & self, llama_seq_id seq);
 void forget_media(Context & self, llama_seq_id seq, llama_pos p0, llama_pos p1);
 
@@ -118,6 +119,8 @@ void free_projectors(Model & m);
 
 // state.cpp: state_get/state_set/state_save_file/state_load_file on _core.Context
 void add_state_methods(nb::class_<Context> & cls);
+// memory.cpp: pos, n_cells, clear, seq_rm/add/cp/keep and the M-RoPE media record on Context
+void add_memory_methods(nb::class_<Context> & cls);
 
 // sampling.cpp: forget the sampler attached to this context (when the context is freed)
 void forget_backend_sampler(Context & c);
