@@ -28,6 +28,7 @@ import llamabind
 IMAGE = VENDOR / "tools" / "mtmd" / "test-1.jpeg"
 AUDIO = VENDOR / "tools" / "mtmd" / "test-2.mp3"
 CPU_ONLY = {"n_gpu_layers": 0, "op_offload": False} if GPU_BUILD else {}
+CLI_CPU_ONLY = ["-ngl", "0", "--no-op-offload"] if GPU_BUILD else []  # the same for llama-mtmd-cli
 
 
 def _make_mmproj():
@@ -183,7 +184,7 @@ def test_tiled_image_equals_llama_mtmd_cli(smolvlm, model_path, tmp_path, max_to
                 plain.chat([{"role": "user", "content": [{"type": "image", "image": IMAGE}]}], max_tokens=2)
     prompt = "What is in this file?"
     dump = tmp_path / "embd.bin"
-    limit = ["--image-max-tokens", str(max_tokens)] if max_tokens else []
+    limit = (["--image-max-tokens", str(max_tokens)] if max_tokens else []) + CLI_CPU_ONLY
     want = _mtmd_cli(
         text, mmproj, IMAGE, "-p", prompt, "-n", "24", "--temp", "0", "-c", "4096", *limit,
         env={"MTMD_DEBUG_EMBEDDINGS": str(dump)},
@@ -226,7 +227,7 @@ def test_mrope_image_equals_llama_mtmd_cli(qwen2vl, tmp_path):
     text, mmproj = qwen2vl
     prompt = "What is in this file?"
     dump = tmp_path / "embd.bin"
-    limit = ("--image-max-tokens", "64", "-c", "2048")
+    limit = ("--image-max-tokens", "64", "-c", "2048", *CLI_CPU_ONLY)
     want = _mtmd_cli(
         text, mmproj, IMAGE, "-p", prompt, "-n", "24", "--temp", "0", *limit, env={"MTMD_DEBUG_EMBEDDINGS": str(dump)}
     )
