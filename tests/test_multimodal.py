@@ -339,6 +339,39 @@ def test_prompt_cache_reuses_media_across_turns(omni):
     ctx.close()
 
 
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2vl"])
+def test_generate_batch_with_media_equals_one_at_a_time(omni, qwen2vl, kind):
+    """generate_batch with an image in some prompts (sequences side by side in one KV cache, their
+    media through libmtmd at each sequence's own positions; M-RoPE too): each result equals
+    generate() of that prompt alone (greedy, CPU)."""
+    other = np.full((64, 96, 3), 200, np.uint8)
+    prompts = [
+        "Look: " + llamabind.MEDIA_MARKER + " It shows",
+        "A story about a lighthouse:",
+        "Two pictures " + llamabind.MEDIA_MARKER + llamabind.MEDIA_MARKER + " and they",
+    ]
+    media = [[IMAGE], None, [other, IMAGE]]
+    kw = dict(max_tokens=12, temperature=0)
+    if kind == "gemma3":
+        m = omni
+        got = m.generate_batch(prompts, media=media, **kw)
+        want = [m.context(n_ctx=2048).generate(p, media=md, **kw) for p, md in zip(prompts, media)]
+    else:
+        text, mmproj = qwen2vl
+        with llamabind.Model(text, mmproj=mmproj, image_max_tokens=64, n_ctx=2048, n_threads=2, **CPU_ONLY) as m:
+            got = m.generate_batch(prompts, media=media, **kw)
+            want = [m.context(n_ctx=2048).generate(p, media=md, **kw) for p, md in zip(prompts, media)]
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert [g.prompt_tokens for g in got] == [w.prompt_tokens for w in want]
+    if kind == "gemma3":
+        with pytest.raises(ValueError, match="one list per prompt"):
+            omni.generate_batch(prompts, media=media[:2])
+        with pytest.raises(ValueError, match="end in text"):  # Ultravox puts no text after a clip
+            omni.generate_batch(["Hear: " + llamabind.MEDIA_MARKER], media=[[AUDIO]])
+        with llamabind.Model(omni.path, n_ctx=256) as text_only, pytest.raises(ValueError, match="projector"):
+            text_only.generate_batch(prompts[:1], media=media[:1])
+
+
 def test_every_way_of_passing_an_image_is_the_same_image(omni, tmp_path):
     data = IMAGE.read_bytes()
     url = "data:image/jpeg;base64," + base64.b64encode(data).decode()

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _log
+from . import _log, multimodal
 from ._validate import as_int, prompt_tokens, stop_strings
 from .context import Context, release_threads
 from .generation import GenerationResult, Processing, TextState, Timings, logits_processors
@@ -42,6 +42,8 @@ def generate_batch(
     add_special: bool = True,
     parse_special: bool = True,
     logits_processor: Any = None,
+    media: Sequence[Sequence[Any] | None] | None = None,
+    fetch: multimodal.Fetch | None = None,
     **sampling: Any,
 ) -> list[GenerationResult]:
     """Generate a continuation of every prompt together: one context with a KV cache sequence
@@ -54,6 +56,10 @@ def generate_batch(
         n_ctx: the shared KV cache size (default: room for every prompt plus max_tokens).
         logits_processor: as :meth:`Context.generate`'s, called for every sequence with that
             sequence's input ids and logits.
+        media: one list of images/audio per prompt (None or [] for a text prompt), each for a
+            :data:`~llamabind.projector.MEDIA_MARKER` in that prompt, as ``generate(media=)``
+            takes them (the model needs a projector; ``fetch`` as there). A prompt with media
+            ends in text (a chat template's prompt does).
 
     Returns one :class:`GenerationResult` per prompt, in order. With temperature 0 each result
     equals ``Model.generate`` of that prompt alone. Raises ValueError/TypeError as generate().
@@ -72,8 +78,29 @@ def generate_batch(
     def tokenize(text: str) -> list[int]:
         return model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
-    toks = [prompt_tokens(p, tokenize, model.n_vocab, f"prompts[{i}]") for i, p in enumerate(prompts)]
-    need = sum(len(t) + max_tokens for t in toks)
+    if media is not None and len(media) != len(prompts):
+        raise ValueError(f"media must hold one list per prompt ({len(prompts)}); got {len(media)}")
+    mps: list[multimodal.MediaPrompt | None] = [None] * len(prompts)
+    for i, sources in enumerate(media or []):
+        if sources:
+            projector = multimodal.projector_of(model)
+            if projector is None:
+                raise ValueError("media need a projector: Model(..., mmproj=...) or model.load_mmproj(...)")
+            text = prompts[i]
+            if not isinstance(text, str):
+                raise TypeError(f"prompts[{i}] has media: it must be a str with one MEDIA_MARKER per medium")
+            mp = multimodal.prompt(
+                projector, text, list(sources), fetch=fetch, add_special=add_special, parse_special=parse_special
+            )
+            if not isinstance(mp.pieces[-1], int):
+                raise ValueError(f"prompts[{i}] ends in a medium: a prompt with media must end in text")
+            mps[i] = mp
+    toks = [
+        mp.text_tokens if mp is not None else prompt_tokens(p, tokenize, model.n_vocab, f"prompts[{i}]")
+        for i, (p, mp) in enumerate(zip(prompts, mps))
+    ]
+    sizes = [mp.n_tokens if mp is not None else len(t) for mp, t in zip(mps, toks)]
+    need = sum(n + max_tokens for n in sizes)
     n_ctx = as_int(n_ctx, "n_ctx", 8) if n_ctx is not None else max(256, need)
     base = model.context_params
     ctx = Context(
@@ -94,7 +121,7 @@ def generate_batch(
             seed = None if params.seed is None else (params.seed + i) & 0xFFFFFFFF
             samplers.append(dataclasses.replace(params, seed=seed).build(model))
         procs = [Processing(fns, t) if fns else None for t in toks]
-        return _run_batch(ctx, toks, max_tokens, samplers, stops, procs)
+        return _run_batch(ctx, toks, max_tokens, samplers, stops, procs, mps)
     finally:
         for s in samplers:
             s.close()
@@ -109,6 +136,7 @@ def _run_batch(
     samplers: list[Sampler],
     stops: list[str],
     procs: list[Processing | None],
+    mps: list[multimodal.MediaPrompt | None],
 ) -> list[GenerationResult]:
 
     def sample(i: int, idx: int) -> int:
@@ -120,17 +148,30 @@ def _run_batch(
     model = ctx.model
     n_batch, n_ctx = ctx.n_batch, ctx.n_ctx
     n = len(toks)
-    timings = [Timings(prompt_tokens=len(t)) for t in toks]
+    timings = [Timings(prompt_tokens=mp.n_tokens if mp is not None else len(t)) for mp, t in zip(mps, toks)]
     states = [TextState(model, stops) for _ in toks]
     generated: list[list[int]] = [[] for _ in toks]
     finish = ["length"] * n
     nxt: dict[int, int] = {}  # sequence -> sampled token, to evaluate in the next step
     t0 = time.perf_counter()
-    # prompts: all but the last token in n_batch chunks per sequence, then the last tokens packed
-    heads = [t[:-1] for t in toks]
-    for i, h in enumerate(heads):
-        if h:
-            ctx.decode_sequence(h, i)
+    # prompts: all but the last token in n_batch chunks per sequence (media through libmtmd), then
+    # the last tokens packed
+    for i, (ids, mp) in enumerate(zip(toks, mps)):
+        if mp is None:
+            if len(ids) > 1:
+                ctx.decode_sequence(ids[:-1], i)
+            continue
+        run: list[int] = []
+        for piece in mp.pieces[:-1]:
+            if isinstance(piece, int):
+                run.append(piece)
+                continue
+            if run:
+                ctx.decode_sequence(run, i)
+                run = []
+            ctx.decode_media(piece, logits_last=False, seq_id=i)
+        if run:
+            ctx.decode_sequence(run, i)
     for group in pack([1] * n, n_batch, n):
         idx = ctx.decode_batch([(i, [toks[i][-1]]) for i in group])
         for k, i in enumerate(group):
@@ -157,7 +198,7 @@ def _run_batch(
             if states[i].matched is not None:
                 finish[i] = "stop"
                 active.discard(i)
-            elif len(generated[i]) >= max_tokens or ctx.pos(i) + 1 >= n_ctx:
+            elif len(generated[i]) >= max_tokens or ctx.kv_cells(i) + 1 >= n_ctx:
                 active.discard(i)
             else:
                 step.append(i)
@@ -177,7 +218,7 @@ def _run_batch(
                 text=states[i].text,
                 tokens=generated[i],
                 finish_reason=finish[i],
-                prompt_tokens=len(toks[i]),
+                prompt_tokens=timings[i].prompt_tokens,
                 timings=timings[i],
                 stop=states[i].matched,
             )

@@ -153,6 +153,10 @@ class Context:
         M-RoPE medium has beyond its positions (an image of h x w tokens takes max(h, w) positions)."""
         return self._llama_context.n_cells(0)
 
+    def kv_cells(self, seq_id: int = 0) -> int:
+        """:attr:`n_cells` of any sequence. ValueError for a seq_id outside [0, n_seq_max)."""
+        return self._llama_context.n_cells(seq_id)
+
     @property
     def tokens(self) -> list[int]:
         """The token ids of sequence 0 in the KV cache (a copy)."""
@@ -248,15 +252,16 @@ class Context:
         known = len(self._tokens) == n
         self._tokens = self._tokens[:n_keep] + self._tokens[n_keep + n_discard :] if known else []
 
-    def decode_media(self, chunk: Any, *, logits_last: bool = True) -> None:
+    def decode_media(self, chunk: Any, *, logits_last: bool = True, seq_id: int = 0) -> None:
         """Evaluate an image or audio chunk (a :class:`~llamabind.projector.MediaChunk` of
-        ``Projector.tokenize``) after what sequence 0 holds: its encoder runs, then its embeddings
-        go through llama_decode in n_batch pieces (libmtmd's mtmd_helper_eval_chunk_single).
-        Its positions show as ``chunk.key`` in :attr:`tokens`. Raises ValueError when n_ctx has no
-        room for it, LlamaError when the encoder or decode fails; Ctrl-C rolls it back."""
-        n0 = self.n_past
-        chunk.native_eval(self._llama_context, n0, bool(logits_last))
-        if len(self._tokens) == n0:
+        ``Projector.tokenize``) after what sequence ``seq_id`` holds: its encoder runs, then its
+        embeddings go through llama_decode in n_batch pieces (libmtmd's
+        mtmd_helper_eval_chunk_single). In sequence 0 its positions show as ``chunk.key`` in
+        :attr:`tokens`. Raises ValueError when n_ctx has no room for it or for a seq_id outside
+        [0, n_seq_max), LlamaError when the encoder or decode fails; Ctrl-C rolls it back."""
+        n0 = self.pos(seq_id)
+        chunk.native_eval(self._llama_context, n0, bool(logits_last), seq_id)
+        if seq_id == 0 and len(self._tokens) == n0:
             self._tokens += [chunk.key] * (self.n_past - n0)
 
     def prefill(self, tokens: Sequence[int]) -> int:

@@ -260,6 +260,7 @@ static int64_t eval_media(Projector & self, Context & ctx, const Chunk & chunk, 
     mtmd_context * c = self.get();
     llama_context * lc = ctx.get();
     if (ctx.owner != self.owner) raise_value("the context is on a different model than the projector");
+    check_seq(lc, seq_id);
     if (mtmd_input_chunk_get_type(chunk.c.get()) == MTMD_INPUT_CHUNK_TYPE_TEXT)
         raise_value("eval_media takes an image or audio chunk");
     const llama_pos n_pos = mtmd_input_chunk_get_n_pos(chunk.c.get());
