@@ -161,17 +161,7 @@ def _run_batch(
             if len(ids) > 1:
                 ctx.decode_sequence(ids[:-1], i)
             continue
-        run: list[int] = []
-        for piece in mp.pieces[:-1]:
-            if isinstance(piece, int):
-                run.append(piece)
-                continue
-            if run:
-                ctx.decode_sequence(run, i)
-                run = []
-            ctx.decode_media(piece, logits_last=False, seq_id=i)
-        if run:
-            ctx.decode_sequence(run, i)
+        multimodal.evaluate(ctx, mp.pieces[:-1], seq_id=i)
     for group in pack([1] * n, n_batch, n):
         idx = ctx.decode_batch([(i, [toks[i][-1]]) for i in group])
         for k, i in enumerate(group):

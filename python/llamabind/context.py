@@ -260,7 +260,7 @@ class Context:
         :attr:`tokens`. Raises ValueError when n_ctx has no room for it or for a seq_id outside
         [0, n_seq_max), LlamaError when the encoder or decode fails; Ctrl-C rolls it back."""
         n0 = self.pos(seq_id)
-        chunk.native_eval(self._llama_context, n0, bool(logits_last), seq_id)
+        chunk.native_eval(self._llama_context, bool(logits_last), seq_id)
         if seq_id == 0 and len(self._tokens) == n0:
             self._tokens += [chunk.key] * (self.n_past - n0)
 

@@ -158,16 +158,28 @@ def prefill(ctx: Context, p: MediaPrompt) -> int:
         ctx.clear()
     else:
         ctx.truncate(n)
+    evaluate(ctx, p.pieces[first:])
+    return reused
+
+
+def evaluate(ctx: Context, pieces: Sequence[int | MediaChunk], seq_id: int = 0) -> None:
+    """Decode ``pieces`` after what sequence ``seq_id`` holds: each run of token ids in one call
+    (:meth:`Context.decode` for sequence 0, which keeps its token record; else
+    :meth:`Context.decode_sequence`), each medium through :meth:`Context.decode_media`; the last
+    piece keeps its logits. Raises as those do."""
     run: list[int] = []  # consecutive token ids, decoded together
-    rest = p.pieces[first:]
-    for k, piece in enumerate(rest):
+
+    def flush() -> None:
+        if run and seq_id == 0:
+            ctx.decode(run)
+        elif run:
+            ctx.decode_sequence(run, seq_id)
+        run.clear()
+
+    for k, piece in enumerate(pieces):
         if isinstance(piece, MediaChunk):
-            if run:
-                ctx.decode(run)
-                run = []
-            ctx.decode_media(piece, logits_last=k == len(rest) - 1)
+            flush()
+            ctx.decode_media(piece, logits_last=k == len(pieces) - 1, seq_id=seq_id)
         else:
             run.append(piece)
-    if run:
-        ctx.decode(run)
-    return reused
+    flush()

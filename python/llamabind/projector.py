@@ -44,9 +44,10 @@ class MediaChunk:
     native: Any = field(repr=False)
     projector: Any = field(repr=False)
 
-    def native_eval(self, llama_context: Any, n_past: int, logits_last: bool, seq_id: int = 0) -> None:
-        """Context.decode_media's call into libmtmd (mtmd_helper_eval_chunk_single)."""
-        self.projector.eval_media(llama_context, self.native, n_past, seq_id, logits_last)
+    def native_eval(self, llama_context: Any, logits_last: bool, seq_id: int = 0) -> None:
+        """Context.decode_media's call into libmtmd (mtmd_helper_eval_chunk_single after what
+        sequence seq_id holds)."""
+        self.projector.eval_media(llama_context, self.native, seq_id, logits_last)
 
 
 def _key(media_id: str) -> int:

@@ -7,7 +7,6 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
-#include <limits>
 #include <tuple>
 
 namespace lb {
@@ -28,15 +27,16 @@ int64_t n_cells(Context & self, llama_seq_id seq) {
     return n;
 }
 
+// Whether a medium starts in positions [p0, p1) (p0 -1: from 0; p1 -1: open end), as llama_memory_seq_* read them.
+static bool starts_in(const Context::MediaSpan & m, int64_t p0, int64_t p1) {
+    return m.p0 >= std::max<int64_t>(p0, 0) && (p1 < 0 || m.p0 < p1);
+}
+
 void forget_media(Context & self, llama_seq_id seq, llama_pos p0, llama_pos p1) {
-    const llama_pos lo = std::max<llama_pos>(p0, 0);
-    const llama_pos hi = p1 < 0 ? std::numeric_limits<llama_pos>::max() : p1;
     for (auto it = self.media.begin(); it != self.media.end();) {
         if (seq < 0 || it->first == seq) {
             auto & v = it->second;
-            v.erase(std::remove_if(v.begin(), v.end(),
-                                   [&](const Context::MediaSpan & m) { return m.p0 >= lo && m.p0 < hi; }),
-                    v.end());
+            v.erase(std::remove_if(v.begin(), v.end(), [&](const auto & m) { return starts_in(m, p0, p1); }), v.end());
         }
         it = it->second.empty() ? self.media.erase(it) : std::next(it);
     }
@@ -85,7 +85,7 @@ static void seq_add(Context & self, int64_t seq, int64_t p0, int64_t p1, int64_t
     auto it = self.media.find((llama_seq_id) seq);
     if (it != self.media.end()) {
         for (auto & m : it->second) {
-            if (m.p0 >= std::max<int64_t>(p0, 0) && (p1 < 0 || m.p0 < p1)) m.p0 += (llama_pos) delta;
+            if (starts_in(m, p0, p1)) m.p0 += (llama_pos) delta;
         }
     }
 }
@@ -102,7 +102,7 @@ static void seq_cp(Context & self, int64_t src, int64_t dst, int64_t p0, int64_t
         std::vector<Context::MediaSpan> spans = it->second;  // copied first: dst's entry may be created
         auto & out = self.media[(llama_seq_id) dst];
         for (const auto & m : spans) {
-            if (m.p0 >= std::max<int64_t>(p0, 0) && (p1 < 0 || m.p0 < p1)) out.push_back(m);
+            if (starts_in(m, p0, p1)) out.push_back(m);
         }
         std::sort(out.begin(), out.end(), [](const auto & a, const auto & b) { return a.p0 < b.p0; });
         if (out.empty()) self.media.erase((llama_seq_id) dst);

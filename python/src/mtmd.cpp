@@ -75,12 +75,6 @@ struct Chunk {
     std::unique_ptr<mtmd_input_chunk, decltype(&mtmd_input_chunk_free)> c{ nullptr, &mtmd_input_chunk_free };
 };
 
-// libmtmd's logs -> Python logging (register_mtmd; ServerCore sets it again after tools/server's
-// server_context constructor has pointed it at common's silenced logger)
-static void own_logs() {
-    mtmd_helper_log_set(log_to_python, nullptr);
-}
-
 static bool capture_cb(ggml_tensor * t, bool ask, void * ud) {
     auto * p = static_cast<Projector *>(ud);
     auto save = [p](ggml_tensor * x) {
@@ -252,23 +246,19 @@ static nb::list tokenize(const Projector & self, const std::string & text, const
     return chunks;
 }
 
-// Evaluate one media chunk after position n_past of seq_id (mtmd_helper_eval_chunk_single: the
-// encoder, then the embeddings through llama_decode in n_batch pieces, non-causal where the model
-// wants it). Returns the next position. Ctrl-C (between decode steps) rolls the chunk back.
-static int64_t eval_media(Projector & self, Context & ctx, const Chunk & chunk, int64_t n_past, int64_t seq_id,
-                          bool logits_last) {
+// Evaluate one media chunk after what seq_id holds (mtmd_helper_eval_chunk_single: the encoder,
+// then the embeddings through llama_decode in n_batch pieces, non-causal where the model wants it).
+// Returns the next position. Ctrl-C (between decode steps) rolls the chunk back.
+static int64_t eval_media(Projector & self, Context & ctx, const Chunk & chunk, int64_t seq_id, bool logits_last) {
     mtmd_context * c = self.get();
     llama_context * lc = ctx.get();
     if (ctx.owner != self.owner) raise_value("the context is on a different model than the projector");
     check_seq(lc, seq_id);
+    const llama_pos n_past = next_pos(ctx, (llama_seq_id) seq_id);
     if (mtmd_input_chunk_get_type(chunk.c.get()) == MTMD_INPUT_CHUNK_TYPE_TEXT)
         raise_value("eval_media takes an image or audio chunk");
     const llama_pos n_pos = mtmd_input_chunk_get_n_pos(chunk.c.get());
     const size_t n_tokens = mtmd_input_chunk_get_n_tokens(chunk.c.get());
-    if (n_past != next_pos(ctx, (llama_seq_id) seq_id)) {
-        raise_value("eval_media: n_past " + std::to_string(n_past) + " is not the sequence's next position " +
-                    std::to_string(next_pos(ctx, (llama_seq_id) seq_id)));
-    }
     const int64_t held = n_cells(ctx, (llama_seq_id) seq_id);
     const uint32_t n_ctx = llama_n_ctx_seq(lc);
     if ((uint64_t) held + n_tokens > n_ctx) {
@@ -279,20 +269,20 @@ static int64_t eval_media(Projector & self, Context & ctx, const Chunk & chunk, 
     ctx.check_no_views("decode");
     BusyGuard guard(ctx);
     SigintScope sigint;
-    llama_pos new_n_past = (llama_pos) n_past;
+    llama_pos new_n_past = n_past;
     int32_t rc;
     clear_recent_errors();
     ctx.has_logits = false;
     {
         ModelUse use(*self.owner);
         nb::gil_scoped_release release;
-        rc = mtmd_helper_eval_chunk_single(c, lc, chunk.c.get(), (llama_pos) n_past, (llama_seq_id) seq_id,
+        rc = mtmd_helper_eval_chunk_single(c, lc, chunk.c.get(), n_past, (llama_seq_id) seq_id,
                                            (int32_t) llama_n_batch(lc), logits_last, &new_n_past);
         if (rc == 0) llama_synchronize(lc);
     }
     flush_logs();
     if (rc != 0) {
-        llama_memory_seq_rm(llama_get_memory(lc), (llama_seq_id) seq_id, (llama_pos) n_past, -1);
+        llama_memory_seq_rm(llama_get_memory(lc), (llama_seq_id) seq_id, n_past, -1);
         if (g_interrupted.load()) {
             if (PyErr_CheckSignals() != 0) throw nb::python_error();
             raise_keyboard_interrupt();
@@ -301,7 +291,7 @@ static int64_t eval_media(Projector & self, Context & ctx, const Chunk & chunk, 
                          ")\n" + take_recent_errors());
     }
     if ((size_t) n_pos != n_tokens) {  // M-RoPE: n_tokens cells on n_pos positions
-        ctx.media[(llama_seq_id) seq_id].push_back(Context::MediaSpan{ (llama_pos) n_past, n_pos, (int32_t) n_tokens });
+        ctx.media[(llama_seq_id) seq_id].push_back(Context::MediaSpan{ n_past, n_pos, (int32_t) n_tokens });
     }
     ctx.has_logits = logits_last;
     ctx.n_batch_last = logits_last ? 1 : 0;
@@ -332,7 +322,9 @@ static nb::ndarray<nb::numpy, float> encode(Projector & self, const Chunk & chun
 }
 
 void register_mtmd(nb::module_ & m) {
-    own_logs();  // mtmd's and clip's logs -> Python logging
+    // mtmd's and clip's logs -> Python logging (ServerCore sets it again: tools/server's
+    // server_context constructor points it at common's silenced logger)
+    mtmd_helper_log_set(log_to_python, nullptr);
     nb::class_<Media>(m, "Media", "An image or audio clip decoded for a projector (mtmd_bitmap).")
         .def_prop_ro("is_audio", [](const Media & x) { return mtmd_bitmap_is_audio(x.get()); })
         .def_prop_ro("nx", [](const Media & x) { return mtmd_bitmap_get_nx(x.get()); })
@@ -378,7 +370,7 @@ void register_mtmd(nb::module_ & m) {
         .def("media_from_pcm", &media_from_pcm, nb::arg("pcm"), nb::arg("id"), nb::rv_policy::take_ownership)
         .def("tokenize", &tokenize, nb::arg("text"), nb::arg("media"), nb::arg("add_special") = true,
              nb::arg("parse_special") = true)
-        .def("eval_media", &eval_media, nb::arg("context"), nb::arg("chunk"), nb::arg("n_past"), nb::arg("seq_id") = 0,
+        .def("eval_media", &eval_media, nb::arg("context"), nb::arg("chunk"), nb::arg("seq_id") = 0,
              nb::arg("logits_last") = true)
         .def("encode", &encode, nb::arg("chunk"))
         .def("captured", [](Projector & p) {
