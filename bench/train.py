@@ -1,26 +1,31 @@
 #!/usr/bin/env python3
-"""Fine-tuning throughput and peak memory: llamabind (full, LoRA over F32, QLoRA over the quantized
-GGUF, at batch 1 and --batch B), upstream's llama-finetune from the same tree, and PyTorch
-(transformers' LlamaForCausalLM from the same F32 GGUF; f32, tf32 and bf16 autocast; full and
-peft LoRA) on the CPU or the GPU, in one run, on the same windows of the same text.
+"""Fine-tuning throughput and peak memory: llamabind (full, LoRA over F32, over F16/BF16, QLoRA over
+the quantized GGUF), upstream's llama-finetune from the same tree, and PyTorch (transformers'
+LlamaForCausalLM from the same F32 GGUF; f32, tf32 and bf16 autocast; full and peft LoRA) on the CPU
+or the GPU, in one run, on the same windows of the same text, for every --ctx x --batch.
 
-    python bench/train.py [--threads 2] [--ctx 256] [--chars 12000] [-ngl 0] [--batch 4]
-        [--model smollm2-135m-instruct | --size 1b] [--runners full,lora,qlora,finetune]
+    python bench/train.py [--threads 2] [--ctx 256[,2048]] [--chars 12000] [-ngl 0] [--batch 1,4]
+        [--model smollm2-135m-instruct | --size 1b] [--runners full,lora,lora-f16,lora-bf16,qlora,finetune]
         [--torch PYTHON] [--torch-device cpu|cuda] [--torch-runs f32,tf32,bf16,lora]
-        [--steps N] [--out FILE.json]
+        [--steps N] [--peak TFLOPS] [--out FILE.json]
 
 Data: the pinned tree's docs/build.md (its first --chars characters, repeated for more), cut as
 upstream's common_opt_dataset_init does: windows of ctx + 1 tokens every ctx / 2, the last 10% held
 out. Full fine-tunes take AdamW lr 1e-5, LoRA r8 (attn_q, attn_v; alpha 16) lr 1e-4, windows in
 order. The model: the default SmolLM2-135M (Q4_1, token_embd Q8_0, tied output: its QLoRA base as
 shipped; the F32 copy for full and LoRA) or, with --size, a random-weight llama of that shape
-(bench/make_model.py: Q4_0 for QLoRA, its F32 copy for the rest).
+(bench/make_model.py: Q4_0 for QLoRA, its F32 copy for the rest; lora-f16/-bf16: LoRA over F16/BF16
+copies). A batch runs as one graph (its windows as sequences); full fine-tunes train every weight,
+token_embd included, on both sides.
 
 Every runner is its own process. "train tok/s" counts the training tokens of the optimizer steps
 after the first (its graph allocation and warm-up left out) over their time; --steps steps per
 runner (default: one pass over the train windows; the JSON keeps every step's time). Peak memory:
 RSS (ru_maxrss) and, on a GPU, the process's GPU memory as nvidia-smi reports it (the CUDA context
-included, for every runner alike), sampled every 0.2 s.
+included, for every runner alike), sampled every 0.2 s. TFLOP/s: per token 6 N + 12 L T d for a full
+fine-tune, 4 N + 8 L T d for LoRA (no weight gradients; the adapters' own products left out), N the
+parameters in matrix products, L layers, T ctx, d n_embd; MFU against --peak (default the H100 SXM's
+dense TF32, 494.7; the CPU rows' MFU is meaningless).
 llama-finetune's row (full fine-tune, its whole-second timings: give it a long text on a GPU) is
 the native reference. Prints a table and writes bench/results/train-<host>-<date>.json (--out).
 """
@@ -70,6 +75,19 @@ def worker_llamabind(args) -> dict:
     )  # fmt: skip
 
 
+def flops_per_token(path: Path, ctx: int, lora: bool) -> float:
+    """6 N + 12 L T d (full) or 4 N + 8 L T d (LoRA): N the parameters in matrix products (the
+    output matrix, tied or not; not token_embd's lookup)."""
+    import gguf
+
+    shapes = {t.name: [int(n) for n in t.shape] for t in gguf.GGUFReader(path).tensors}
+    n_layer = len({n.split(".")[1] for n in shapes if n.startswith("blk.")})
+    d, n_vocab = shapes["token_embd.weight"][:2]
+    n = sum(s[0] * s[1] for name, s in shapes.items() if len(s) == 2 and name != "token_embd.weight")
+    n += d * n_vocab if "output.weight" not in shapes else 0
+    return (4 * n + 8 * n_layer * ctx * d) if lora else (6 * n + 12 * n_layer * ctx * d)
+
+
 def _diffs(times: list[float]) -> list[float]:
     return [round(b - a, 5) for a, b in zip(times, times[1:])]
 
@@ -94,7 +112,6 @@ torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
 torch.backends.cudnn.allow_tf32 = prec == "tf32"
 p = Path(cfg["model"])
 m = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).to(dev).train()
-m.model.embed_tokens.weight.requires_grad_(False)  # as llama.cpp: token_embd is not trained
 if cfg["lora"]:
     from peft import LoraConfig, get_peft_model
     m = get_peft_model(m, LoraConfig(r=cfg["rank"], lora_alpha=2 * cfg["rank"], lora_dropout=0.0,
@@ -179,30 +196,36 @@ def run_llama_finetune(exe: Path, model: Path, data: Path, args, out: Path) -> d
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--ctx", default="256", help="tokens per window, comma-separated for several")
     ap.add_argument("--chars", type=int, default=12000)
     ap.add_argument("-ngl", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=4, help="the batched rows' windows per step (besides batch 1)")
+    ap.add_argument("--batch", default="1,4", help="windows per step, comma-separated")
+    ap.add_argument("--peak", type=float, default=494.7, help="dense peak TFLOP/s for MFU (H100 SXM TF32)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per runner (default: one epoch)")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a model name or a quantized GGUF")
     ap.add_argument("--size", default=None, help="a random-weight llama of this bench/make_model.py shape instead")
     ap.add_argument(
-        "--runners", default="full,lora,qlora,finetune", help="full, lora, qlora, finetune (llama-finetune)"
+        "--runners", default="full,lora,qlora,finetune", help="full, lora, lora-f16, lora-bf16, qlora, finetune"
     )
     ap.add_argument("--torch", default=None, help="python with torch + transformers (+ peft for the LoRA row)")
     ap.add_argument("--torch-device", default="cpu")
     ap.add_argument("--torch-runs", default="f32", help="f32, tf32, bf16 (full fine-tunes) and lora (peft, f32)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=["full", "lora"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-ctx", type=int, default=256, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-batch", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        args.mode = args.worker
+        args.mode, args.ctx, args.batch = args.worker, args.worker_ctx, args.worker_batch
         print(json.dumps(worker_llamabind(args)))
         return 0
+    ctxs = [int(c) for c in str(args.ctx).split(",")]
+    batches = sorted({int(b) for b in str(args.batch).split(",")})
 
     import llamabind
     from llamabind import models, train
+    from llamabind.model import quantize
 
     rows: dict[str, dict] = {}
     runners = args.runners.split(",")
@@ -216,6 +239,11 @@ def main() -> int:
             quant = Path(models.resolve(args.model))
         f32 = tmpd / "f32.gguf"
         train.to_f32(quant, f32)
+        half = {}
+        for r, ftype in (("lora-f16", "F16"), ("lora-bf16", "BF16")):
+            if r in runners:
+                half[r] = tmpd / f"{ftype.lower()}.gguf"
+                quantize(f32, half[r], ftype)
         with llamabind.Model(quant, vocab_only=True) as v:
             qtype = next(t for name, t, _ in v.tensor_info() if name == "blk.0.attn_q.weight").upper()
             desc = f"{quant.name} ({v.n_params / 1e6:.0f} M parameters, attn_q {qtype})"
@@ -223,53 +251,77 @@ def main() -> int:
         doc = (ROOT / "vendor/llama.cpp/docs/build.md").read_text(encoding="utf-8")
         data.write_text((doc * (args.chars // len(doc) + 1))[: args.chars])
 
-        def ours(mode: str, model: Path, batch: int) -> dict:
+        def ours(mode: str, model: Path, ctx: int, batch: int) -> dict:
             cmd = [sys.executable, __file__, "--worker", mode, "--model", str(model), "--data", str(data)]
-            cmd += ["--threads", str(args.threads), "--ctx", str(args.ctx), "-ngl", str(args.ngl)]
-            cmd += ["--batch", str(batch)] + (["--steps", str(args.steps)] if args.steps else [])
-            out, _, gpu_mb = run_process(cmd)
-            return {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
+            cmd += ["--threads", str(args.threads), "--worker-ctx", str(ctx), "-ngl", str(args.ngl)]
+            cmd += ["--worker-batch", str(batch)] + (["--steps", str(args.steps)] if args.steps else [])
+            try:
+                out, _, gpu_mb = run_process(cmd)
+            except RuntimeError as err:
+                return dict(error=str(err)[-600:], batch=batch, ctx=ctx)
+            return {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb, "ctx": ctx}
 
-        if "finetune" in runners:
-            exe = llamabind.tool_path("llama-finetune")
-            if exe is None:
-                print("llama-finetune not built: ./dev setup (LLAMABIND_BUILD_TOOLS=ON)", file=sys.stderr)
-                return 1
-            rows["llama-finetune full, batch 1"] = run_llama_finetune(exe, f32, data, args, tmpd / "out.gguf")
-        for b in sorted({1, args.batch}):
-            if "full" in runners:
-                rows[f"llamabind full, batch {b}"] = ours("full", f32, b)
-            if "lora" in runners:
-                rows[f"llamabind LoRA r{RANK} (F32 base), batch {b}"] = ours("lora", f32, b)
-            if "qlora" in runners:
-                rows[f"llamabind QLoRA r{RANK} ({qtype} base), batch {b}"] = ours("lora", quant, b)
-        if args.torch:
-            with llamabind.Model(f32, vocab_only=True) as v:
-                win = train.windows(v.tokenize(data.read_text(encoding="utf-8"), add_special=True), args.ctx)
-            n_train = int(len(win) * 0.9)
-            for run in args.torch_runs.split(","):
-                for b in sorted({1, args.batch}):
-                    lora = run == "lora"
-                    steps = args.steps or -(-n_train // b)
-                    cfg = dict(model=str(f32), threads=args.threads, lr=LR_LORA if lora else LR_FULL, lora=lora,
-                               rank=RANK, windows=win.tolist(), n_train=n_train, batch=b, steps=steps,
-                               device=args.torch_device, precision="f32" if lora else run)  # fmt: skip
-                    job = tmpd / "torch-job.json"  # the windows: too long for a command line
-                    job.write_text(json.dumps(cfg))
-                    out, _, gpu_mb = run_process([args.torch, "-c", TORCH_WORKER, str(job)])
-                    name = f"PyTorch {args.torch_device} " + (f"LoRA r{RANK} (peft, f32)" if lora else f"full {run}")
-                    rows[f"{name}, batch {b}"] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
+        for ctx in ctxs:
+            fpt = {lora: flops_per_token(f32, ctx, lora) for lora in (False, True)}
+            args.ctx = ctx
+            if "finetune" in runners:
+                exe = llamabind.tool_path("llama-finetune")
+                if exe is None:
+                    print("llama-finetune not built: ./dev setup (LLAMABIND_BUILD_TOOLS=ON)", file=sys.stderr)
+                    return 1
+                name = f"llama-finetune full, ctx {ctx}, batch 1"
+                rows[name] = {**run_llama_finetune(exe, f32, data, args, tmpd / "out.gguf"), "fpt": fpt[False]}
+            for b in batches:
+                base = {"full": ("full", f32, "full"), "lora": ("lora", f32, f"LoRA r{RANK} (F32 base)")}
+                base["lora-f16"] = ("lora", half.get("lora-f16"), f"LoRA r{RANK} (F16 base)")
+                base["lora-bf16"] = ("lora", half.get("lora-bf16"), f"LoRA r{RANK} (BF16 base)")
+                base["qlora"] = ("lora", quant, f"QLoRA r{RANK} ({qtype} base)")
+                for r in runners:
+                    if r in base:
+                        mode, path, what = base[r]
+                        rows[f"llamabind {what}, ctx {ctx}, batch {b}"] = {
+                            **ours(mode, path, ctx, b),
+                            "fpt": fpt[mode == "lora"],
+                        }
+            if args.torch:
+                with llamabind.Model(f32, vocab_only=True) as v:
+                    win = train.windows(v.tokenize(data.read_text(encoding="utf-8"), add_special=True), ctx)
+                n_train = int(len(win) * 0.9)
+                for run in args.torch_runs.split(","):
+                    for b in batches:
+                        lora = run == "lora"
+                        steps = args.steps or -(-n_train // b)
+                        cfg = dict(model=str(f32), threads=args.threads, lr=LR_LORA if lora else LR_FULL, lora=lora,
+                                   rank=RANK, windows=win.tolist(), n_train=n_train, batch=b, steps=steps,
+                                   device=args.torch_device, precision="f32" if lora else run)  # fmt: skip
+                        job = tmpd / "torch-job.json"  # the windows: too long for a command line
+                        job.write_text(json.dumps(cfg))
+                        name = f"PyTorch {args.torch_device} " + (
+                            f"LoRA r{RANK} (peft, f32)" if lora else f"full {run}"
+                        )
+                        name += f", ctx {ctx}, batch {b}"
+                        try:
+                            out, _, gpu_mb = run_process([args.torch, "-c", TORCH_WORKER, str(job)])
+                            rows[name] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
+                        except RuntimeError as err:
+                            oom = "out of memory" in str(err).lower()
+                            rows[name] = dict(error="out of memory" if oom else str(err)[-600:], batch=b)
+                        rows[name].update(ctx=ctx, fpt=fpt[lora])
 
-    print(
-        f"\n{desc}, ctx {args.ctx}, {args.threads} threads, -ngl {args.ngl}, AdamW (full lr {LR_FULL}, LoRA {LR_LORA})"
-    )
-    print(f"| {'runner':44s} | steps | train tok/s | peak RSS MiB | peak GPU MiB | val loss |")
-    print(f"|{'-' * 46}|-------|-------------|--------------|--------------|----------|")
+    print(f"\n{desc}, {args.threads} threads, -ngl {args.ngl}, AdamW (full lr {LR_FULL}, LoRA {LR_LORA})")
+    print(f"| {'runner':58s} | steps | train tok/s | TFLOP/s | MFU | peak RSS MiB | peak GPU MiB | val loss |")
+    print(f"|{'-' * 60}|-------|-------------|---------|-----|--------------|--------------|----------|")
     for name, r in rows.items():
+        if "error" in r:
+            print(f"| {name:58s} | {r['error'][:60]} |")
+            continue
         vl, gm = r.get("val_loss"), r.get("peak_gpu_mb")
+        r["tflops"] = r["fpt"] * r["train_tok_s"] / 1e12
+        r["mfu"] = r["tflops"] / args.peak
         print(
-            f"| {name:44s} | {r['steps']:5d} | {r['train_tok_s']:11.1f} | {r['peak_rss_mb']:12.0f} | "
-            f"{'-' if gm is None else gm:>12} | {'-' if vl is None else round(vl, 4)!s:>8} |"
+            f"| {name:58s} | {r['steps']:5d} | {r['train_tok_s']:11.1f} | {r['tflops']:7.1f} | "
+            f"{100 * r['mfu']:4.1f}% | "
+            f"{r['peak_rss_mb']:12.0f} | {'-' if gm is None else gm:>12} | {'-' if vl is None else round(vl, 4)!s:>8} |"
         )
     result = {
         "host": socket.gethostname(), "platform": platform.platform(), "date": datetime.date.today().isoformat(),

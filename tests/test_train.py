@@ -14,7 +14,7 @@ import pytest
 from conftest import require_tool
 
 import llamabind
-from llamabind import train
+from llamabind import _core, train
 
 PROMPT = "To build llama.cpp with CUDA,"
 
@@ -46,8 +46,8 @@ def test_to_f32_dequantizes(model_path, f32_path):
 def test_finetune_lowers_held_out_loss_and_the_model_loads_back(f32_path, text, tmp_path):
     data = text[:6000]  # ~1,500 tokens: 10 windows of 257 every 128, 3 held out
     steps = []
-    with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m, pytest.warns(UserWarning, match="tied embed"):
-        r = train.finetune(  # SmolLM2's output matrix is token_embd: not trained, and said so
+    with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
+        r = train.finetune(  # every weight, token_embd (SmolLM2's tied output matrix) included
             m,
             data,
             ctx_size=256,
@@ -116,18 +116,29 @@ def test_bad_input_is_a_clear_error(model_path, f32_path, text, tmp_path):
             train.finetune(m, [1.5, 2.5] * 200, progress=False)
         with pytest.raises(ValueError, match="cannot write"):
             m.save(tmp_path / "no-such-dir" / "x.gguf")
-        with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, training=True) as ctx:
-            with pytest.raises(ValueError, match="opt_init first"):
-                ctx.opt_step(np.zeros(257, np.int32))
-            ctx.opt_init()
-            with pytest.raises(ValueError, match="n_ctx \\+ 1 = 257"):
-                ctx.opt_step(np.zeros(10, np.int32))
+        with train.Trainer(m, ctx_size=256, batch_size=2) as t:
+            with pytest.raises(ValueError, match="shape \\(2, 257\\)"):
+                t.step(np.zeros((2, 10), np.int32))
+            with pytest.raises(ValueError, match="shape \\(2, 257\\)"):
+                t.step(np.zeros((1, 257), np.int32))
+            with pytest.raises(TypeError, match="2-D integer"):
+                t.step(np.zeros(257, np.int32))
             with pytest.raises(ValueError, match="outside"):
-                ctx.opt_step(np.full(257, m.n_vocab, np.int32))
+                t.step(np.full((2, 257), m.n_vocab, np.int32))
             with pytest.raises(ValueError, match="already"):
-                ctx.opt_init()
+                _core.opt_init(t.context._llama_context, "adamw", 1e-5, 0.0)
+            with pytest.raises(ValueError, match="before the first|first opt_step"):
+                t.state()
+        with pytest.raises(ValueError, match="grad_accum"):
+            train.Trainer(m, batch_size=4, grad_accum=3)
+        with pytest.raises(ValueError, match="profile"):
+            train.Trainer(m).profile()
         with pytest.raises(ValueError, match="n_batch == n_ubatch"):
             llamabind.Context(m, n_ctx=256, n_batch=128, n_ubatch=128, training=True)
+        with pytest.raises(ValueError, match="multiple of 256"):
+            llamabind.Context(m, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=4, training=True)
+        with pytest.raises(ValueError, match="training=True"):
+            llamabind.Context(m, n_ctx=256, training_profile=True)
         assert m.generate(PROMPT, max_tokens=2, temperature=0).tokens  # nothing was lost
 
 
@@ -172,24 +183,16 @@ def _window(f32_path, text) -> np.ndarray:
         return train.windows(v.tokenize(text[:3000], add_special=True), 256)[0]
 
 
-def _opt_steps(m, window, optimizer, lr, wd, steps, params="model", adapter=None, labels=None):
+def _opt_steps(m, window, optimizer, lr, wd, steps, params="model", adapter=None, labels=None, grad_accum=1):
     """(loss before, [loss of each step]) of `steps` optimizer steps on one window (or, for a 2-D
-    `window`, on a batch of windows: gradient accumulation) in a training context; `labels`: one
-    window's masked labels (-1 = not counted)."""
+    `window`, on a batch of windows: one graph, or `grad_accum` accumulated micro-batches) through
+    train.Trainer; `labels`: one window's masked labels (-1 = not counted)."""
     batch = window if window.ndim == 2 else window[None]
-    with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
-        if adapter is not None:
-            ctx.set_lora(adapter)
-        ctx.opt_init(optimizer, lr, wd, params=params, grad_accum=len(batch))
-        for w in batch:
-            ctx.opt_step(w, train=False, labels=labels)
-        before = ctx.opt_result(train=False)[0]
-        losses = []
-        for _ in range(steps):
-            ctx.opt_reset()
-            for w in batch:
-                ctx.opt_step(w, train=True, labels=labels)
-            losses.append(ctx.opt_result(train=True)[0])
+    lab = None if labels is None else np.broadcast_to(labels, (len(batch), labels.shape[-1]))
+    kw = dict(ctx_size=256, batch_size=len(batch), grad_accum=grad_accum, optimizer=optimizer, lr=lr)
+    with train.Trainer(m, **kw, weight_decay=wd, params=params, adapter=adapter, n_threads=2) as t:
+        before = t.evaluate(batch, lab)[0]
+        losses = [t.step(batch, lab)[0] for _ in range(steps)]
     return before, losses
 
 
@@ -212,7 +215,7 @@ def test_steps_in_one_context_equal_steps_in_fresh_contexts(f32_path, text, tmp_
     np.testing.assert_allclose(one_context, fresh, rtol=1e-5)
 
 
-def _full_parity(f32_path, window, reference_python, tmp_path, n_steps, lr=1e-4, wd=0.01, labels=None):
+def _full_parity(f32_path, window, reference_python, tmp_path, n_steps, lr=1e-4, wd=0.01, labels=None, grad_accum=1):
     """A full fine-tune of the F32 model on `window` (or a batch of windows) in llamabind and in
     PyTorch (tests/train_reference.py): (loss before, llamabind's AdamW step losses, the reference's
     result: loss, per-tensor gradient cosines from an SGD lr-1 step, AdamW losses and weight
@@ -220,7 +223,7 @@ def _full_parity(f32_path, window, reference_python, tmp_path, n_steps, lr=1e-4,
 
     def run(optimizer, lr, wd, steps, out):
         with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
-            result = _opt_steps(m, window, optimizer, lr, wd, steps, labels=labels)
+            result = _opt_steps(m, window, optimizer, lr, wd, steps, labels=labels, grad_accum=grad_accum)
             m.save(out)
         return result
 
@@ -234,8 +237,8 @@ def _full_parity(f32_path, window, reference_python, tmp_path, n_steps, lr=1e-4,
 
 def test_matches_pytorch(f32_path, text, reference_python, tmp_path):
     """The same F32 weights in PyTorch (transformers' LlamaForCausalLM from the GGUF), the same
-    window: loss, every trained tensor's gradient, and the weights after 5 AdamW steps. (llama.cpp
-    never trains token_embd.weight, SmolLM2's tied input/output matrix: frozen on both sides.)"""
+    window: loss, every trained tensor's gradient, and the weights after 5 AdamW steps; token_embd,
+    SmolLM2's tied input/output matrix, trained as one tensor on both sides (patch 0033)."""
 
     loss0, adamw_losses, ref = _full_parity(f32_path, _window(f32_path, text), reference_python, tmp_path, 5)
     print(f"loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
@@ -247,24 +250,27 @@ def test_matches_pytorch(f32_path, text, reference_python, tmp_path):
     print("largest weight differences after AdamW:", {k: f"{rel[k]:.2e}" for k in sorted(rel, key=rel.get)[-3:]})
     assert abs(loss0 - ref["loss"]) <= 1e-4 * ref["loss"]
     np.testing.assert_allclose(adamw_losses, ref["adamw_losses"], rtol=5e-4)  # the losses on the way
-    assert len(cos) == 30 * 9 + 1 and min(cos.values()) >= 0.9999, worst  # 9 per layer + output_norm
+    assert "model.embed_tokens.weight" in cos  # the tied matrix: both gradients in one tensor
+    assert len(cos) == 30 * 9 + 2 and min(cos.values()) >= 0.9999, worst  # 9 per layer, output_norm, token_embd
     assert max(rel.values()) <= 1e-4, rel
 
 
-def test_batched_step_matches_pytorch(f32_path, text, reference_python, tmp_path):
-    """patch 0025: a step over a batch of 2 windows (grad_accum=2: ggml-opt accumulates both
-    windows' gradients, each loss scaled by 1/2) equals PyTorch's step on the batch's mean loss:
-    the loss, every tensor's gradient (SGD lr 1) and the weights after 3 AdamW steps."""
+@pytest.mark.parametrize("grad_accum", [1, 2], ids=["one-graph", "accumulated"])
+def test_batched_step_matches_pytorch(grad_accum, f32_path, text, reference_python, tmp_path):
+    """A step over a batch of 2 windows equals PyTorch's step on the batch's mean loss (the loss,
+    every tensor's gradient (SGD lr 1) and the weights after 3 AdamW steps), whether the two windows
+    run as two sequences of one graph (patch 0031: an attention stream per window) or as two
+    accumulated micro-batches (patch 0025: each loss scaled by 1/2)."""
     with llamabind.Model(f32_path, vocab_only=True) as v:
         batch = train.windows(v.tokenize(text[:5000], add_special=True), 256)[[0, 2]]  # two windows, no overlap
-    loss0, adamw_losses, ref = _full_parity(f32_path, batch, reference_python, tmp_path, 3)
+    loss0, adamw_losses, ref = _full_parity(f32_path, batch, reference_python, tmp_path, 3, grad_accum=grad_accum)
     cos, rel = ref["grad_cosine"], ref["adamw_rel"]
     print(f"batch-2 loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
     print("AdamW step losses:", [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw_losses, ref["adamw_losses"])])
     print("lowest gradient cosine", min(cos.values()), "largest weight difference", max(rel.values()))
     assert abs(loss0 - ref["loss"]) <= 1e-4 * ref["loss"]
     np.testing.assert_allclose(adamw_losses, ref["adamw_losses"], rtol=5e-4)
-    assert len(cos) == 30 * 9 + 1 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
+    assert len(cos) == 30 * 9 + 2 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
     assert max(rel.values()) <= 1e-4, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
 
 
@@ -289,25 +295,29 @@ def test_masked_loss_matches_pytorch(f32_path, text, reference_python, tmp_path)
     print("lowest gradient cosine", min(cos.values()), "largest weight difference", max(rel.values()))
     assert abs(loss0 - ref["loss"]) <= 1e-4 * ref["loss"]
     np.testing.assert_allclose(adamw_losses, ref["adamw_losses"], rtol=5e-4)
-    assert len(cos) == 30 * 9 + 1 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
+    assert len(cos) == 30 * 9 + 2 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
     assert max(rel.values()) <= 1e-4, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
 
 
 def test_masked_labels_are_checked(f32_path, text):
     window = _window(f32_path, text)
+    two = np.stack([window, window])
     with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
-        with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
-            ctx.opt_init("sgd", 0.1, 0.0)
-            with pytest.raises(ValueError, match="every label"):
-                ctx.opt_step(window, labels=np.full(256, -1, np.int32))
-            with pytest.raises(ValueError, match="n_ctx"):
-                ctx.opt_step(window, labels=window[1:100])
+        with train.Trainer(m, batch_size=2, grad_accum=2, optimizer="sgd", lr=0.1, n_threads=2) as t:
+            masked = np.stack([_masked_labels(window), np.full(256, -1, np.int32)])
+            with pytest.raises(
+                ValueError, match="every label"
+            ):  # the second micro-batch: refused before the first runs
+                t.step(two, masked)
+            with pytest.raises(ValueError, match="shape \\(2, 256\\)"):
+                t.step(two, masked[:, :100])
             with pytest.raises(ValueError, match="outside"):
-                ctx.opt_step(window, labels=np.full(256, m.n_vocab, np.int32))
+                t.step(two, np.full((2, 256), m.n_vocab, np.int32))
             with pytest.raises(ValueError, match="-1"):
-                ctx.opt_step(window, labels=np.full(256, -2, np.int32))
-            ctx.opt_step(window, labels=_masked_labels(window))  # and the context still trains
-            assert np.isfinite(ctx.opt_result()[0])
+                t.step(two, np.full((2, 256), -2, np.int32))
+            loss, _, n = t.step(two, masked[[0, 0]])  # and the context still trains
+            assert np.isfinite(loss) and n == 2 * int((masked[0] >= 0).sum())
+            assert t.stats()["n_evals"] == 2
 
 
 def test_validation_between_accumulated_windows_does_not_move_the_step(f32_path, text):
@@ -319,23 +329,20 @@ def test_validation_between_accumulated_windows_does_not_move_the_step(f32_path,
 
     def held_out_loss(validate_between: bool) -> float:
         with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
-            with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
-                ctx.opt_init("sgd", 0.05, 0.0, grad_accum=2)
-                ctx.opt_step(w[0], train=True)
+            with train.Trainer(m, batch_size=2, grad_accum=2, optimizer="sgd", lr=0.05, n_threads=2) as t:
+                native = t.context._llama_context  # the micro-batches one by one, through the native calls
+                _core.opt_step(native, w[[0]], True)
                 if validate_between:
-                    ctx.opt_step(w[2], train=False)
-                ctx.opt_step(w[1], train=True)  # the step: the mean gradient of w[0] and w[1]
-                ctx.opt_reset()
-                ctx.opt_step(w[2], train=False)
-                return ctx.opt_result(train=False)[0]
+                    _core.opt_step(native, w[[2]], False)
+                _core.opt_step(native, w[[1]], True)  # the step: the mean gradient of w[0] and w[1]
+                return t.evaluate(w[[2]])[0]
 
     plain, with_validation = held_out_loss(False), held_out_loss(True)
     print(f"held-out loss after one batch-2 step: {plain:.6f}; with a validation eval inside it: {with_validation:.6f}")
     assert with_validation == pytest.approx(plain, rel=1e-6)
     with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
-        with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, training=True) as ctx:
-            with pytest.raises(ValueError, match="grad_accum"):
-                ctx.opt_init(grad_accum=0)
+        with pytest.raises(ValueError, match="grad_accum"):
+            train.Trainer(m, grad_accum=0)
 
 
 def test_lora_over_the_quantized_model(model_path, text, tmp_path):

@@ -58,7 +58,7 @@ def _run(kind, model_path, text, out, **kw):
     lora = dict(lora_rank=4) if kind == "lora" else {}
     mkw = dict(repack=False) if kind == "lora" else dict(use_mmap=False)
     with llamabind.Model(model_path, **mkw) as m, warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # the tiny llama has its own output.weight: no tied warning
+        warnings.simplefilter("error", UserWarning)
         r = train.finetune(m, text, **{**KW, **lora, **kw})
         if out is not None:
             (r.adapter if kind == "lora" else m).save(out)
@@ -75,7 +75,7 @@ def test_resume_equals_an_uninterrupted_run(kind, tiny_f32, text, tmp_path):
     assert stopped.checkpoints == [ckpt]
     state = json.loads((ckpt / "state.json").read_text())
     assert state["step"] == 2 and state["iter"] == 3
-    assert len(state["params"]) == (8 if kind == "lora" else 20)  # 2 layers x 9, output, output_norm
+    assert len(state["params"]) == (8 if kind == "lora" else 21)  # 2 layers x 9, output, output_norm, token_embd
 
     # a copy whose AdamW state is dropped (moments 0, step counter 1): a resume from weights alone
     fresh = tmp_path / "fresh"
@@ -136,27 +136,25 @@ def test_a_different_run_is_refused(tiny_f32, text, tmp_path):
 def test_optimizer_state_is_checked(tiny_f32, text):
     with llamabind.Model(tiny_f32, repack=False) as m:
         ad = m.load_lora(_lora(m))
-        with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, training=True) as ctx:
-            ctx.set_lora(ad, 1.0)
-            ctx.opt_init("adamw", 1e-3, 0.0, "lora")
+        with train.Trainer(m, lr=1e-3, params="lora", adapter=ad) as ctx:
             with pytest.raises(ValueError, match="first opt_step"):
-                ctx.opt_state()
-            win = m.tokenize(text, add_special=True)[:257]
-            ctx.opt_step(win, train=True)
-            it, params = ctx.opt_state()
+                ctx.state()
+            win = np.array([m.tokenize(text, add_special=True)[:257]])
+            ctx.step(win)
+            it, params = ctx.state()
             assert it == 2 and len(params) == 8 and all(m.dtype == np.float32 for _, m, _ in params)
             assert any(np.abs(mm).max() > 0 for _, mm, _ in params)
             with pytest.raises(ValueError, match=re.escape(f"the state has no moments for '{params[7][0]}'")):
-                ctx.opt_set_state(it, params[:7])
+                ctx.set_state(it, params[:7])
             with pytest.raises(ValueError, match="holds 9 parameters; this optimizer has 8"):
-                ctx.opt_set_state(it, [*params, ("extra", params[0][1], params[0][2])])
+                ctx.set_state(it, [*params, ("extra", params[0][1], params[0][2])])
             with pytest.raises(ValueError, match="have 3 values"):
-                ctx.opt_set_state(it, [(params[0][0], np.zeros(3), np.zeros(3))] + params[1:])
+                ctx.set_state(it, [(params[0][0], np.zeros(3), np.zeros(3))] + params[1:])
             with pytest.raises(ValueError, match="iter must be >= 1"):
-                ctx.opt_set_state(0, params)
-            before = ctx.opt_state()[1][0][1].copy()
-            ctx.opt_set_state(5, [(n, 2 * mm, vv) for n, mm, vv in params])
-            it2, p2 = ctx.opt_state()
+                ctx.set_state(0, params)
+            before = ctx.state()[1][0][1].copy()
+            ctx.set_state(5, [(n, 2 * mm, vv) for n, mm, vv in params])
+            it2, p2 = ctx.state()
             assert it2 == 5 and np.array_equal(p2[0][1], 2 * before)
 
 

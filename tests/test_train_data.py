@@ -276,11 +276,9 @@ def test_evaluate_agrees_with_the_training_paths_loss(model_path):
         ex = train.chat_example(m, CONVERSATION)
         r = train.evaluate(m, [ex], ctx_size=256)
         win, lab, _ = train.example_windows([ex], 256, m.token_eos)
-        with llamabind.Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, training=True) as ctx:
-            ctx.set_lora(train_adapter(m))
-            ctx.opt_init("sgd", 0.1, 0.0, params="lora")
-            ctx.opt_step(win[0], train=False, labels=lab[0])
-            loss = ctx.opt_result(train=False)[0]
+        kw = dict(optimizer="sgd", lr=0.1, params="lora", adapter=train_adapter(m), n_threads=2)
+        with train.Trainer(m, **kw) as t:
+            loss = t.evaluate(win[:1], lab[:1])[0]
     assert r.tokens == int(ex.counted[1:].sum()) and r.windows == 1
     assert abs(r.loss - loss) <= 1e-4 * loss, (r.loss, loss)
     assert r.perplexity == pytest.approx(np.exp(r.loss))

@@ -425,9 +425,8 @@ def cmd_refresh(args) -> int:
         for n in names[:k]:
             earlier.update(patch_files(PATCHES / n))
         pristine_files(lock, files | earlier, repo)
-        for n in names[:k]:
-            if files & set(patch_files(PATCHES / n)):
-                apply_patch(PATCHES / n, repo)
+        for n in names[:k]:  # every earlier patch: one touching these files may need others applied first
+            apply_patch(PATCHES / n, repo)
         _git(["init", "-q"], repo)
         _git(["add", "-A"], repo)
         env = {"GIT_AUTHOR_NAME": "x", "GIT_AUTHOR_EMAIL": "x", "GIT_COMMITTER_NAME": "x", "GIT_COMMITTER_EMAIL": "x"}

@@ -12,7 +12,7 @@ from typing import Any, cast
 import numpy as np
 
 from . import _core, _log
-from ._validate import as_float, as_int, one_of
+from ._validate import as_int, one_of
 from .build import default_threads
 from .model import LoraAdapter, Model
 
@@ -53,8 +53,12 @@ class Context:
         embeddings: output embeddings instead of logits (see :func:`llamabind.batch.embed`).
         pooling: with embeddings, ``None`` (the model's), ``"none"``, ``"mean"``, ``"cls"``,
             ``"last"`` or ``"rank"``.
-        training: a context for :meth:`opt_init` (llamabind.train): F32 KV cache, no flash
-            attention, n_ctx == n_batch == n_ubatch, a multiple of 256. Not for generation.
+        training: a context for llama_opt_init (:class:`llamabind.train.Trainer` makes them): F32
+            KV cache, no flash attention, n_ctx == n_batch == n_ubatch; n_seq_max windows of
+            n_ctx / n_seq_max tokens (a multiple of 256), one sequence each, in one ubatch. Not for
+            generation.
+        training_profile: with training, time every node of the training graphs (the
+            scheduler's eval callback; slower steps: :meth:`llamabind.train.Trainer.profile`).
         type_k, type_v: the KV cache's element types (llama_context_params.type_k/type_v, llama.cpp's
             ``--cache-type-k/-v``): "f16" (default), "f32", "bf16", "q8_0", "q4_0", "q4_1",
             "iq4_nl", "q5_0", "q5_1"; q8_0 halves the cache's memory. A quantized V cache needs
@@ -86,6 +90,7 @@ class Context:
         type_k: str = "f16",
         type_v: str = "f16",
         flash_attn: str = "auto",
+        training_profile: bool = False,
     ):
         _log.sync_level()
         if not isinstance(model, Model):
@@ -119,6 +124,7 @@ class Context:
             tk,
             tv,
             fa,
+            bool(training_profile),
         )
 
     def close(self) -> None:
@@ -414,81 +420,6 @@ class Context:
         self._loras = loras
         self.clear()
 
-    # --- training (llama_opt_*; the loop is llamabind.train's)
-    def opt_init(
-        self,
-        optimizer: str = "adamw",
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        params: str = "model",
-        grad_accum: int = 1,
-    ) -> None:
-        """Prepare training with ggml-opt's ``"adamw"`` or ``"sgd"`` (wraps llama_opt_init).
-        params ``"model"``: every F32 weight of the model (token embeddings are excluded by
-        llama.cpp); ``"lora"``: only the A/B tensors of the LoRA adapters applied with
-        :meth:`set_lora` (F32), the model frozen (it may be quantized). ``grad_accum``: training
-        windows per optimizer step (gradient accumulation: the step takes the mean of their
-        gradients, a batch of that many sequences; llama_opt_params.n_grad_accum). Needs a
-        context made with ``training=True``; once per context. Raises ValueError/TypeError."""
-        lr = as_float(lr, "lr")
-        wd = as_float(weight_decay, "weight_decay")
-        _core.opt_init(self._llama_context, optimizer, lr, wd, params, as_int(grad_accum, "grad_accum", 1))
-
-    def opt_step(
-        self, window: Sequence[int] | np.ndarray, train: bool = True, labels: Sequence[int] | np.ndarray | None = None
-    ) -> None:
-        """One window: token ids, shape (n_ctx + 1,), any integer dtype. Next-token cross-entropy of
-        window[:-1] against window[1:], or against ``labels`` (shape (n_ctx,); -1 leaves a position
-        out: the loss is the mean over the others, patch 0027), accumulated for :meth:`opt_result`;
-        ``train`` adds the backward pass and, every ``grad_accum``-th training window, an optimizer
-        step (wraps llama_opt_epoch on a one-window ggml_opt_dataset). Raises TypeError for a
-        non-integer or non-1-D window or labels, ValueError for a wrong length, an id outside
-        [0, n_vocab), every label -1, or before :meth:`opt_init`."""
-        w = _ids(window, "window", 0)
-        lab = None if labels is None else _ids(labels, "labels", -1)
-        self._tokens = []
-        _core.opt_step(self._llama_context, w, bool(train), lab)
-
-    def opt_result(self, train: bool = True) -> tuple[float, float, int]:
-        """(mean cross-entropy per token in nats, next-token accuracy in [0, 1], tokens counted) of
-        the train (``train=True``) or validation steps since :meth:`opt_reset`; NaN, NaN, 0 for
-        none. Wraps ggml_opt_result_loss / _accuracy / _ndata. ValueError before :meth:`opt_init`."""
-        loss, _, acc, n = _core.opt_result(self._llama_context, bool(train))
-        return loss, acc, n
-
-    def opt_reset(self) -> None:
-        """Zero the accumulated losses (ggml_opt_result_reset). ValueError before :meth:`opt_init`."""
-        _core.opt_reset(self._llama_context)
-
-    def opt_set_lr(self, lr: float) -> None:
-        """The learning rate (> 0) of the next optimizer steps, read by ggml-opt at each step.
-        ValueError for lr <= 0 or before :meth:`opt_init`."""
-        _core.opt_set_lr(self._llama_context, as_float(lr, "lr"))
-
-    def opt_state(self) -> tuple[int, list[tuple[str, np.ndarray, np.ndarray]]]:
-        """The optimizer's state, for checkpoints: ``(iter, [(name, m, v), ...])``: AdamW's step
-        counter (the next step's bias correction; 1 before any step) and, per trained tensor (by
-        its GGUF name), copies of its first and second moments, float32, shape (n_elements,)
-        (an empty list for SGD). Wraps ggml_opt_get_iter / ggml_opt_get_param (patch 0028).
-        Raises ValueError before :meth:`opt_init` or before the first :meth:`opt_step` (ggml-opt
-        allocates the moments with its first graph; a ``train=False`` step will do)."""
-        it, params = _core.opt_state(self._llama_context)
-        return it, [(n, m, v) for n, m, v in params if m is not None]
-
-    def opt_set_state(self, iter: int, state: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> None:
-        """Set the optimizer state saved by :meth:`opt_state` (on a context made the same way:
-        same model or adapter shapes, same optimizer). Every trained tensor must be given by
-        name with as many float32 values; nothing is written unless all are. Raises ValueError
-        (a missing or extra tensor, a wrong size, iter < 1, before the first :meth:`opt_step`).
-        Wraps ggml_opt_set_iter and ggml_backend_tensor_set (patch 0028)."""
-        it = as_int(iter, "iter", 1)
-        flat = [
-            (str(n), np.ascontiguousarray(m, dtype=np.float32).reshape(-1),
-             np.ascontiguousarray(v, dtype=np.float32).reshape(-1))
-            for n, m, v in state
-        ]  # fmt: skip
-        _core.opt_set_state(self._llama_context, it, flat)
-
 
 _TRAILER = b"LBTOKENS"  # the first format (int32 token ids); still read
 _TRAILER2 = b"LBSTATE2"
@@ -517,14 +448,3 @@ def _split_state(data: bytes) -> tuple[bytes, list[int], list[tuple[int, int, in
     body = np.frombuffer(data[-24 - size : -24], dtype="<i8")
     spans = [(int(a), int(b), int(c)) for a, b, c in body[n:].reshape(-1, 3)]
     return data[: -24 - size], body[:n].tolist(), spans
-
-
-def _ids(x, what: str, lo: int) -> np.ndarray:
-    """int32 copy of a 1-D integer sequence with values in [lo, 2**31) (the range check against
-    n_vocab is the extension's)."""
-    a = np.asarray(x)
-    if a.ndim != 1 or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
-        raise TypeError(f"{what} must be a 1-D sequence of token ids; got {a.dtype} of shape {a.shape}")
-    if a.size and (a.min() < lo or a.max() >= 2**31):
-        raise ValueError(f"{what}: ids must be in [0, n_vocab)" + (" or -1" if lo < 0 else ""))
-    return np.ascontiguousarray(a, dtype=np.int32)

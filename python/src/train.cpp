@@ -1,7 +1,8 @@
 // Fine-tuning through llama.cpp's optimizer API (llama_opt_init / llama_opt_epoch, ggml-opt's AdamW
 // and SGD), a model's GGUF export (llama_model_save_to_file) and conversion (llama_model_quantize).
 // The loop over batches is Python's (llamabind.train): each opt_step runs llama_opt_epoch on a
-// one-window dataset, so Ctrl-C, progress and NaN checks happen between optimizer steps.
+// one-datapoint dataset (n_seq_max windows, one sequence each, in one ubatch: patch 0031), so
+// Ctrl-C, progress and NaN checks happen between optimizer steps.
 #include "objects.h"
 
 // llama.cpp's internal adapter struct (ab_map: the A/B tensors), for LoRA training and saving;
@@ -24,30 +25,67 @@ namespace lb {
 struct TrainState {
     ggml_opt_optimizer_type optimizer = GGML_OPT_OPTIMIZER_TYPE_ADAMW;
     float lr = 1e-5f, wd = 0.0f;
-    ggml_opt_result_t result_train = ggml_opt_result_init();
-    ggml_opt_result_t result_eval = ggml_opt_result_init();
+    ggml_opt_result_t result_step = ggml_opt_result_init();  // the eval of the last opt_step
+    // token-weighted sums since opt_reset, [0] validation, [1] training: loss x rows, rows, correct
+    double loss_sum[2] = { 0, 0 };
+    int64_t rows[2] = { 0, 0 }, correct[2] = { 0, 0 };
     std::vector<ggml_tensor *> lora_params;  // adapter tensors flagged as parameters (unflagged after)
 
     ~TrainState() {
         for (ggml_tensor * t : lora_params) t->flags &= ~GGML_TENSOR_FLAG_PARAM;
-        ggml_opt_result_free(result_train);
-        ggml_opt_result_free(result_eval);
+        ggml_opt_result_free(result_step);
     }
 };
 
-void training_context_params(llama_context_params & p) {
+// Time spent per node of the training graphs, by phase (forward up to ggml-opt's "ncorrect" node,
+// backward, optimizer steps) and op: llama_context_params.cb_eval asks for every node, so the
+// scheduler computes them one at a time and synchronizes after each (a profiling mode: slower).
+struct OpProfile {
+    int phase = 0;  // 0 forward, 1 backward, 2 optimizer; opt_step starts each eval at 0
+    int64_t t0 = 0;
+    struct Row {
+        double ms = 0;
+        int64_t n = 0;
+    };
+    std::map<std::pair<int, std::string>, Row> rows;
+};
+
+static bool profile_node(ggml_tensor * t, bool ask, void * ud) {
+    auto * p = (OpProfile *) ud;
+    if (ask) {
+        p->t0 = ggml_time_us();
+        return true;
+    }
+    const double ms = (ggml_time_us() - p->t0) / 1000.0;  // the scheduler synchronized the backend
+    if (t->op == GGML_OP_OPT_STEP_ADAMW || t->op == GGML_OP_OPT_STEP_SGD) p->phase = 2;
+    auto & r = p->rows[{ p->phase, ggml_op_desc(t) }];
+    r.ms += ms;
+    r.n += 1;
+    if (p->phase == 0 && std::strcmp(t->name, "ncorrect") == 0) p->phase = 1;  // ggml-opt's last forward node
+    return true;
+}
+
+void training_context_params(llama_context_params & p, Context & c, bool profile) {
     // upstream's finetune does the same: OUT_PROD has no f16 (KV cache), FLASH_ATTN_EXT no backward
-    if (p.n_ctx % 256 != 0)
-        raise_value("a training context's n_ctx must be a multiple of 256 (llama.cpp pads n_ctx to 256, and "
-                    "n_batch == n_ubatch == n_ctx); got " +
-                    std::to_string(p.n_ctx));
     if (p.n_ubatch != p.n_ctx || p.n_batch != p.n_ctx)
         raise_value("a training context needs n_ctx == n_batch == n_ubatch (gradients do not flow through the KV "
                     "cache); got " +
                     std::to_string(p.n_ctx) + ", " + std::to_string(p.n_batch) + ", " + std::to_string(p.n_ubatch));
+    // n_seq_max windows of n_ctx / n_seq_max tokens, one sequence (KV stream) each, in one ubatch
+    const uint32_t n_seq = std::max(1u, p.n_seq_max);
+    if (p.n_ctx % n_seq != 0 || (p.n_ctx / n_seq) % 256 != 0)
+        raise_value("a training context holds n_seq_max windows of n_ctx / n_seq_max tokens, a multiple of 256 "
+                    "(llama.cpp pads each sequence's cells to 256); got n_ctx " +
+                    std::to_string(p.n_ctx) + ", n_seq_max " + std::to_string(n_seq));
+    p.kv_unified = n_seq == 1;  // one KV stream per window: the attention stays within each (patch 0031)
     p.type_k = GGML_TYPE_F32;
     p.type_v = GGML_TYPE_F32;
     p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    if (profile) {
+        c.profile = std::make_shared<OpProfile>();
+        p.cb_eval = profile_node;
+        p.cb_eval_user_data = c.profile.get();
+    }
 }
 
 // ggml-opt asks for the optimizer parameters before every step (betas, eps: ggml-opt's defaults
@@ -64,12 +102,16 @@ static bool no_model_params(const ggml_tensor *, void *) {
     return false;
 }
 
-// params: "model" (every F32 weight of the model, as llama-finetune) or "lora" (only the A/B
-// tensors of the LoRA adapters applied to this context; the base model stays frozen and may be
-// quantized). llama_opt_init marks only model tensors, through param_filter; the adapters' are
-// flagged here (ggml_set_param) before it, which is all ggml's backward pass looks at.
+static bool all_but_token_embd(const ggml_tensor * t, void *) {
+    return std::strcmp(t->name, "token_embd.weight") != 0;
+}
+
+// params: "model" (every F32 weight of the model; token_embd too unless embeddings is false: patch
+// 0033) or "lora" (only the A/B tensors of the LoRA adapters applied to this context; the base model
+// stays frozen and may be quantized). llama_opt_init marks only model tensors, through param_filter;
+// the adapters' are flagged here (ggml_set_param) before it, which is all ggml's backward pass looks at.
 static void opt_init(Context & c, const std::string & optimizer, float lr, float wd, const std::string & params,
-                     int grad_accum) {
+                     int grad_accum, bool embeddings) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (c.train) raise_value("opt_init was already called on this context (llama_opt_init runs once)");
@@ -108,7 +150,7 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     }
     llama_opt_params p{};
     p.n_ctx_train = 0;  // this context's n_ctx
-    p.param_filter = params == "lora" ? no_model_params : llama_opt_param_filter_all;
+    p.param_filter = params == "lora" ? no_model_params : embeddings ? llama_opt_param_filter_all : all_but_token_embd;
     p.get_opt_pars = opt_pars;
     p.get_opt_pars_ud = st.get();
     p.optimizer_type = st->optimizer;
@@ -120,72 +162,117 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     c.train = st;
 }
 
-using Tokens = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Windows = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
-// One window of n_ctx + 1 tokens: inputs tokens[:-1], labels tokens[1:], or ``labels`` (n_ctx ids,
-// -1 for a position left out of the loss: patch 0027). train: forward, backward and, every
-// grad_accum-th training window, an optimizer step; else forward only (validation loss).
-static void opt_step(Context & c, Tokens tokens, bool train, std::optional<Tokens> labels) {
+// One datapoint: n_seq_max windows of n_win + 1 tokens (n_win = n_ctx / n_seq_max), each its own
+// sequence; inputs windows[:, :-1], labels windows[:, 1:], or ``labels`` (n_seq_max, n_win) ids,
+// -1 for a position left out of the loss (patch 0027). train: forward, backward and, every
+// grad_accum-th training datapoint, an optimizer step; else forward only (validation loss).
+static void opt_step(Context & c, Windows windows, bool train, std::optional<Windows> labels) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (!c.train) raise_value("call opt_init first");
-    const int64_t n_ctx = llama_n_ctx(ctx);
-    if ((int64_t) tokens.shape(0) != n_ctx + 1)
-        raise_value("a training window is n_ctx + 1 = " + std::to_string(n_ctx + 1) + " tokens; got " +
-                    std::to_string(tokens.shape(0)));
+    const int64_t n_ctx = llama_n_ctx(ctx), n_seq = llama_n_seq_max(ctx), n_win = n_ctx / n_seq;
+    if ((int64_t) windows.shape(0) != n_seq || (int64_t) windows.shape(1) != n_win + 1)
+        raise_value("a training step takes n_seq_max = " + std::to_string(n_seq) +
+                    " windows of n_ctx / n_seq_max + 1 = " + std::to_string(n_win + 1) + " tokens; got (" +
+                    std::to_string(windows.shape(0)) + ", " + std::to_string(windows.shape(1)) + ")");
     const int32_t n_vocab = c.owner->n_vocab();
-    for (size_t i = 0; i < tokens.shape(0); ++i) {
-        if (tokens(i) < 0 || tokens(i) >= n_vocab)
-            raise_value("token id " + std::to_string(tokens(i)) + " at " + std::to_string(i) + " is outside [0, " +
-                        std::to_string(n_vocab) + ")");
-    }
-    const int32_t * lab = tokens.data() + 1;
-    if (labels) {
-        if ((int64_t) labels->shape(0) != n_ctx)
-            raise_value("labels are n_ctx = " + std::to_string(n_ctx) + " ids; got " +
-                        std::to_string(labels->shape(0)));
-        bool any = false;
-        for (size_t i = 0; i < labels->shape(0); ++i) {
-            const int32_t l = (*labels)(i);
-            if (l < -1 || l >= n_vocab)
-                raise_value("label " + std::to_string(l) + " at " + std::to_string(i) + " is outside [0, " +
-                            std::to_string(n_vocab) + ") and not -1 (masked)");
-            any = any || l >= 0;
+    for (int64_t s = 0; s < n_seq; ++s) {
+        for (int64_t i = 0; i <= n_win; ++i) {
+            if (windows(s, i) < 0 || windows(s, i) >= n_vocab)
+                raise_value("token id " + std::to_string(windows(s, i)) + " at [" + std::to_string(s) + ", " +
+                            std::to_string(i) + "] is outside [0, " + std::to_string(n_vocab) + ")");
         }
-        // an all-masked window would be skipped by llama_opt_epoch, shifting the accumulation period
-        if (!any) raise_value("every label of the window is masked (-1): nothing to learn from it");
-        lab = labels->data();
+    }
+    if (labels) {
+        if ((int64_t) labels->shape(0) != n_seq || (int64_t) labels->shape(1) != n_win)
+            raise_value("labels are (n_seq_max, n_ctx / n_seq_max) = (" + std::to_string(n_seq) + ", " +
+                        std::to_string(n_win) + ") ids; got (" + std::to_string(labels->shape(0)) + ", " +
+                        std::to_string(labels->shape(1)) + ")");
+        bool any = false;
+        for (int64_t s = 0; s < n_seq; ++s) {
+            for (int64_t i = 0; i < n_win; ++i) {
+                const int32_t l = (*labels)(s, i);
+                if (l < -1 || l >= n_vocab)
+                    raise_value("label " + std::to_string(l) + " at [" + std::to_string(s) + ", " + std::to_string(i) +
+                                "] is outside [0, " + std::to_string(n_vocab) + ") and not -1 (masked)");
+                any = any || l >= 0;
+            }
+        }
+        // an all-masked datapoint would be skipped by llama_opt_epoch, shifting the accumulation period
+        if (!any) raise_value("every label of the step is masked (-1): nothing to learn from it");
     }
     ggml_opt_dataset_t ds = ggml_opt_dataset_init(GGML_TYPE_I32, GGML_TYPE_I32, n_ctx, n_ctx, 1, 1);
-    std::memcpy(ggml_opt_dataset_data(ds)->data, tokens.data(), n_ctx * sizeof(int32_t));
-    std::memcpy(ggml_opt_dataset_labels(ds)->data, lab, n_ctx * sizeof(int32_t));
+    auto * data = (int32_t *) ggml_opt_dataset_data(ds)->data;
+    auto * lab = (int32_t *) ggml_opt_dataset_labels(ds)->data;
+    for (int64_t s = 0; s < n_seq; ++s) {
+        std::memcpy(data + s * n_win, &windows(s, 0), n_win * sizeof(int32_t));
+        std::memcpy(lab + s * n_win, labels ? &(*labels)(s, 0) : &windows(s, 1), n_win * sizeof(int32_t));
+    }
     TrainState & st = *c.train;
+    ggml_opt_result_reset(st.result_step);
+    if (c.profile) c.profile->phase = 0;
     {
         nb::gil_scoped_release release;
-        llama_opt_epoch(ctx, ds, st.result_train, st.result_eval, train ? 1 : 0, nullptr, nullptr);
+        llama_opt_epoch(ctx, ds, st.result_step, st.result_step, train ? 1 : 0, nullptr, nullptr);
     }
     ggml_opt_dataset_free(ds);
     c.has_logits = false;
+    int64_t rows = 0;
+    double loss = NAN, acc = NAN;
+    ggml_opt_result_ndata(st.result_step, &rows);
+    ggml_opt_result_loss(st.result_step, &loss, nullptr);
+    ggml_opt_result_accuracy(st.result_step, &acc, nullptr);
+    st.loss_sum[train] += loss * rows;
+    st.rows[train] += rows;
+    st.correct[train] += std::llround(acc * rows);
 }
 
-// (loss per token, its uncertainty, accuracy, windows) accumulated since the last opt_reset
+// (mean loss per labelled token, next-token accuracy, labelled tokens) since the last opt_reset,
+// token-weighted over the steps
 static nb::tuple opt_result(Context & c, bool train) {
     if (!c.train) raise_value("call opt_init first");
-    ggml_opt_result_t r = train ? c.train->result_train : c.train->result_eval;
-    double loss = NAN, loss_unc = NAN, acc = NAN, acc_unc = NAN;
-    int64_t n = 0;
-    ggml_opt_result_ndata(r, &n);
-    if (n > 0) {
-        ggml_opt_result_loss(r, &loss, &loss_unc);
-        ggml_opt_result_accuracy(r, &acc, &acc_unc);
-    }
-    return nb::make_tuple(loss, loss_unc, acc, n);
+    const TrainState & st = *c.train;
+    const int64_t n = st.rows[train];
+    if (n == 0) return nb::make_tuple(NAN, NAN, 0);
+    return nb::make_tuple(st.loss_sum[train] / n, (double) st.correct[train] / n, n);
 }
 
 static void opt_reset(Context & c) {
     if (!c.train) raise_value("call opt_init first");
-    ggml_opt_result_reset(c.train->result_train);
-    ggml_opt_result_reset(c.train->result_eval);
+    TrainState & st = *c.train;
+    for (int k = 0; k < 2; ++k) {
+        st.loss_sum[k] = 0;
+        st.rows[k] = st.correct[k] = 0;
+    }
+}
+
+// llama_opt_get_stats (patch 0032): counts and milliseconds since opt_init
+static nb::dict opt_stats(Context & c) {
+    if (!c.train) raise_value("call opt_init first");
+    const llama_opt_stats s = llama_opt_get_stats(c.get());
+    nb::dict d;
+    d["n_evals"] = s.n_evals;
+    d["n_graph_builds"] = s.n_graph_builds;
+    d["n_opt_builds"] = s.n_opt_builds;
+    d["n_graph_allocs"] = s.n_graph_allocs;
+    d["t_build_ms"] = s.t_build_ms;
+    d["t_alloc_ms"] = s.t_alloc_ms;
+    d["t_inputs_ms"] = s.t_inputs_ms;
+    d["t_eval_ms"] = s.t_eval_ms;
+    return d;
+}
+
+// [(phase, op, ms, nodes)] timed by the profiling callback since the last call (which clears it)
+static nb::list opt_profile(Context & c) {
+    if (!c.profile) raise_value("this context was not made with training_profile=True");
+    static const char * phases[] = { "forward", "backward", "optimizer" };
+    nb::list out;
+    for (const auto & [key, row] : c.profile->rows)
+        out.append(nb::make_tuple(phases[key.first], key.second, row.ms, row.n));
+    c.profile->rows.clear();
+    return out;
 }
 
 using F32Flat = nb::ndarray<nb::numpy, float, nb::ndim<1>>;
@@ -356,22 +443,26 @@ static void quantize_model(const std::string & src, const std::string & dst, int
 
 void register_train(nb::module_ & m) {
     m.def("opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
-          nb::arg("params") = "model", nb::arg("grad_accum") = 1,
+          nb::arg("params") = "model", nb::arg("grad_accum") = 1, nb::arg("embeddings") = true,
           "llama_opt_init on a training context, ggml-opt's AdamW or SGD. params 'model': every F32 weight "
-          "(llama_opt_param_filter_all; token embeddings excluded by llama.cpp); 'lora': only the A/B tensors "
-          "of the adapters applied to the context. grad_accum: training windows per optimizer step (their "
+          "(llama_opt_param_filter_all; token_embd unless embeddings is false, patch 0033); 'lora': only the A/B "
+          "tensors of the adapters applied to the context. grad_accum: opt_steps per optimizer step (their "
           "gradients averaged; llama_opt_params.n_grad_accum, patch 0025).");
     m.def("lora_write", &lora_write, nb::arg("path"), nb::arg("arch"), nb::arg("alpha"), nb::arg("tensors"),
           "Write a LoRA adapter GGUF: [(name, float32 (rows, cols))], names ending .lora_a / .lora_b.");
     m.def("lora_save", &lora_save, nb::arg("adapter"), nb::arg("path"),
           "Write a loaded adapter's current A/B tensors (e.g. after training) as a LoRA adapter GGUF.");
-    m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("tokens"), nb::arg("train"),
+    m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("windows"), nb::arg("train"),
           nb::arg("labels") = nb::none(),
-          "llama_opt_epoch on one window of n_ctx + 1 int32 tokens (next-token cross-entropy): train=True "
-          "updates the weights, False only accumulates the validation loss.");
+          "llama_opt_epoch on n_seq_max windows, int32 (n_seq_max, n_ctx / n_seq_max + 1), one sequence each "
+          "(next-token cross-entropy): train=True adds the backward pass (and the optimizer step), False only "
+          "accumulates the validation loss.");
     m.def("opt_result", &opt_result, nb::arg("context"), nb::arg("train"),
-          "(mean loss per token, its uncertainty, next-token accuracy, windows) since opt_reset.");
+          "(mean loss per labelled token, next-token accuracy, labelled tokens) since opt_reset, token-weighted.");
     m.def("opt_reset", &opt_reset, nb::arg("context"));
+    m.def("opt_stats", &opt_stats, nb::arg("context"), "llama_opt_get_stats: graph builds, allocations and times.");
+    m.def("opt_profile", &opt_profile, nb::arg("context"),
+          "[(phase, op, ms, nodes)] of a training_profile context since the last call.");
     m.def("opt_set_lr", &opt_set_lr, nb::arg("context"), nb::arg("lr"));
     m.def("opt_state", &opt_state, nb::arg("context"),
           "(iter, [(name, m, v)]): ggml-opt's optimizer state (patch 0028).");

@@ -116,6 +116,8 @@ def _finetune(args) -> int:
                 weight_decay=args.weight_decay,
                 val_split=args.val_split,
                 batch_size=args.batch,
+                grad_accum=args.grad_accum,
+                train_embeddings=not args.freeze_embeddings,
                 seed=args.seed,
                 n_threads=args.threads,
                 progress=not args.no_progress,
@@ -189,7 +191,13 @@ def add_parsers(sub) -> None:
     f.add_argument("--weight-decay", type=float, default=0.0)
     f.add_argument("--ctx-size", "-c", type=int, default=256, help="tokens per window, a multiple of 256")
     f.add_argument("--val-split", type=float, default=0.1, help="fraction of windows held out (default 0.1)")
-    f.add_argument("--batch", "-b", type=int, default=1, help="windows per optimizer step (gradient accumulation)")
+    f.add_argument("--batch", "-b", type=int, default=1, help="windows per optimizer step, run as one graph")
+    f.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches per step (gradient accumulation; divides --batch)"
+    )
+    f.add_argument(
+        "--freeze-embeddings", action="store_true", help="full fine-tune: leave token_embd (and a tied output) as is"
+    )
     f.add_argument("--seed", "-s", type=int, default=0, help="shuffling seed")
     f.add_argument("--threads", type=int, default=None)
     f.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")

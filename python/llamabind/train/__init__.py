@@ -14,9 +14,14 @@ the completion / assistant tokens only: patch 0027), one example per window, cut
 tokens or padded (padding not counted). Text is cut into windows of ``ctx_size + 1`` tokens every
 ``ctx_size // 2`` tokens (as upstream's ``common_opt_dataset_init``); the last ``val_split`` of
 them are held out for the validation loss. One optimizer step per ``batch_size`` windows (the mean next-token
-cross-entropy over their ctx_size positions each, as PyTorch's mean loss of a batch: the windows
-run one after the other and ggml-opt accumulates their gradients). The model's weights change in
-place: generate with it afterwards, or save it.
+cross-entropy over their positions, as PyTorch's mean loss of a batch): the windows of a batch run
+as one graph, one sequence each, and the graphs are built once and kept while the shapes stay
+(``grad_accum`` splits a batch into micro-batches whose gradients ggml-opt accumulates). A full
+fine-tune trains every weight, token_embd included (with a tied output matrix, as PyTorch does).
+The model's weights change in place: generate with it afterwards, or save it.
+
+:class:`Trainer` is the native side of a run (the training context and the optimizer) for loops
+of your own: ``Trainer(model, ctx_size=256, batch_size=8).step(windows)``.
 
 Full fine-tuning needs F32 weights (ggml-opt updates them in place; quantized weights have no
 gradient): convert a quantized model with :func:`to_f32`. LoRA (``lora_rank=``) trains F32
@@ -33,9 +38,10 @@ from .checkpoint import latest_checkpoint
 from .data import Example, chat_example, example_windows, load_jsonl, read_data, windows
 from .evaluate import EvalResult, evaluate
 from .fuse import fuse
-from .loop import EpochStats, TrainResult, finetune
+from .loop import EpochStats, TrainResult, finetune, iterate_batches
 from .lora import LORA_TARGETS, lora_init, to_f32
 from .schedule import SCHEDULES, lr_at
+from .trainer import Trainer
 
 __all__ = [
     "LORA_TARGETS",
@@ -44,11 +50,13 @@ __all__ = [
     "EvalResult",
     "Example",
     "TrainResult",
+    "Trainer",
     "chat_example",
     "evaluate",
     "example_windows",
     "finetune",
     "fuse",
+    "iterate_batches",
     "load_jsonl",
     "latest_checkpoint",
     "lora_init",

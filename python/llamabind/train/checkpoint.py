@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..context import Context
+from .trainer import Trainer
 
 __all__ = ["latest_checkpoint", "load_state", "save_checkpoint"]
 
@@ -27,13 +27,13 @@ STATE = "state.json"
 OPTIMIZER = "optimizer.npz"
 # the settings a resumed run must share with the run that wrote the checkpoint: they fix the
 # windows, their order and the shapes of the trained tensors
-MUST_MATCH = ("kind", "ctx_size", "n_train", "batch_size", "seed", "shuffle", "optimizer", "lora")
+MUST_MATCH = ("kind", "ctx_size", "n_train", "batch_size", "seed", "shuffle", "optimizer", "embeddings", "lora")
 
 
-def save_checkpoint(directory: str | os.PathLike, ctx: Context, weights: Any, state: dict) -> Path:
+def save_checkpoint(directory: str | os.PathLike, trainer: Trainer, weights: Any, state: dict) -> Path:
     """Write ``directory/step-{state['step']:07d}/`` (replacing one of that name) and return its
     path. ``weights``: the LoraAdapter being trained or the Model (full fine-tune). Reads the
-    moments with Context.opt_state (ggml_opt_get_param, patch 0028). Raises OSError if the
+    moments with Trainer.state (ggml_opt_get_param, patch 0028). Raises OSError if the
     directory cannot be written, ValueError before the optimizer's first step."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
@@ -41,7 +41,7 @@ def save_checkpoint(directory: str | os.PathLike, ctx: Context, weights: Any, st
     tmp = root / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    it, params = ctx.opt_state()
+    it, params = trainer.state()
     arrays: dict[str, Any] = {}
     for i, (_, m, v) in enumerate(params):
         arrays[f"m{i}"], arrays[f"v{i}"] = m, v
@@ -91,9 +91,9 @@ def check_matches(state: dict, run: dict, ckpt: Path) -> None:
         raise ValueError(f"cannot resume from {ckpt}: the run differs in " + "; ".join(diff))
 
 
-def restore_optimizer(ctx: Context, ckpt: Path, state: dict) -> None:
-    """Put the checkpoint's AdamW moments and step counter into ``ctx``'s optimizer (after its
-    first opt_step, which allocates them)."""
+def restore_optimizer(trainer: Trainer, ckpt: Path, state: dict) -> None:
+    """Put the checkpoint's AdamW moments and step counter into ``trainer``'s optimizer (after its
+    first step or evaluation, which allocates them)."""
     with np.load(ckpt / OPTIMIZER) as z:
         params = [(n, z[f"m{i}"], z[f"v{i}"]) for i, n in enumerate(state["params"])]
-    ctx.opt_set_state(state["iter"], params)
+    trainer.set_state(state["iter"], params)

@@ -1,4 +1,5 @@
-"""The training loop: windows in, optimizer steps through llama.cpp's llama_opt_epoch."""
+"""The training loop, as mlx-lm's tuner/trainer.py reads: batches of windows -> an optimizer step
+(:class:`~llamabind.train.trainer.Trainer`) -> validation -> report and checkpoint."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,12 +17,12 @@ from typing import IO, Any
 import numpy as np
 
 from .._validate import as_float, as_int, expect, one_of
-from ..context import Context
 from ..model import LoraAdapter, Model
 from .checkpoint import check_matches, load_state, restore_optimizer, save_checkpoint
 from .data import Example, example_windows, windows
 from .lora import lora_init
 from .schedule import check_schedule, lr_at
+from .trainer import Trainer
 
 __all__ = ["EpochStats", "TrainResult", "finetune"]
 
@@ -82,14 +82,6 @@ def _check_model(model: Model, lora: bool) -> None:
         )
 
 
-TIED_EMBEDDINGS = (
-    "{model}: its output matrix is token_embd.weight (tied embeddings), which a full fine-tune leaves as it is: "
-    "llama.cpp's llama_opt_init never makes token_embd a parameter (llama_set_param skips it by name, a FIXME at "
-    "the pin: its input lookup runs on the CPU through GET_ROWS, and a tied model's output matrix is a second copy "
-    "of it that training would untie). Every other F32 weight is trained; the PyTorch reference freezes it too."
-)
-
-
 def finetune(
     model: Model,
     data: str | Sequence[int] | Sequence[Example],
@@ -103,6 +95,8 @@ def finetune(
     weight_decay: float = 0.0,
     val_split: float = 0.1,
     batch_size: int = 1,
+    grad_accum: int = 1,
+    train_embeddings: bool = True,
     seed: int = 0,
     shuffle: bool = True,
     n_threads: int | None = None,
@@ -130,8 +124,7 @@ def finetune(
             (e.g. from :func:`load_jsonl`: one per window, cut or padded, the loss on their
             counted tokens only).
         valid: held-out data of the same kinds for the validation loss, instead of ``val_split``.
-        ctx_size: tokens per window (n_ctx = n_batch = n_ubatch of the training context); a
-            multiple of 256 (llama.cpp pads contexts to 256).
+        ctx_size: tokens per window (a multiple of 256: llama.cpp pads each sequence to 256).
         epochs: passes over the train windows (shuffled each epoch with ``seed`` unless
             ``shuffle`` is False: then in order, as llama-finetune).
         iters: optimizer steps in all (mlx-lm's ``--iters``), instead of ``epochs``: as many
@@ -139,9 +132,14 @@ def finetune(
         lr, optimizer, weight_decay: ggml-opt's ``"adamw"`` (beta1 0.9, beta2 0.999) or ``"sgd"``.
         val_split: fraction of the windows (the last ones) held out for the validation loss;
             0 for none.
-        batch_size: windows per optimizer step (gradient accumulation, patch 0025: the step
-            follows the mean loss of the batch). An epoch's last batch is filled up with windows
-            from the start of its order, so every train window counts at least once per epoch.
+        batch_size: windows per optimizer step: the step follows the mean loss over the batch's
+            positions (PyTorch's batch mean). The windows of a micro-batch run as one graph, one
+            sequence each (patch 0031). An epoch's last batch is filled up with windows from the
+            start of its order, so every train window counts at least once per epoch.
+        grad_accum: micro-batches per step (batch_size = micro-batch x grad_accum; gradient
+            accumulation, patch 0025), for batches whose graph does not fit in memory.
+        train_embeddings: a full fine-tune trains token_embd too (and a tied output matrix with
+            it, as PyTorch does; patch 0033); False freezes it.
         progress: a tqdm bar with the loss and tokens/s.
         on_step: called as on_step(step, loss) after each optimizer step.
         lora_rank, lora_alpha, lora_targets: train a LoRA adapter of this rank (alpha default
@@ -160,50 +158,39 @@ def finetune(
             Ctrl-C stops the run. All are kept (a full fine-tune's is 3x the F32 model's size).
         resume: a checkpoint (or a checkpoint_dir: its newest) to continue from, to the same
             weights as the uninterrupted run: same data, ctx_size, batch_size, seed, shuffle,
-            optimizer and LoRA rank/alpha/targets (ValueError naming what differs); the steps
-            continue from the checkpoint's (``iters`` and the schedule count the whole run). A
-            LoRA run loads the checkpoint's adapter; a full fine-tune must be given the model
-            loaded from its ``model.gguf``.
+            optimizer, embeddings and LoRA rank/alpha/targets (ValueError naming what differs);
+            the steps continue from the checkpoint's (``iters`` and the schedule count the whole
+            run). A LoRA run loads the checkpoint's adapter; a full fine-tune must be given the
+            model loaded from its ``model.gguf``.
 
     Returns a :class:`TrainResult`. Ctrl-C stops between steps and returns what was trained
     (``interrupted``: True); the model stays usable.
 
-    A full fine-tune never trains ``token_embd.weight`` (llama.cpp leaves it out); in a model with
-    tied embeddings (SmolLM2, Gemma: no ``output.weight``) that is also the output matrix, and a
-    UserWarning says so (:data:`TIED_EMBEDDINGS`).
-
     Raises TypeError/ValueError for bad arguments (rank <= 0, an unknown target, batch_size
-    outside [1, 65536], iters < 1), data shorter
-    than one window, a full fine-tune of a model that is not F32 or is memory-mapped;
-    FloatingPointError naming the step if the loss becomes NaN/inf.
+    outside [1, 65536], grad_accum not dividing it, iters < 1), data shorter than one window, a
+    full fine-tune of a model that is not F32 or is memory-mapped; FloatingPointError naming the
+    step if the loss becomes NaN/inf.
     """
     lora = lora_rank is not None
     _check_model(model, lora)
-    if not lora and not any(name == "output.weight" for name, _, _ in model.tensor_info()):
-        warnings.warn(TIED_EMBEDDINGS.format(model=model.path.name), UserWarning, stacklevel=2)
     ctx_size = as_int(ctx_size, "ctx_size", 256)
     expect(ctx_size % 256 == 0, f"ctx_size must be a multiple of 256 (llama.cpp pads n_ctx to 256); got {ctx_size}")
     epochs = as_int(epochs, "epochs", 1)
-    if iters is not None:
-        iters = as_int(iters, "iters", 1)
+    iters = None if iters is None else as_int(iters, "iters", 1)
     lr = as_float(lr, "lr")
     expect(lr > 0, f"lr must be > 0; got {lr}")
     one_of(optimizer, "optimizer", ("adamw", "sgd"))
     val_split = as_float(val_split, "val_split", 0.0, 0.9)
-    batch_size = as_int(batch_size, "batch_size", 1)
+    batch_size = as_int(batch_size, "batch_size", 1, 65536)
+    grad_accum = as_int(grad_accum, "grad_accum", 1, 65536)
+    expect(batch_size % grad_accum == 0, f"grad_accum ({grad_accum}) must divide batch_size ({batch_size})")
     warmup, min_lr = check_schedule(lr_schedule, warmup, lr, min_lr)
     eval_every = None if steps_per_eval is None else as_int(steps_per_eval, "steps_per_eval", 1)
     report_every = None if steps_per_report is None else as_int(steps_per_report, "steps_per_report", 1)
-    win, lab = _windows(model, data, ctx_size, "data")
-    if valid is not None:
-        val_win, val_lab = _windows(model, valid, ctx_size, "valid")
-        n_train = len(win)
-    else:
-        n_train = int(len(win) * (1.0 - val_split))  # as llama-finetune's idata_split
-        if n_train < 1:
-            raise ValueError(f"{len(win)} window(s) leave none to train on with val_split={val_split}")
-        val_win, val_lab = win[n_train:], (None if lab is None else lab[n_train:])
-        win, lab = win[:n_train], (None if lab is None else lab[:n_train])
+    save_every = None if save_every is None else as_int(save_every, "save_every", 1)
+    expect(save_every is None or checkpoint_dir is not None, "save_every needs a checkpoint_dir")
+    train_set, val_set = _split(model, data, valid, ctx_size, val_split)
+    n_train = len(train_set[0])
     n_batches = -(-n_train // batch_size)
     if iters is not None:
         epochs = -(-iters // n_batches)
@@ -212,11 +199,9 @@ def finetune(
     alpha = None if rank is None else as_float(2.0 * rank if lora_alpha is None else lora_alpha, "lora_alpha")
     run_id = dict(
         kind="lora" if lora else "full", ctx_size=ctx_size, n_train=n_train, batch_size=batch_size, seed=seed,
-        shuffle=bool(shuffle), optimizer=optimizer,
+        shuffle=bool(shuffle), optimizer=optimizer, embeddings=bool(train_embeddings) and not lora,
         lora=None if rank is None else dict(rank=rank, alpha=alpha, targets=list(lora_targets)),
     )  # fmt: skip
-    save_every = None if save_every is None else as_int(save_every, "save_every", 1)
-    expect(save_every is None or checkpoint_dir is not None, "save_every needs a checkpoint_dir")
     resumed = None if resume is None else load_state(resume)
     if resumed is not None:
         check_matches(resumed[1], run_id, resumed[0])
@@ -225,14 +210,7 @@ def finetune(
                 f"resuming a full fine-tune: load the model from the checkpoint, "
                 f"Model({str(resumed[0] / 'model.gguf')!r}, use_mmap=False); got {model.path}"
             )
-    rng = np.random.default_rng(seed)
     result = TrainResult()
-    run = _Run(
-        ctx=None, train=(win, lab), val=(val_win, val_lab), total=total, epochs=epochs, progress=progress,
-        on_step=on_step, lr=lambda step: lr_at(step, total, lr, lr_schedule, warmup, min_lr),
-        eval_every=eval_every, report_every=report_every,
-        log=None, save_every=save_every,
-    )  # fmt: skip
     if lora:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "lora-init.gguf")
@@ -240,64 +218,79 @@ def finetune(
                 assert rank is not None and alpha is not None
                 lora_init(model, path, rank, alpha, lora_targets, seed)
             result.adapter = model.load_lora(path if resumed is None else resumed[0] / "adapter.gguf")
-    ctx = Context(model, n_ctx=ctx_size, n_batch=ctx_size, n_ubatch=ctx_size, n_threads=n_threads, training=True)
-    run.ctx = ctx
-    saved = [-1]
-
-    def save() -> None:
-        if checkpoint_dir is None or result.steps in (0, saved[0]):
-            return
-        state = dict(run_id, step=result.steps, total=total, losses=result.losses)
-        weights = model if result.adapter is None else result.adapter
-        result.checkpoints.append(save_checkpoint(checkpoint_dir, ctx, weights, state))
-        saved[0] = result.steps
-
-    run.save = save
+    trainer = Trainer(
+        model, ctx_size=ctx_size, batch_size=batch_size, grad_accum=grad_accum, optimizer=optimizer, lr=lr,
+        weight_decay=weight_decay, params="lora" if lora else "model", adapter=result.adapter,
+        embeddings=train_embeddings, n_threads=n_threads,
+    )  # fmt: skip
+    run = _Run(
+        trainer=trainer, train=train_set, val=val_set, total=total, epochs=epochs, progress=progress,
+        on_step=on_step, lr=lambda step: lr_at(step, total, lr, lr_schedule, warmup, min_lr),
+        eval_every=eval_every, report_every=report_every, save_every=save_every, result=result,
+        checkpoint_dir=checkpoint_dir, run_id=run_id,
+    )  # fmt: skip
     try:
         if log is not None:
             run.log = open(log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
-        if result.adapter is not None:
-            ctx.set_lora(result.adapter, 1.0)
-        ctx.opt_init(optimizer, lr, weight_decay, "lora" if lora else "model", grad_accum=batch_size)
-        result.val_loss_before = _validate(ctx, val_win, val_lab)[0]
+        result.val_loss_before = trainer.evaluate(*val_set)[0]
         if resumed is not None:
-            if not len(val_win):  # ggml-opt allocates AdamW's moments with its first graph
-                ctx.opt_step(win[0], train=False, labels=None if lab is None else lab[0])
-            restore_optimizer(ctx, *resumed)
-            result.steps = saved[0] = int(resumed[1]["step"])
+            if not len(val_set[0]):  # ggml-opt allocates AdamW's moments with its first graph
+                trainer.evaluate(*_take(train_set, [0]))
+            restore_optimizer(trainer, *resumed)
+            result.steps = run.saved = int(resumed[1]["step"])
             result.losses = [float(x) for x in resumed[1]["losses"]]
         run.t_start = time.perf_counter()  # tokens/s and the ETA count this run's training steps from here
         run.first_step = result.steps
-        first_epoch, skip = divmod(result.steps, n_batches)
-        for epoch in range(epochs):
-            order = rng.permutation(n_train) if shuffle else np.arange(n_train)
-            if epoch < first_epoch:  # resumed: the same permutations as the run that saved
-                continue
-            batches = np.resize(order, n_batches * batch_size).reshape(-1, batch_size)
-            if epoch == first_epoch:
-                batches = batches[skip:]
-            if iters is not None:
-                batches = batches[: iters - result.steps]
-            stats = _epoch(run, batches, epoch, result)
+        for epoch, batches in iterate_batches(n_train, batch_size, epochs, seed, shuffle, result.steps, iters):
+            stats = _epoch(run, batches, epoch)
             if stats is not None:
                 result.epochs.append(stats)
             if result.interrupted:
                 break
-        save()
+        run.checkpoint()
     finally:
-        ctx.close()
+        trainer.close()
         if run.log is not None:
             run.log.close()
     return result
 
 
+def iterate_batches(
+    n_train: int, batch_size: int, epochs: int, seed: int, shuffle: bool, start_step: int = 0, iters: int | None = None
+):
+    """(epoch, batches) per epoch still to run: batches an int array (steps, batch_size) of train
+    window indices, one optimizer step a row. Each epoch permutes the windows with the run's seed
+    (in order without ``shuffle``); its last batch is filled up from the start of its order. A run
+    resumed at ``start_step`` draws the skipped epochs' permutations too, so the order is the
+    uninterrupted run's; ``iters`` cuts the run's steps."""
+    rng = np.random.default_rng(seed)
+    n_batches = -(-n_train // batch_size)
+    first_epoch, skip = divmod(start_step, n_batches)
+    step = start_step
+    for epoch in range(epochs):
+        order = rng.permutation(n_train) if shuffle else np.arange(n_train)
+        if epoch < first_epoch:
+            continue
+        batches = np.resize(order, n_batches * batch_size).reshape(-1, batch_size)
+        if epoch == first_epoch:
+            batches = batches[skip:]
+        if iters is not None:
+            batches = batches[: max(0, iters - step)]
+        step += len(batches)
+        yield epoch, batches
+
+
+Windows = tuple[np.ndarray, "np.ndarray | None"]
+
+
 @dataclass
 class _Run:
-    """What one finetune call's epochs share."""
+    """What one finetune call's epochs share: the trainer, the data, the schedule, and the report,
+    validation and checkpoint settings."""
 
-    ctx: Any
-    train: tuple[np.ndarray, np.ndarray | None]
-    val: tuple[np.ndarray, np.ndarray | None]
+    trainer: Trainer
+    train: Windows
+    val: Windows
     total: int
     epochs: int
     progress: bool
@@ -305,9 +298,12 @@ class _Run:
     lr: Callable[[int], float]
     eval_every: int | None
     report_every: int | None
-    log: IO[str] | None
-    save_every: int | None = None
-    save: Callable[[], None] | None = None
+    save_every: int | None
+    result: TrainResult
+    checkpoint_dir: str | os.PathLike | None
+    run_id: dict
+    log: IO[str] | None = None
+    saved: int = -1
     t_start: float = field(default_factory=time.perf_counter)
     first_step: int = 0
     n_tok: int = 0
@@ -317,10 +313,42 @@ class _Run:
             self.log.write(json.dumps(row) + "\n")
             self.log.flush()
 
+    def checkpoint(self) -> None:
+        """Write a checkpoint of the steps taken (none twice for one step, none before a step)."""
+        r = self.result
+        if self.checkpoint_dir is None or r.steps in (0, self.saved):
+            return
+        state = dict(self.run_id, step=r.steps, total=self.total, losses=r.losses)
+        weights = self.trainer.context.model if r.adapter is None else r.adapter
+        r.checkpoints.append(save_checkpoint(self.checkpoint_dir, self.trainer, weights, state))
+        self.saved = r.steps
 
-def _epoch(run: _Run, batches: np.ndarray, epoch: int, result: TrainResult) -> EpochStats | None:
+    def report(self, epoch: int, loss: float, lr: float, n_tok: int) -> float:
+        """The step's JSONL row and stderr line; returns the run's tokens/s."""
+        steps = self.result.steps
+        self.n_tok += n_tok
+        elapsed = time.perf_counter() - self.t_start
+        tok_s = self.n_tok / elapsed
+        self.write(
+            step=steps, epoch=epoch + 1, loss=loss, lr=lr, tokens=self.n_tok, tokens_per_s=tok_s, seconds=elapsed
+        )
+        if self.report_every and steps % self.report_every == 0:
+            eta = elapsed / (steps - self.first_step) * (self.total - steps)
+            line = f"step {steps}/{self.total}: loss {loss:.4f}, lr {lr:.3g}, {tok_s:.1f} tokens/s"
+            print(f"{line}, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+        return tok_s
+
+    def validate(self) -> tuple[float, float]:
+        """(loss, accuracy) on the validation windows, written to the log; NaN if there are none."""
+        loss, acc, _ = self.trainer.evaluate(*self.val)
+        if len(self.val[0]):
+            self.write(step=self.result.steps, val_loss=loss, val_accuracy=acc)
+        return loss, acc
+
+
+def _epoch(run: _Run, batches: np.ndarray, epoch: int) -> EpochStats | None:
     """One pass over ``batches`` (rows of train window indices, one optimizer step each)."""
-    ctx, (train_w, train_l) = run.ctx, run.train
+    result = run.result
     bar = None
     if run.progress:
         from tqdm.auto import tqdm
@@ -330,40 +358,29 @@ def _epoch(run: _Run, batches: np.ndarray, epoch: int, result: TrainResult) -> E
     try:
         for batch in batches:
             lr = run.lr(result.steps)
-            ctx.opt_set_lr(lr)
-            ctx.opt_reset()
-            for i in batch:
-                ctx.opt_step(train_w[i], train=True, labels=None if train_l is None else train_l[i])
-            loss, acc, n = ctx.opt_result(train=True)
+            run.trainer.set_lr(lr)
+            loss, acc, _ = run.trainer.step(*_take(run.train, batch))
             result.steps += 1
             if not math.isfinite(loss):
                 raise FloatingPointError(f"the training loss is {loss} at step {result.steps} (epoch {epoch + 1})")
             losses.append(loss)
             accs.append(acc)
             result.losses.append(loss)
-            n_tok += len(batch) * (train_w.shape[1] - 1)
-            run.n_tok += len(batch) * (train_w.shape[1] - 1)
-            elapsed = time.perf_counter() - run.t_start
-            tok_s = run.n_tok / elapsed
-            run.write(step=result.steps, epoch=epoch + 1, loss=loss, lr=lr, tokens=run.n_tok, tokens_per_s=tok_s,
-                      seconds=elapsed)  # fmt: skip
+            step_tok = len(batch) * (run.train[0].shape[1] - 1)
+            n_tok += step_tok
+            tok_s = run.report(epoch, loss, lr, step_tok)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:.1f}")
                 bar.update(1)
-            if run.report_every and result.steps % run.report_every == 0:
-                eta = elapsed / (result.steps - run.first_step) * (run.total - result.steps)
-                line = f"step {result.steps}/{run.total}: loss {loss:.4f}, lr {lr:.3g}, {tok_s:.1f} tokens/s"
-                print(f"{line}, ETA {eta:.0f} s", file=sys.stderr, flush=True)
             if run.eval_every and result.steps % run.eval_every == 0 and len(run.val[0]):
                 t1 = time.perf_counter()
-                vl, va = _validate(ctx, *run.val)
+                vl, _ = run.validate()
                 val_seconds += time.perf_counter() - t1
                 result.evals.append((result.steps, vl))
-                run.write(step=result.steps, val_loss=vl, val_accuracy=va)
                 if run.report_every:
                     print(f"step {result.steps}: validation loss {vl:.4f}", file=sys.stderr, flush=True)
-            if run.save_every and result.steps % run.save_every == 0 and run.save is not None:
-                run.save()
+            if run.save_every and result.steps % run.save_every == 0:
+                run.checkpoint()
             if run.on_step is not None:
                 run.on_step(result.steps, loss)
     except KeyboardInterrupt:
@@ -375,30 +392,27 @@ def _epoch(run: _Run, batches: np.ndarray, epoch: int, result: TrainResult) -> E
     if not losses:
         return None
     t1 = time.perf_counter()
-    val_loss, val_acc = _validate(ctx, *run.val) if not result.interrupted else (math.nan, math.nan)
-    if not result.interrupted and len(run.val[0]):
-        run.write(step=result.steps, val_loss=val_loss, val_accuracy=val_acc)
+    val_loss, val_acc = run.validate() if not result.interrupted else (math.nan, math.nan)
     return EpochStats(
-        epoch + 1,
-        float(np.mean(losses)),
-        val_loss,
-        float(np.mean(accs)),
-        val_acc,
-        n_tok / seconds,
-        seconds,
+        epoch + 1, float(np.mean(losses)), val_loss, float(np.mean(accs)), val_acc, n_tok / seconds, seconds,
         time.perf_counter() - t1 + val_seconds,
-    )
+    )  # fmt: skip
 
 
-def _validate(ctx: Context, val_w: np.ndarray, val_l: np.ndarray | None) -> tuple[float, float]:
-    """(mean loss per token, accuracy) on the validation windows (forward only); NaN if none."""
-    if not len(val_w):
-        return math.nan, math.nan
-    ctx.opt_reset()
-    for i, w in enumerate(val_w):
-        ctx.opt_step(w, train=False, labels=None if val_l is None else val_l[i])
-    loss, acc, _ = ctx.opt_result(train=False)
-    return loss, acc
+def _take(windows: Windows, idx) -> Windows:
+    w, lab = windows
+    return w[idx], None if lab is None else lab[idx]
+
+
+def _split(model: Model, data, valid, ctx_size: int, val_split: float) -> tuple[Windows, Windows]:
+    """(train windows, validation windows): ``valid``'s, or the last ``val_split`` of ``data``'s."""
+    win, lab = _windows(model, data, ctx_size, "data")
+    if valid is not None:
+        return (win, lab), _windows(model, valid, ctx_size, "valid")
+    n_train = int(len(win) * (1.0 - val_split))  # as llama-finetune's idata_split
+    if n_train < 1:
+        raise ValueError(f"{len(win)} window(s) leave none to train on with val_split={val_split}")
+    return _take((win, lab), slice(0, n_train)), _take((win, lab), slice(n_train, None))
 
 
 def _windows(model: Model, data, ctx_size: int, what: str) -> tuple[np.ndarray, np.ndarray | None]:

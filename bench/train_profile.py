@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Where a fine-tuning step's time goes (issue 42): graph build, allocation, inputs, compute, and the
+compute split into forward, backward and optimizer ops, for the pin's way of running a batch (one
+window per graph, the graphs rebuilt for every window, token_embd frozen: "pin") beside this tree's
+(the batch's windows as sequences of one graph, graphs kept across steps, token_embd trained: "now").
+
+    python bench/train_profile.py [--size 1b | --model GGUF] [--configs 256x8,2048x1] [-ngl 99]
+        [--steps 6] [--profile-steps 2] [--modes pin,now] [--threads 8] [--out FILE.json]
+
+Each (mode, ctx x batch) runs in its own process on random windows (a random-weight llama of
+bench/make_model.py's shape, F32, or an F32 GGUF given with --model), full fine-tune, AdamW lr 1e-5.
+"step ms" is the median of the timed steps after a warm-up step; the build/alloc/inputs/compute
+columns are llama_opt_get_stats per optimizer step (patch 0032); the phases and ops come from
+Trainer(profile=True) runs, where the scheduler computes the nodes one at a time and waits for each
+(times include a launch and a synchronization per node; their sum is printed beside the step time).
+TFLOP/s: (6 N + 12 L T d) per token (N: the parameters in matrix products, L layers, T ctx, d n_embd:
+the forward and backward of the weights and of the attention scores), over the step time; MFU
+against --peak (H100 SXM dense TF32: 494.7 TFLOP/s). Prints tables and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def flops_per_token(path: str, ctx: int) -> tuple[float, dict]:
+    """(6 N + 12 L T d, shape facts) of a llama GGUF: N the parameters that enter matrix products
+    (the output matrix, tied or not; not token_embd's lookup)."""
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    shapes = {t.name: [int(n) for n in t.shape] for t in r.tensors}
+    n_layer = len({n.split(".")[1] for n in shapes if n.startswith("blk.")})
+    d = shapes["token_embd.weight"][0]
+    n = sum(a * b for name, (a, *rest) in shapes.items() for b in rest[:1] if name != "token_embd.weight")
+    if "output.weight" not in shapes:
+        n += d * shapes["token_embd.weight"][1]  # tied: the output product reads token_embd
+    return 6 * n + 12 * n_layer * ctx * d, dict(n_matmul_params=n, n_layer=n_layer, n_embd=d)
+
+
+def worker(args) -> dict:
+    import numpy as np
+
+    import llamabind
+    from llamabind import train
+
+    ctx, batch = args.ctx, args.batch
+    pin = args.mode == "pin"
+    if pin:
+        os.environ["LLAMA_GRAPH_REUSE_DISABLE"] = "1"  # read when the context is made: rebuild every eval
+    rng = np.random.default_rng(0)
+    out: dict = dict(mode=args.mode, ctx=ctx, batch=batch)
+    with llamabind.Model(args.model, use_mmap=False, n_gpu_layers=args.ngl, n_threads=args.threads) as m:
+        wins = rng.integers(3, m.n_vocab, size=(batch, ctx + 1), dtype=np.int32)
+        kw = dict(ctx_size=ctx, batch_size=batch, grad_accum=batch if pin else 1, lr=1e-5,
+                  embeddings=not pin, n_threads=args.threads)  # fmt: skip
+        with train.Trainer(m, **kw) as t:
+            t.step(wins)  # warm-up: first allocation, cuBLAS handles
+            s0 = t.stats()
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                t.step(wins)
+                times.append(time.perf_counter() - t0)
+            s1 = t.stats()
+        n = args.steps
+        per_step = {k: (s1[k] - s0[k]) / n for k in s1}
+        out.update(step_ms=1e3 * statistics.median(times), step_ms_all=[round(1e3 * x, 3) for x in times],
+                   per_step=per_step)  # fmt: skip
+        if args.profile_steps:
+            with train.Trainer(m, **kw, profile=True) as t:
+                t.step(wins)
+                t.profile()  # the warm-up step's times dropped
+                t0 = time.perf_counter()
+                for _ in range(args.profile_steps):
+                    t.step(wins)
+                out["profiled_step_ms"] = 1e3 * (time.perf_counter() - t0) / args.profile_steps
+                rows = t.profile()
+            for r in rows:
+                r["ms"] /= args.profile_steps
+                r["nodes"] //= args.profile_steps
+            out["profile"] = rows
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="1b", help="bench/make_model.py shape (ignored with --model)")
+    ap.add_argument("--model", default=None, help="an F32 GGUF instead of a random-weight llama")
+    ap.add_argument("--configs", default="256x8,2048x1", help="ctx x batch, comma-separated")
+    ap.add_argument("--modes", default="pin,now")
+    ap.add_argument("-ngl", type=int, default=99)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--peak", type=float, default=494.7, help="the GPU's dense TF32 peak, TFLOP/s")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="now", help=argparse.SUPPRESS)
+    ap.add_argument("--ctx", type=int, default=256, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+
+    from llamabind import train
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            q = Path(tmp) / "q8_0.gguf"
+            subprocess.run([sys.executable, str(HERE / "make_model.py"), "--size", args.size, "--type", "q8_0",
+                            "-o", str(q)], check=True)  # fmt: skip
+            model = str(Path(tmp) / "f32.gguf")
+            train.to_f32(q, model)
+        for cfg in args.configs.split(","):
+            ctx, batch = (int(x) for x in cfg.split("x"))
+            fpt, shape = flops_per_token(model, ctx)
+            for mode in args.modes.split(","):
+                cmd = [sys.executable, __file__, "--worker", "--model", model, "--mode", mode, "--ctx", str(ctx),
+                       "--batch", str(batch), "-ngl", str(args.ngl), "--threads", str(args.threads),
+                       "--steps", str(args.steps), "--profile-steps", str(args.profile_steps)]  # fmt: skip
+                p = subprocess.run(cmd, capture_output=True, text=True)
+                if p.returncode != 0:
+                    print(f"{mode} {cfg} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
+                    results.append(dict(mode=mode, ctx=ctx, batch=batch, error=p.stderr[-3000:]))
+                    continue
+                r = json.loads(p.stdout.strip().splitlines()[-1])
+                tok_s = batch * ctx / (r["step_ms"] / 1e3)
+                r.update(tok_s=tok_s, tflops=fpt * tok_s / 1e12, mfu=fpt * tok_s / 1e12 / args.peak, **shape)
+                results.append(r)
+    _print(results, args)
+    doc = dict(host=socket.gethostname(), date=datetime.date.today().isoformat(), args=vars(args), results=results)
+    out = Path(args.out) if args.out else HERE / "results" / f"train-profile-{socket.gethostname()}-{doc['date']}.json"
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def _print(results: list[dict], args) -> None:
+    print(
+        "\n| mode | ctx x batch | step ms | tok/s | TFLOP/s | MFU | build | alloc | inputs | compute | profiled sum |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['mode']} | {r['ctx']}x{r['batch']} | failed | | | | | | | | |")
+            continue
+        s = r["per_step"]
+        prof = sum(x["ms"] for x in r.get("profile", []))
+        print(f"| {r['mode']} | {r['ctx']}x{r['batch']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | {r['tflops']:.1f} | "
+              f"{100 * r['mfu']:.1f}% | {s['t_build_ms']:.1f} | {s['t_alloc_ms']:.1f} | {s['t_inputs_ms']:.1f} | "
+              f"{s['t_eval_ms']:.1f} | {prof:.1f} |")  # fmt: skip
+    for r in results:
+        if "profile" not in r:
+            continue
+        phases: dict[str, float] = {}
+        for x in r["profile"]:
+            phases[x["phase"]] = phases.get(x["phase"], 0.0) + x["ms"]
+        print(f"\n{r['mode']} {r['ctx']}x{r['batch']}: profiled step {r['profiled_step_ms']:.1f} ms; "
+              + ", ".join(f"{k} {v:.1f} ms" for k, v in phases.items()))  # fmt: skip
+        print("| phase | op | ms per step | nodes |")
+        print("|---|---|---|---|")
+        for x in r["profile"][:14]:
+            print(f"| {x['phase']} | {x['op']} | {x['ms']:.2f} | {x['nodes']} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The native side of a training run: :class:`Trainer`, a training context and ggml-opt's optimizer
+over it (llama_opt_init / llama_opt_epoch), driven one optimizer step at a time by the loop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import _core
+from .._validate import as_float, as_int, expect, one_of
+from ..context import Context
+from ..model import LoraAdapter, Model
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """A training context of ``batch_size // grad_accum`` windows (the micro-batch: one sequence per
+    window, all in one ubatch, so one forward and one backward graph run per micro-batch) and
+    ggml-opt's optimizer over it. The graphs are built once and kept while the windows keep their
+    shape (patch 0032); an optimizer step takes ``grad_accum`` micro-batches (their gradients
+    averaged: patch 0025).
+
+    Args:
+        model: the :class:`Model`. Full fine-tuning (``params="model"``) needs F32 weights loaded
+            with use_mmap=False; with ``params="lora"`` the model stays frozen.
+        ctx_size: tokens per window, a multiple of 256.
+        batch_size: windows per optimizer step.
+        grad_accum: micro-batches per optimizer step; divides batch_size.
+        optimizer, lr, weight_decay: ggml-opt's ``"adamw"`` (betas 0.9, 0.999, eps 1e-8) or ``"sgd"``.
+        params: ``"model"`` (every F32 weight) or ``"lora"`` (the A/B tensors of ``adapter``).
+        adapter: the LoRA adapter to train (params="lora"), applied at scale 1.
+        embeddings: with params="model", train token_embd too (a tied output matrix with it, as
+            PyTorch does; patch 0033). False freezes it.
+        n_threads: CPU threads (None: the default).
+        profile: time every node of the training graphs (:meth:`profile`; slows each step down).
+
+    Raises TypeError/ValueError for bad arguments (naming them), LlamaError if llama.cpp cannot
+    create the context. Close it (or use ``with``) to free the context; the model keeps the weights.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        ctx_size: int = 256,
+        batch_size: int = 1,
+        grad_accum: int = 1,
+        optimizer: str = "adamw",
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        params: str = "model",
+        adapter: LoraAdapter | None = None,
+        embeddings: bool = True,
+        n_threads: int | None = None,
+        profile: bool = False,
+    ):
+        self.ctx_size = as_int(ctx_size, "ctx_size", 256)
+        expect(
+            self.ctx_size % 256 == 0,
+            f"ctx_size must be a multiple of 256 (llama.cpp pads n_ctx to 256); got {ctx_size}",
+        )
+        self.batch_size = as_int(batch_size, "batch_size", 1, 65536)
+        self.grad_accum = as_int(grad_accum, "grad_accum", 1, 65536)
+        expect(
+            self.batch_size % self.grad_accum == 0,
+            f"grad_accum ({grad_accum}) must divide batch_size ({batch_size}): batch = micro-batch x accumulation",
+        )
+        self.micro_batch = self.batch_size // self.grad_accum
+        expect(
+            self.micro_batch <= 256,
+            f"batch_size // grad_accum (windows in one graph) must be <= 256; got {self.micro_batch}",
+        )
+        one_of(optimizer, "optimizer", ("adamw", "sgd"))
+        one_of(params, "params", ("model", "lora"))
+        expect((adapter is not None) == (params == "lora"), "params='lora' takes an adapter, params='model' none")
+        n = self.ctx_size * self.micro_batch
+        self.context = Context(
+            model, n_ctx=n, n_batch=n, n_ubatch=n, n_seq_max=self.micro_batch, kv_unified=self.micro_batch == 1,
+            n_threads=n_threads, training=True, training_profile=bool(profile),
+        )  # fmt: skip
+        self._native = self.context._llama_context
+        try:
+            if adapter is not None:
+                self.context.set_lora(adapter, 1.0)
+            _core.opt_init(
+                self._native, optimizer, as_float(lr, "lr"), as_float(weight_decay, "weight_decay"), params,
+                self.grad_accum, bool(embeddings),
+            )  # fmt: skip
+        except BaseException:
+            self.context.close()
+            raise
+
+    def close(self) -> None:
+        """Free the training context (the model and adapter keep their trained weights)."""
+        self.context.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate (> 0) of the next optimizer steps (ggml-opt reads it at each step)."""
+        _core.opt_set_lr(self._native, as_float(lr, "lr"))
+
+    def step(self, windows: np.ndarray, labels: np.ndarray | None = None) -> tuple[float, float, int]:
+        """One optimizer step over ``windows``, int (batch_size, ctx_size + 1) token ids: the
+        next-token cross-entropy of windows[:, :-1] against windows[:, 1:], or against ``labels``,
+        int (batch_size, ctx_size), -1 leaving a position out (patch 0027); the loss the step
+        follows is the mean over the micro-batch's labelled positions (PyTorch's batch mean).
+        Returns (mean loss per labelled token in nats, next-token accuracy, labelled tokens),
+        token-weighted over the micro-batches. Raises TypeError/ValueError for other shapes, ids
+        outside [0, n_vocab), or a micro-batch whose labels are all -1."""
+        w, lab = self._check(windows, labels, self.batch_size)
+        m = self.micro_batch
+        if lab is not None:  # before any micro-batch runs: a refused one would leave a step half-accumulated
+            for k in range(0, self.batch_size, m):
+                if not (lab[k : k + m] >= 0).any():
+                    raise ValueError(
+                        f"every label of windows [{k}, {k + m}) is masked (-1): nothing to learn from them"
+                    )
+        _core.opt_reset(self._native)
+        for k in range(0, self.batch_size, m):
+            _core.opt_step(self._native, w[k : k + m], True, None if lab is None else lab[k : k + m])
+        return _core.opt_result(self._native, True)
+
+    def evaluate(self, windows: np.ndarray, labels: np.ndarray | None = None) -> tuple[float, float, int]:
+        """Forward passes only over any number of windows (shapes as :meth:`step`): (mean loss per
+        labelled token, accuracy, labelled tokens), token-weighted; NaN, NaN, 0 for none. A last
+        micro-batch short of windows is filled with copies whose labels are all -1 (not counted)."""
+        w, lab = self._check(windows, labels, None)
+        if not len(w):
+            return float("nan"), float("nan"), 0
+        if lab is None:
+            lab = np.ascontiguousarray(w[:, 1:])
+        m = self.micro_batch
+        pad = -len(w) % m
+        if pad:
+            w = np.concatenate([w, np.repeat(w[-1:], pad, axis=0)])
+            lab = np.concatenate([lab, np.full((pad, lab.shape[1]), -1, np.int32)])
+        _core.opt_reset(self._native)
+        for k in range(0, len(w), m):
+            _core.opt_step(self._native, w[k : k + m], False, lab[k : k + m])
+        return _core.opt_result(self._native, False)
+
+    def state(self) -> tuple[int, list[tuple[str, np.ndarray, np.ndarray]]]:
+        """The optimizer's state, for checkpoints: ``(iter, [(name, m, v), ...])``: AdamW's step
+        counter (the next step's bias correction; 1 before any step) and, per trained tensor (by
+        its GGUF name), copies of its first and second moments, float32, shape (n_elements,)
+        (an empty list for SGD). Wraps ggml_opt_get_iter / ggml_opt_get_param (patch 0028).
+        Raises ValueError before the first :meth:`step` or :meth:`evaluate` (ggml-opt allocates
+        the moments with its first graph)."""
+        it, params = _core.opt_state(self._native)
+        return it, [(n, m, v) for n, m, v in params if m is not None]
+
+    def set_state(self, iter: int, state: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> None:
+        """Set the optimizer state saved by :meth:`state` (same model or adapter shapes, same
+        optimizer): every trained tensor by name with as many float32 values; nothing is written
+        unless all are. Raises ValueError (a missing or extra tensor, a wrong size, iter < 1,
+        before the first step). Wraps ggml_opt_set_iter and ggml_backend_tensor_set (patch 0028)."""
+        it = as_int(iter, "iter", 1)
+        flat = [
+            (str(n), np.ascontiguousarray(m, dtype=np.float32).reshape(-1),
+             np.ascontiguousarray(v, dtype=np.float32).reshape(-1))
+            for n, m, v in state
+        ]  # fmt: skip
+        _core.opt_set_state(self._native, it, flat)
+
+    def stats(self) -> dict[str, float]:
+        """Where the time went since the first step (llama_opt_get_stats, patch 0032): ``n_evals``
+        (micro-batches run), ``n_graph_builds`` (forward graphs built), ``n_opt_builds``
+        (backward/optimizer graphs built), ``n_graph_allocs`` (scheduler allocations), and
+        milliseconds ``t_build_ms``, ``t_alloc_ms``, ``t_inputs_ms``, ``t_eval_ms`` (compute)."""
+        return dict(_core.opt_stats(self._native))
+
+    def profile(self) -> list[dict[str, Any]]:
+        """Per phase ("forward", "backward", "optimizer") and ggml op: milliseconds and nodes
+        timed since the last call, slowest first; needs ``profile=True`` (ValueError otherwise).
+        The scheduler runs every node on its own and waits for it: the times are the ops'
+        compute plus a launch and a synchronization each."""
+        rows = [dict(phase=p, op=op, ms=ms, nodes=n) for p, op, ms, n in _core.opt_profile(self._native)]
+        return sorted(rows, key=lambda r: -r["ms"])
+
+    def _check(self, windows, labels, rows: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+        w = np.asarray(windows)
+        if w.ndim != 2 or not np.issubdtype(w.dtype, np.integer):
+            raise TypeError(f"windows must be a 2-D integer array (windows, ctx_size + 1); got {w.dtype} {w.shape}")
+        if w.shape[1] != self.ctx_size + 1 or (rows is not None and w.shape[0] != rows):
+            want = f"({'n' if rows is None else rows}, {self.ctx_size + 1})"
+            raise ValueError(f"windows must have the shape {want}; got {w.shape}")
+        if w.size and (w.min() < 0 or w.max() >= 2**31):
+            raise ValueError("windows: token ids must be in [0, n_vocab)")
+        lab = None
+        if labels is not None:
+            lab = np.asarray(labels)
+            if lab.ndim != 2 or not np.issubdtype(lab.dtype, np.integer):
+                raise TypeError(f"labels must be a 2-D integer array (windows, ctx_size); got {lab.dtype} {lab.shape}")
+            if lab.shape != (w.shape[0], self.ctx_size):
+                raise ValueError(f"labels must have the shape {(w.shape[0], self.ctx_size)}; got {lab.shape}")
+            if lab.size and (lab.min() < -1 or lab.max() >= 2**31):
+                raise ValueError("labels: ids must be in [0, n_vocab) or -1")
+            lab = np.ascontiguousarray(lab, dtype=np.int32)
+        return np.ascontiguousarray(w, dtype=np.int32), lab

@@ -1,0 +1,146 @@
+"""How a training step runs (issue 42): the windows of a batch are sequences of one graph, each
+attending only within itself (patch 0031); the forward, backward and optimizer graphs are built once
+and kept while the shape stays (patch 0032); token_embd is trained (patch 0033); the profiler splits a
+step into forward, backward and optimizer ops. On SmolLM2's F32 copy and a random-weight llama with an
+untied output matrix (bench/make_model.py tiny)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+import llamabind
+from llamabind import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def f32_path(model_path, tmp_path_factory):
+    p = tmp_path_factory.mktemp("graphs") / "smollm2-f32.gguf"
+    train.to_f32(model_path, p)
+    return p
+
+
+@pytest.fixture(scope="module")
+def untied_f32(tmp_path_factory):
+    d = tmp_path_factory.mktemp("untied")
+    q8 = d / "tiny-q8_0.gguf"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "make_model.py"), "--size", "tiny", "--type", "q8_0", "-o", str(q8)],
+        check=True,
+    )
+    train.to_f32(q8, d / "tiny-f32.gguf")
+    return d / "tiny-f32.gguf"
+
+
+@pytest.fixture(scope="module")
+def wins(f32_path, vendor_dir):
+    text = (vendor_dir / "docs" / "build.md").read_text(encoding="utf-8")
+    with llamabind.Model(f32_path, vocab_only=True) as v:
+        return train.windows(v.tokenize(text[:9000], add_special=True), 256, stride=256)[:4]
+
+
+def _steps(path, wins, monkeypatch, reuse: bool, n: int = 3):
+    if not reuse:
+        monkeypatch.setenv("LLAMA_GRAPH_REUSE_DISABLE", "1")  # read when the context is made
+    try:
+        with llamabind.Model(path, use_mmap=False, n_threads=2) as m:
+            with train.Trainer(m, batch_size=2, optimizer="adamw", lr=1e-4, n_threads=2) as t:
+                before = t.evaluate(wins[2:4])[0]
+                losses = [t.step(wins[:2])[0] for _ in range(n)]
+                after = t.evaluate(wins[2:4])[0]
+                return [before, *losses, after], t.stats()
+    finally:
+        monkeypatch.delenv("LLAMA_GRAPH_REUSE_DISABLE", raising=False)
+
+
+def test_graphs_are_built_once_per_shape(f32_path, wins, monkeypatch):
+    """patch 0032: N steps of one shape build the forward graph and ggml-opt's backward/optimizer
+    graphs once; allocations happen when the graph changes (validation <-> training), not per step.
+    Rebuilding every eval (LLAMA_GRAPH_REUSE_DISABLE=1, the pin's behaviour) gives the same losses."""
+    kept, stats = _steps(f32_path, wins, monkeypatch, reuse=True)
+    print(stats)
+    assert stats["n_evals"] == 5
+    assert stats["n_graph_builds"] == 1 and stats["n_opt_builds"] == 1, stats
+    assert stats["n_graph_allocs"] == 3, stats  # validation, the 3 steps, validation
+    rebuilt, stats2 = _steps(f32_path, wins, monkeypatch, reuse=False)
+    assert stats2["n_graph_builds"] == 5 and stats2["n_opt_builds"] == 5 and stats2["n_graph_allocs"] == 5, stats2
+    print("kept", kept, "rebuilt", rebuilt)
+    np.testing.assert_allclose(kept, rebuilt, rtol=1e-6)
+    assert kept[-1] < kept[0]  # and it trains
+
+
+def test_windows_of_one_graph_attend_only_within_themselves(f32_path, wins):
+    """patch 0031: two windows as two sequences of one ubatch give each window the loss it has
+    alone: the loss of the pair is the mean of the two, and changing the second window leaves the
+    first's loss as it was (masking the second's labels out)."""
+    with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
+        with train.Trainer(m, batch_size=2, optimizer="sgd", lr=1e-3, n_threads=2) as two:
+            pair, _, n = two.evaluate(wins[:2])
+            first_only = np.stack([wins[1, 1:], np.full(256, -1, np.int32)])  # labels: the second masked
+            a = two.evaluate(wins[[1, 0]], first_only)[0]
+            b = two.evaluate(wins[[1, 3]], first_only)[0]
+        with train.Trainer(m, batch_size=1, optimizer="sgd", lr=1e-3, n_threads=2) as one:
+            l0, l1 = one.evaluate(wins[:1])[0], one.evaluate(wins[1:2])[0]
+    print(f"pair {pair:.6f}, alone {l0:.6f} {l1:.6f}; first with another second: {a:.6f} {b:.6f}")
+    assert n == 512
+    assert pair == pytest.approx((l0 + l1) / 2, rel=1e-5)
+    assert a == pytest.approx(l1, rel=1e-5) and b == pytest.approx(l1, rel=1e-5)
+
+
+def _tensor(path, name) -> np.ndarray:
+    (t,) = [t for t in gguf.GGUFReader(path).tensors if t.name == name]
+    return np.array(t.data, dtype=np.float64)
+
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_token_embd_is_trained(which, f32_path, untied_f32, wins, tmp_path):
+    """patch 0033: a full fine-tune updates token_embd: with SGD, exactly the rows of the tokens
+    the step read change (and with a tied output matrix, SmolLM2's, every row: the output's gradient
+    reaches all); the model decodes with the trained matrix and saves it. train_embeddings=False
+    leaves it as it was."""
+    path = f32_path if which == "tied" else untied_f32
+    w = wins[:1] if which == "tied" else np.array([np.arange(257) % 200 + 3], np.int32)
+    w0 = _tensor(path, "token_embd.weight")
+
+    def step(embeddings: bool, out):
+        with llamabind.Model(path, use_mmap=False, n_threads=2) as m:
+            with train.Trainer(m, optimizer="sgd", lr=1.0, embeddings=embeddings, n_threads=2) as t:
+                t.step(w)
+            m.save(out)
+            return m.generate([1, 2, 3], max_tokens=4, temperature=0).tokens
+
+    toks = step(True, tmp_path / "on.gguf")
+    w1 = _tensor(tmp_path / "on.gguf", "token_embd.weight")
+    changed = np.flatnonzero(np.abs(w1 - w0).max(axis=1) > 0)
+    print(which, "rows changed:", len(changed), "of", len(w0))
+    if which == "tied":
+        assert len(changed) > 0.99 * len(w0)
+    else:
+        assert set(changed) == set(np.unique(w[0, :-1]).tolist())
+    with llamabind.Model(tmp_path / "on.gguf", n_threads=2) as saved:
+        assert saved.generate([1, 2, 3], max_tokens=4, temperature=0).tokens == toks  # decoded with the trained one
+    step(False, tmp_path / "off.gguf")
+    assert np.array_equal(_tensor(tmp_path / "off.gguf", "token_embd.weight"), w0)
+
+
+def test_profile_splits_a_step_into_forward_backward_and_optimizer(untied_f32):
+    with llamabind.Model(untied_f32, use_mmap=False, n_threads=2) as m:
+        with train.Trainer(m, batch_size=2, n_threads=2, profile=True) as t:
+            w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
+            loss = t.step(w)[0]
+            rows = t.profile()
+            assert t.profile() == []  # read and cleared
+    by = {(r["phase"], r["op"]): r for r in rows}
+    print(rows[:8])
+    assert np.isfinite(loss)
+    assert ("forward", "MUL_MAT") in by and ("backward", "OUT_PROD") in by
+    assert by[("optimizer", "OPT_STEP_ADAMW")]["nodes"] == 21  # every trained tensor, token_embd included
+    assert by[("forward", "SOFT_MAX")]["nodes"] == 2 and ("backward", "SOFT_MAX_BACK") in by  # one per layer
+    assert all(r["ms"] >= 0 for r in rows)
