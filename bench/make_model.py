@@ -3,8 +3,9 @@
 
     python bench/make_model.py --size 1b --type q4_0 -o /tmp/llama-1b-q4_0.gguf
 
-Sizes follow real llama shapes (0.5b: 1536 x 16 layers; 1b: Llama-3.2-1B's 2048 x 16, GQA 32/8,
-ffn 8192; 8b: Llama-3-8B's 4096 x 32, GQA 32/8, ffn 14336) with SmolLM2's 49152-token tokenizer,
+Sizes follow real llama shapes (135m: SmolLM2-135M's 576 x 30 layers, GQA 9/3, ffn 1536, tied
+embeddings (no output.weight); 0.5b: 1536 x 16 layers; 1b: Llama-3.2-1B's 2048 x 16, GQA 32/8,
+ffn 8192, untied; 8b: Llama-3-8B's 4096 x 32, GQA 32/8, ffn 14336) with SmolLM2's 49152-token tokenizer,
 copied from the default model so prompts tokenize. Weights are N(0, 0.02) (norms 1), written by
 the gguf package in F16, Q8_0 or Q4_0 (gguf's own quantizers); one random matrix is drawn per
 shape and written for every layer (an 8B F16 file takes seconds plus the disk write, not minutes
@@ -22,17 +23,20 @@ import numpy as np
 SIZES = {  # n_embd, n_layer, n_head, n_head_kv, n_ff
     "micro": (64, 1, 2, 1, 128),
     "tiny": (256, 2, 4, 2, 512),
+    "135m": (576, 30, 9, 3, 1536),
     "0.5b": (1536, 16, 12, 4, 4096),
     "1b": (2048, 16, 32, 8, 8192),
     "8b": (4096, 32, 32, 8, 14336),
 }
+
+TIED = {"135m"}  # the output matrix is token_embd (no output.weight), as in SmolLM2
 
 
 def n_params(n_vocab: int, size: str) -> int:
     e, L, h, kv, ff = SIZES[size]
     d_kv = e // h * kv
     per_layer = e * e * 2 + e * d_kv * 2 + 3 * e * ff + 2 * e
-    return 2 * n_vocab * e + e + L * per_layer
+    return (1 if size in TIED else 2) * n_vocab * e + e + L * per_layer
 
 
 def main() -> int:
@@ -113,7 +117,8 @@ def main() -> int:
         matrix(f"blk.{i}.ffn_down.weight", e, ff)
         print(f"layer {i + 1}/{L}", file=sys.stderr, end="\r")
     norm("output_norm.weight")
-    matrix("output.weight", n_vocab, e)
+    if args.size not in TIED:
+        matrix("output.weight", n_vocab, e)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -43,13 +43,21 @@
 # qlora:  (carry .device-b after build) issue 27: tests/test_qlora.py on CUDA0, the gradient-accumulation
 #         test, bench/train.py on the GPU with PyTorch beside it (SmolLM2); qlora1b: the 1B shape;
 #         ctx: SmolLM2 training at ctx 512-4096.
+# train42: (carry .device) issue 42: the build, random-weight 1B and 135M llamas (Q4_0 and F32 copies in
+#         /tmp/lb-models), then bench/train_profile.py: a step's breakdown (build, alloc, inputs, compute;
+#         forward/backward/optimizer ops) for the pin's way (a window per graph, rebuilt every window) and
+#         this tree's (a batch per graph, kept), 1B at 256x8 and 2048x1, 135M at 256x8.
+# train42b: (carry .device-b after train42) SmolLM2 joined, the fine-tuning tests on CUDA0 (the graph, token_embd,
+#         batch and QLoRA tests; the PyTorch parity tests run on the CPU in CI), then LB_BENCH (default
+#         "1b:256:1,8"): bench/train.py rows SIZE:CTX:BATCHES, runners LB_RUNNERS, PyTorch LB_TORCH_RUNS.
+# train42c: (after train42) more bench/train.py rows only (LB_BENCH, as train42b).
 # bench:  bench/generation.py on each model, full offload, llama-bench beside it in the same run
 #         (LB_ROUNDS x LB_REPS, default 5 x 20).
 # Logs, JSON and summaries go to $OUT (then bench/results/).
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -327,6 +335,37 @@ for (m, test), d in by.items():
     print(f"| {m} | {test} | {v:.1f} | {c:.1f} | {v / c:.3f} |")
 PY
   fi
+  ;;
+train42)
+  cp .device/smollm2.part-a .device/tokenizer.gguf /tmp/
+  mkdir -p $MODELS
+  for sz in 1b 135m; do
+    python3 bench/make_model.py --size $sz --type q4_0 -o $MODELS/llama-$sz-q4_0.gguf --tokenizer-from /tmp/tokenizer.gguf 2>&1 | tail -1
+    python3 -c "from llamabind import train; train.to_f32('$MODELS/llama-$sz-q4_0.gguf', '$MODELS/llama-$sz-f32.gguf')"
+  done
+  t0=$SECONDS
+  python3 bench/train_profile.py --model $MODELS/llama-1b-f32.gguf --configs ${LB_PROFILE_1B:-256x8,2048x1} -ngl 99 \
+    --threads 8 --steps 5 --profile-steps 2 --out "$OUT/train-profile-1b.json" 2>&1 | tee "$OUT/train-profile-1b.txt" | tail -70
+  python3 bench/train_profile.py --model $MODELS/llama-135m-f32.gguf --configs ${LB_PROFILE_135M:-256x8} -ngl 99 \
+    --threads 8 --steps 5 --profile-steps 2 --out "$OUT/train-profile-135m.json" 2>&1 | tee "$OUT/train-profile-135m.txt" | tail -40
+  echo "profiles in $((SECONDS - t0)) s"
+  ;;
+train42b)
+  join_model
+  t0=$SECONDS
+  LLAMABIND_REQUIRE_GPU=1 python3 -m pytest tests/test_train_graphs.py tests/test_train.py tests/test_qlora.py $PYTEST_ARGS \
+    -k "${LB_TEST_K:-graphs or token_embd or profile or attend or batched or masked_labels or validation_between or qlora_runs or bad_input}" \
+    --deselect "tests/test_train.py::test_batched_step_matches_pytorch" 2>&1 | tee "$OUT/train42-tests.log" | tail -25
+  echo "tests in $((SECONDS - t0)) s"
+  ;&
+train42c)
+  for spec in ${LB_BENCH:-1b:256:1,8}; do
+    IFS=: read -r sz ctx batches <<< "$spec"
+    python3 bench/train.py -ngl 99 --threads 8 --model $MODELS/llama-$sz-q4_0.gguf --chars ${LB_CHARS:-400000} \
+      --ctx $ctx --batch $batches --steps ${LB_STEPS:-8} --runners ${LB_RUNNERS:-full,lora,qlora} \
+      --torch python3 --torch-device cuda --torch-runs ${LB_TORCH_RUNS:-tf32,bf16,lora} \
+      --out "$OUT/train-$sz-ctx$ctx.json" 2>&1 | grep -E "^\||^[A-Za-z].*(parameters|wrote)|rror" | tee "$OUT/bench-train-$sz-ctx$ctx.txt"
+  done
   ;;
 bench)
   bw=$(python3 -c "import json; print(json.load(open('/tmp/bandwidth.json'))['bandwidth_gbs'])")
