@@ -51,6 +51,23 @@ def test_gpu_matches_cpu(device, name, op, args, kw):
     assert e < 1e-7, f"{name} on {device}: NMSE {e:.3g}"
 
 
+_IDX = rng.integers(0, 700, 900).astype(np.int32)  # a 700-row table read 900 times: most rows several times
+_W = {name: f32(*shape) for name, shape in (("rows", (900, 48)), ("norm", (300, 64)), ("heads", (2, 12, 5, 16)))}
+GRAD_CASES = [  # training's backward kernels (patch 0034): GET_ROWS_BACK (token_embd) and REPEAT_BACK (broadcasts)
+    ("get_rows_back", lambda x: ops.sum(ops.mul(ops.get_rows(x, _IDX), _W["rows"])), f32(700, 48)),
+    ("repeat_back_rows", lambda x: ops.sum(ops.mul(ops.repeat(x, (300, 64)), _W["norm"])), f32(64)),
+    ("repeat_back_heads", lambda x: ops.sum(ops.mul(ops.repeat(x, (2, 12, 5, 16)), _W["heads"])), f32(2, 3, 5, 16)),
+]
+
+
+@pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize("name,f,x", GRAD_CASES, ids=[c[0] for c in GRAD_CASES])
+def test_gpu_gradients_match_cpu(device, name, f, x):
+    """The gradient (ggml's backward graph) on the device against the CPU's, by NMSE."""
+    e = ops.nmse(ops.grad(f, backend=device)(x), ops.grad(f, backend="cpu")(x))
+    assert e < 1e-7, f"{name} on {device}: NMSE {e:.3g}"
+
+
 @pytest.mark.parametrize("device", GPUS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.int16, np.int32], ids=str)
 def test_gpu_concat_every_dtype(device, dtype):  # PR #24724, #24747

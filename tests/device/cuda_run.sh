@@ -344,11 +344,16 @@ train42)
     python3 -c "from llamabind import train; train.to_f32('$MODELS/llama-$sz-q4_0.gguf', '$MODELS/llama-$sz-f32.gguf')"
   done
   t0=$SECONDS
+  # the backward kernels of the training step on CUDA0 against the CPU (patch 0034) and finite differences
+  LLAMABIND_TEST_BACKEND=cuda LLAMABIND_REQUIRE_GPU=1 python3 -m pytest tests/test_ops_backends.py tests/test_ops_grad.py \
+    $PYTEST_ARGS -k "gradients or get_rows or repeat" 2>&1 | tee "$OUT/train42-kernel-tests.log" | tail -4
   python3 bench/train_profile.py --model $MODELS/llama-1b-f32.gguf --configs ${LB_PROFILE_1B:-256x8,2048x1} -ngl 99 \
-    --threads 8 --steps 5 --profile-steps 2 --out "$OUT/train-profile-1b.json" 2>&1 | tee "$OUT/train-profile-1b.txt" | tail -70
-  python3 bench/train_profile.py --model $MODELS/llama-135m-f32.gguf --configs ${LB_PROFILE_135M:-256x8} -ngl 99 \
-    --threads 8 --steps 5 --profile-steps 2 --out "$OUT/train-profile-135m.json" 2>&1 | tee "$OUT/train-profile-135m.txt" | tail -40
-  echo "profiles in $((SECONDS - t0)) s"
+    --modes ${LB_MODES:-pin,now} --threads 8 --steps 5 --profile-steps 2 --out "$OUT/train-profile-1b.json" 2>&1 \
+    | tee "$OUT/train-profile-1b.txt" | tail -70
+  [ -n "${LB_PROFILE_135M-256x8}" ] && python3 bench/train_profile.py --model $MODELS/llama-135m-f32.gguf \
+    --configs ${LB_PROFILE_135M:-256x8} -ngl 99 --modes ${LB_MODES:-pin,now} --threads 8 --steps 5 --profile-steps 2 \
+    --out "$OUT/train-profile-135m.json" 2>&1 | tee "$OUT/train-profile-135m.txt" | tail -40
+  echo "kernel tests and profiles in $((SECONDS - t0)) s"
   ;;
 train42b)
   join_model
