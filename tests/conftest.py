@@ -352,3 +352,30 @@ def pytest_sessionfinish(session):
     ]
     with open(path, "w") as f:
         json.dump({"backend": TEST_BACKEND, "rows": rows}, f, indent=1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """LLAMABIND_TEST_SAMPLE="SEED:FRACTION" keeps, of every parametrized test, its first case and a
+    seeded random FRACTION of the others (every test function still runs; CI's Vulkan sweep on
+    lavapipe runs a sample, the GPU machine the whole set). The deselected cases are reported."""
+    spec = os.environ.get("LLAMABIND_TEST_SAMPLE")
+    if not spec:
+        return
+    import random
+
+    seed, fraction = spec.split(":")
+    rng = random.Random(int(seed))
+    groups: dict[tuple, list] = {}
+    for item in items:
+        groups.setdefault((item.path, getattr(item, "originalname", item.name)), []).append(item)
+    keep, drop = [], []
+    for group in groups.values():
+        rest = group[1:]
+        chosen = set(rng.sample(range(len(rest)), round(len(rest) * float(fraction))))
+        keep.append(group[0])
+        for i, item in enumerate(rest):
+            (keep if i in chosen else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        kept = set(keep)
+        items[:] = [i for i in items if i in kept]

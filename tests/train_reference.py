@@ -6,7 +6,7 @@ WORK/job.json: {"f32": GGUF, "sgd": GGUF after one SGD step (lr 1, no weight dec
 "adamw": GGUF after the AdamW steps in llamabind, "window": token ids (or a list of windows: a
 batch, whose loss is the mean over all its positions), optionally "labels" (n_ctx ids of one window,
 -1 = left out of the loss: ignore_index), "adamw_steps": n, "lr": x,
-"weight_decay": w}. The token embeddings stay frozen, as llama.cpp keeps them. transformers loads
+"weight_decay": w}. Every tensor is trained, the tied token embeddings too. transformers loads
 each GGUF as LlamaForCausalLM in float32 (it undoes the
 converter's Q/K row permutation), PyTorch computes the loss and gradients of the same window and runs
 the same AdamW steps (torch.optim.AdamW, betas 0.9/0.999, eps 1e-8). Writes WORK/result.json: the
@@ -45,10 +45,7 @@ def main(work: Path) -> None:
     window = torch.tensor(job["window"], dtype=torch.long)
     labels = torch.tensor(job["labels"], dtype=torch.long) if job.get("labels") else None
     torch.manual_seed(0)
-    model = load(job["f32"])
-    # llama.cpp at the pin never trains token_embd.weight (llama_set_param's FIXME), and SmolLM2's
-    # output matrix is that tensor (tied): freeze it here too
-    model.model.embed_tokens.weight.requires_grad_(False)
+    model = load(job["f32"])  # every parameter trained: the tied embed_tokens/lm_head is one tensor (patch 0033)
     w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
     loss = loss_of(model, window, labels)
     loss.backward()
