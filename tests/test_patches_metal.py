@@ -1,7 +1,8 @@
 """The Metal patches (0003-0007): well formed, applied, and their pure logic tested on the CPU.
 
-Metal cannot be compiled on Linux; .github/workflows/macos.yml builds and tests them on a Mac.
-What is arithmetic or index logic is checked here from the patched vendor tree itself."""
+Apple's Metal compiler does not run on Linux; .github/workflows/macos.yml builds and tests them on a
+Mac, tests/test_metal_sources.py compiles or parses their sources here. What is arithmetic or index
+logic is checked here from the patched vendor tree itself."""
 
 from __future__ import annotations
 
