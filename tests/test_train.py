@@ -14,7 +14,8 @@ import pytest
 from conftest import require_tool
 
 import llamabind
-from llamabind import _core, train
+from llamabind import train
+from llamabind.optimizer import Optimizer
 
 PROMPT = "To build llama.cpp with CUDA,"
 
@@ -126,7 +127,7 @@ def test_bad_input_is_a_clear_error(model_path, f32_path, text, tmp_path):
             with pytest.raises(ValueError, match="outside"):
                 t.step(np.full((2, 257), m.n_vocab, np.int32))
             with pytest.raises(ValueError, match="already"):
-                _core.opt_init(t.context._llama_context, "adamw", 1e-5, 0.0)
+                Optimizer(t.context)
             with pytest.raises(ValueError, match="before the first|first opt_step"):
                 t.state()
         with pytest.raises(ValueError, match="grad_accum"):
@@ -330,11 +331,11 @@ def test_validation_between_accumulated_windows_does_not_move_the_step(f32_path,
     def held_out_loss(validate_between: bool) -> float:
         with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
             with train.Trainer(m, batch_size=2, grad_accum=2, optimizer="sgd", lr=0.05, n_threads=2) as t:
-                native = t.context._llama_context  # the micro-batches one by one, through the native calls
-                _core.opt_step(native, w[[0]], True)
+                opt = t.optimizer  # the micro-batches one by one
+                opt.eval(w[[0]], True)
                 if validate_between:
-                    _core.opt_step(native, w[[2]], False)
-                _core.opt_step(native, w[[1]], True)  # the step: the mean gradient of w[0] and w[1]
+                    opt.eval(w[[2]], False)
+                opt.eval(w[[1]], True)  # the step: the mean gradient of w[0] and w[1]
                 return t.evaluate(w[[2]])[0]
 
     plain, with_validation = held_out_loss(False), held_out_loss(True)

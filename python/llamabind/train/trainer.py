@@ -1,5 +1,5 @@
-"""The native side of a training run: :class:`Trainer`, a training context and ggml-opt's optimizer
-over it (llama_opt_init / llama_opt_epoch), driven one optimizer step at a time by the loop."""
+"""A training run's step: :class:`Trainer`, a training context of a micro-batch of windows and
+ggml-opt's optimizer over it (:class:`llamabind.optimizer.Optimizer`), one optimizer step a call."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import _core
-from .._validate import as_float, as_int, expect, one_of
+from .._validate import as_int, expect, one_of
 from ..context import Context
 from ..model import LoraAdapter, Model
+from ..optimizer import Optimizer
 
 __all__ = ["Trainer"]
 
@@ -81,14 +81,10 @@ class Trainer:
             model, n_ctx=n, n_batch=n, n_ubatch=n, n_seq_max=self.micro_batch, kv_unified=self.micro_batch == 1,
             n_threads=n_threads, training=True, training_profile=bool(profile),
         )  # fmt: skip
-        self._native = self.context._llama_context
         try:
             if adapter is not None:
                 self.context.set_lora(adapter, 1.0)
-            _core.opt_init(
-                self._native, optimizer, as_float(lr, "lr"), as_float(weight_decay, "weight_decay"), params,
-                self.grad_accum, bool(embeddings),
-            )  # fmt: skip
+            self.optimizer = Optimizer(self.context, optimizer, lr, weight_decay, params, self.grad_accum, embeddings)
         except BaseException:
             self.context.close()
             raise
@@ -105,7 +101,7 @@ class Trainer:
 
     def set_lr(self, lr: float) -> None:
         """The learning rate (> 0) of the next optimizer steps (ggml-opt reads it at each step)."""
-        _core.opt_set_lr(self._native, as_float(lr, "lr"))
+        self.optimizer.set_lr(lr)
 
     def step(self, windows: np.ndarray, labels: np.ndarray | None = None) -> tuple[float, float, int]:
         """One optimizer step over ``windows``, int (batch_size, ctx_size + 1) token ids: the
@@ -123,10 +119,10 @@ class Trainer:
                     raise ValueError(
                         f"every label of windows [{k}, {k + m}) is masked (-1): nothing to learn from them"
                     )
-        _core.opt_reset(self._native)
+        self.optimizer.reset()
         for k in range(0, self.batch_size, m):
-            _core.opt_step(self._native, w[k : k + m], True, None if lab is None else lab[k : k + m])
-        return _core.opt_result(self._native, True)
+            self.optimizer.eval(w[k : k + m], True, None if lab is None else lab[k : k + m])
+        return self.optimizer.result(True)
 
     def evaluate(self, windows: np.ndarray, labels: np.ndarray | None = None) -> tuple[float, float, int]:
         """Forward passes only over any number of windows (shapes as :meth:`step`): (mean loss per
@@ -142,10 +138,10 @@ class Trainer:
         if pad:
             w = np.concatenate([w, np.repeat(w[-1:], pad, axis=0)])
             lab = np.concatenate([lab, np.full((pad, lab.shape[1]), -1, np.int32)])
-        _core.opt_reset(self._native)
+        self.optimizer.reset()
         for k in range(0, len(w), m):
-            _core.opt_step(self._native, w[k : k + m], False, lab[k : k + m])
-        return _core.opt_result(self._native, False)
+            self.optimizer.eval(w[k : k + m], False, lab[k : k + m])
+        return self.optimizer.result(False)
 
     def state(self) -> tuple[int, list[tuple[str, np.ndarray, np.ndarray]]]:
         """The optimizer's state, for checkpoints: ``(iter, [(name, m, v), ...])``: AdamW's step
@@ -154,35 +150,28 @@ class Trainer:
         (an empty list for SGD). Wraps ggml_opt_get_iter / ggml_opt_get_param (patch 0028).
         Raises ValueError before the first :meth:`step` or :meth:`evaluate` (ggml-opt allocates
         the moments with its first graph)."""
-        it, params = _core.opt_state(self._native)
-        return it, [(n, m, v) for n, m, v in params if m is not None]
+        return self.optimizer.state()
 
     def set_state(self, iter: int, state: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> None:
         """Set the optimizer state saved by :meth:`state` (same model or adapter shapes, same
         optimizer): every trained tensor by name with as many float32 values; nothing is written
         unless all are. Raises ValueError (a missing or extra tensor, a wrong size, iter < 1,
         before the first step). Wraps ggml_opt_set_iter and ggml_backend_tensor_set (patch 0028)."""
-        it = as_int(iter, "iter", 1)
-        flat = [
-            (str(n), np.ascontiguousarray(m, dtype=np.float32).reshape(-1),
-             np.ascontiguousarray(v, dtype=np.float32).reshape(-1))
-            for n, m, v in state
-        ]  # fmt: skip
-        _core.opt_set_state(self._native, it, flat)
+        self.optimizer.set_state(iter, state)
 
     def stats(self) -> dict[str, float]:
         """Where the time went since the first step (llama_opt_get_stats, patch 0032): ``n_evals``
         (micro-batches run), ``n_graph_builds`` (forward graphs built), ``n_opt_builds``
         (backward/optimizer graphs built), ``n_graph_allocs`` (scheduler allocations), and
         milliseconds ``t_build_ms``, ``t_alloc_ms``, ``t_inputs_ms``, ``t_eval_ms`` (compute)."""
-        return dict(_core.opt_stats(self._native))
+        return self.optimizer.stats()
 
     def profile(self) -> list[dict[str, Any]]:
         """Per phase ("forward", "backward", "optimizer") and ggml op: milliseconds and nodes
         timed since the last call, slowest first; needs ``profile=True`` (ValueError otherwise).
         The scheduler runs every node on its own and waits for it: the times are the ops'
         compute plus a launch and a synchronization each."""
-        rows = [dict(phase=p, op=op, ms=ms, nodes=n) for p, op, ms, n in _core.opt_profile(self._native)]
+        rows = [dict(phase=p, op=op, ms=ms, nodes=n) for p, op, ms, n in self.optimizer.profile()]
         return sorted(rows, key=lambda r: -r["ms"])
 
     def _check(self, windows, labels, rows: int | None) -> tuple[np.ndarray, np.ndarray | None]:

@@ -1,0 +1,89 @@
+"""The native-facing layer, training side: :class:`Optimizer`, llama.cpp's optimizer API (llama_opt_init,
+llama_opt_epoch, ggml-opt's AdamW and SGD) on a training :class:`~llamabind.context.Context`. The loop
+and its batches are :mod:`llamabind.train`'s (:class:`~llamabind.train.Trainer`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _core
+from ._validate import as_float, as_int
+from .context import Context
+
+__all__ = ["Optimizer"]
+
+
+class Optimizer:
+    """ggml-opt's optimizer over a context made with ``training=True`` (wraps llama_opt_init; once per
+    context). ``params``: ``"model"`` (every F32 weight; token_embd too unless ``embeddings`` is
+    False, patch 0033) or ``"lora"`` (the A/B tensors of the adapters applied to the context).
+    ``grad_accum``: evals per optimizer step (their gradients averaged, patch 0025). Raises
+    ValueError/TypeError for bad arguments or a context that is not a training one."""
+
+    def __init__(
+        self,
+        context: Context,
+        optimizer: str = "adamw",
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        params: str = "model",
+        grad_accum: int = 1,
+        embeddings: bool = True,
+    ):
+        self.context = context
+        self._native = context._llama_context
+        _core.opt_init(
+            self._native, optimizer, as_float(lr, "lr"), as_float(weight_decay, "weight_decay"), params,
+            as_int(grad_accum, "grad_accum", 1), bool(embeddings),
+        )  # fmt: skip
+
+    def eval(self, windows: np.ndarray, train: bool, labels: np.ndarray | None = None) -> None:
+        """One eval of n_seq_max windows, int32 C-contiguous (n_seq_max, n_ctx / n_seq_max + 1), one
+        sequence each, with optional labels (n_seq_max, n_ctx / n_seq_max), -1 left out: forward, and
+        with ``train`` backward and (every grad_accum-th eval) the optimizer step (llama_opt_epoch).
+        Its loss adds to :meth:`result`. Raises ValueError for other shapes or ids out of range."""
+        _core.opt_step(self._native, windows, bool(train), labels)
+
+    def result(self, train: bool) -> tuple[float, float, int]:
+        """(mean cross-entropy per labelled token in nats, next-token accuracy, labelled tokens) of the
+        training or validation evals since :meth:`reset`, token-weighted; NaN, NaN, 0 for none."""
+        return _core.opt_result(self._native, bool(train))
+
+    def reset(self) -> None:
+        """Zero the losses :meth:`result` sums."""
+        _core.opt_reset(self._native)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate (> 0) of the next optimizer steps (ggml-opt reads it at each step)."""
+        _core.opt_set_lr(self._native, as_float(lr, "lr"))
+
+    def state(self) -> tuple[int, list[tuple[str, np.ndarray, np.ndarray]]]:
+        """(AdamW's step counter, [(tensor name, m, v)]): float32 copies of the moments, shape
+        (n_elements,); an empty list for SGD. Wraps ggml_opt_get_iter / ggml_opt_get_param (patch
+        0028). ValueError before the first eval (ggml-opt allocates the moments with its first graph)."""
+        it, params = _core.opt_state(self._native)
+        return it, [(n, m, v) for n, m, v in params if m is not None]
+
+    def set_state(self, iter: int, state: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> None:
+        """Set the state :meth:`state` returned: every trained tensor by name with as many float32
+        values; nothing is written unless all are (ValueError: a missing or extra tensor, a wrong
+        size, iter < 1, before the first eval). Wraps ggml_opt_set_iter and ggml_backend_tensor_set."""
+        flat = [
+            (str(n), np.ascontiguousarray(m, dtype=np.float32).reshape(-1),
+             np.ascontiguousarray(v, dtype=np.float32).reshape(-1))
+            for n, m, v in state
+        ]  # fmt: skip
+        _core.opt_set_state(self._native, as_int(iter, "iter", 1), flat)
+
+    def stats(self) -> dict[str, Any]:
+        """llama_opt_get_stats (patch 0032): n_evals, n_graph_builds, n_opt_builds, n_graph_allocs,
+        and t_build_ms, t_alloc_ms, t_inputs_ms, t_eval_ms since llama_opt_init."""
+        return dict(_core.opt_stats(self._native))
+
+    def profile(self) -> list[tuple[str, str, float, int]]:
+        """[(phase, ggml op, ms, nodes)] timed since the last call, for a context made with
+        training_profile=True (ValueError otherwise)."""
+        return _core.opt_profile(self._native)
