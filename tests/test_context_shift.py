@@ -69,3 +69,14 @@ def test_context_shift_errors(model):
         toks = ctx.tokens
         ctx.shift(1, 1)
         assert ctx.n_past == n - 1 and ctx.tokens == toks[:1] + toks[2:]
+
+
+def test_n_keep_past_the_context_is_clamped_with_a_warning(model, caplog):
+    """An n_keep larger than the context (issue 40's rough edge) is clamped to n_ctx - 4, as llama-server
+    clamps it, and said on the llamabind logger; the generation shifts and goes on."""
+    import logging
+
+    with model.context(n_ctx=N_CTX) as ctx, caplog.at_level(logging.WARNING, logger="llamabind"):
+        r = ctx.generate("Once upon a time", max_tokens=N_CTX + 40, context_shift=True, n_keep=1000, ignore_eos=True)
+    assert len(r.tokens) == N_CTX + 40 and r.finish_reason == "length"
+    assert any("exceeds n_ctx - 4 = 252" in m for m in caplog.messages), caplog.messages

@@ -143,7 +143,8 @@ def generate(
             one ``llamabind.MEDIA_MARKER`` ("<__media__>") per item, where each goes.
         context_shift: when the context is full, keep going (llama-server's ``--context-shift``):
             keep the first ``n_keep`` tokens (-1: the whole prompt; plus BOS where the model adds
-            one), drop half of the rest from the KV cache and move the remainder down
+            one; at most n_ctx - 4, clamped with a warning on the ``llamabind`` logger as
+            llama-server clamps it), drop half of the rest from the KV cache and move the remainder down
             (:meth:`Context.shift`), as llama-server does; without it generation stops there with
             finish_reason "length". Not with prompts holding media, nor speculative decoding.
         **sampling: fields of :class:`~llamabind.SamplingParams` (temperature, top_k, top_p, min_p,
@@ -235,7 +236,12 @@ def run(
     proc = Processing(processors, text_tokens) if processors else None
     keep = None
     if n_keep is not None:  # context shift: llama-server's n_keep (-1: the prompt), + BOS, at most n_ctx - 4
-        keep = min(n_ctx - 4, (len(tokens) if n_keep < 0 else n_keep) + (1 if model.add_bos else 0))
+        want = (len(tokens) if n_keep < 0 else n_keep) + (1 if model.add_bos else 0)
+        keep = min(n_ctx - 4, want)
+        if keep < want:  # llama-server clamps it the same way and says so
+            _log.logger.warning(
+                "context shift: n_keep %d (with BOS) exceeds n_ctx - 4 = %d; keeping %d tokens", want, n_ctx - 4, keep
+            )
     return _loop(ctx, tokens, max_tokens, sampler, stops, logprobs, draft, on_device, proc, media, keep)
 
 
