@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -318,3 +319,66 @@ def test_common_logs_do_not_reach_stderr(model_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "<|im_start|>user\nhi<|im_end|>" in p.stdout
     assert p.stderr == "", p.stderr
+
+
+def _pty_chat(model_path, keys: list[bytes], env: dict) -> str:
+    """python -m llamabind chat on a pseudo-terminal (stdin a tty: the interactive REPL), fed `keys`
+    line by line as a user types them; everything it printed (stdout and stderr share the tty)."""
+    import os
+    import pty
+    import select
+    import time
+
+    cmd = [sys.executable, "-m", "llamabind", "chat", "-m", str(model_path), "-t", "0", "-n", "6", "--no-progress"]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the REPL on the pty
+        os.execvpe(cmd[0], cmd, env)
+    out = b""
+
+    def read_more(timeout: float) -> bool:
+        nonlocal out
+        r, _, _ = select.select([fd], [], [], timeout)
+        if r:
+            try:
+                out += os.read(fd, 65536)
+            except OSError:
+                return False
+        return True
+
+    def wait_for_prompts(n: int, timeout: float = 120) -> None:
+        end = time.time() + timeout
+        while out.count(b"> ") < n and time.time() < end and read_more(0.5):
+            pass
+
+    wait_for_prompts(1)
+    for i, k in enumerate(keys):
+        n = out.count(b"> ")
+        os.write(fd, k)
+        if k.endswith(b"\r") and i < len(keys) - 1:  # wait for the next prompt (none after the last line)
+            wait_for_prompts(n + 1)
+    end = time.time() + 10
+    while time.time() < end and read_more(0.5):  # what it prints on the way out
+        pass
+    os.close(fd)
+    os.waitpid(pid, 0)
+    return out.decode(errors="replace")
+
+
+def test_chat_repl_in_a_terminal(model_path, tmp_path):
+    """The REPL as llama-cli's users expect it, through a pty: a banner naming the model, n_ctx and
+    the commands; /help answered, not sent; an unknown /command refused; readline editing (the left
+    arrow moves the cursor: "abc" + left + "X" is "abXc", not an escape code) with a history file;
+    a speed line after each reply."""
+    import os
+
+    env = {**os.environ, "LLAMABIND_CACHE": str(tmp_path), "TERM": "xterm"}
+    models_dir = Path(llamabind.models.cache_dir()) / "models"
+    if models_dir.exists():  # the model stays where it is: the cache here holds only the history
+        (tmp_path / "models").symlink_to(models_dir)
+    out = _pty_chat(model_path, [b"/help\r", b"/frobnicate\r", b"abc\x1b[DX\r", b"/exit\r"], env)
+    assert "n_ctx" in out and "/help for commands" in out, out
+    assert "/reset" in out and "/system TEXT" in out, out  # the help text
+    assert "unknown command /frobnicate" in out, out
+    assert "generated: " in out and "tokens/s" in out, out  # the speed line of the reply
+    history = (tmp_path / "chat_history").read_text()
+    assert "abXc" in history and "\x1b" not in history, history

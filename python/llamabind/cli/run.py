@@ -85,65 +85,122 @@ def _generate(args) -> int:
     return 0
 
 
+CHAT_HELP = """commands:
+  /help            this list
+  /exit, /quit     leave (Ctrl-D too; Ctrl-C stops a reply)
+  /reset           forget the conversation (the system prompt stays)
+  /system TEXT     set the system prompt
+  /image FILE      attach an image to your next message (with --mmproj)
+  /audio FILE      attach an audio clip to your next message (with --mmproj)
+anything else is sent to the model; arrow keys edit the line and browse the history"""
+
+
+def _line_editing() -> str | None:
+    """readline's line editing and a history file for an interactive chat (llama-cli's users expect
+    both: without readline, input() echoes the arrow keys' escape codes). Returns the history file."""
+    try:
+        import readline
+    except ImportError:  # e.g. Windows without pyreadline
+        return None
+    path = str(models.cache_dir() / "chat_history")
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+    return path
+
+
+def _save_history(path: str | None) -> None:
+    if path is None:
+        return
+    import readline
+
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        readline.write_history_file(path)
+    except OSError as err:
+        print(f"[could not write the history file {path}: {err.strerror}]", file=sys.stderr)
+
+
 def _chat(args) -> int:
     """An interactive chat: each line is a user turn; the history is kept (and its KV cache
-    reused). Commands: /exit (or EOF) ends, /reset clears the history, /system TEXT sets it,
-    /image FILE and /audio FILE attach media to the next turn (with --mmproj)."""
+    reused). Commands (/help lists them): /exit (or EOF) ends, /reset clears the history, /system
+    TEXT sets it, /image FILE and /audio FILE attach media to the next turn (with --mmproj). In a
+    terminal: a banner, readline editing with a history file, a speed line per reply on stderr."""
     from ..api import Model
 
     interactive = sys.stdin.isatty()
     with Model(args.model, progress=args.progress and interactive, **_model_kwargs(args)) as m:
+        name = args.model if args.model in models.KNOWN else os.path.basename(str(m.path))
+        history_file = None
+        if interactive:
+            history_file = _line_editing()
+            n_ctx = m.context_params["n_ctx"]
+            print(f"[{name} | {m.description} | n_ctx {n_ctx} | /help for commands, /exit to leave]", file=sys.stderr)
         history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         pending = _media_parts(args.image, args.audio)  # media for the next user turn
-        while True:
-            try:
-                line = input("> " if interactive else "")
-            except EOFError:
-                break
-            except KeyboardInterrupt:
-                print()
-                break
-            cmd = line.strip()
-            if cmd in ("/exit", "/quit"):
-                break
-            if cmd == "/reset":
-                history = history[:1] if args.system else []
-                continue
-            if cmd.startswith("/system "):
-                history = [{"role": "system", "content": cmd[8:]}] + [h for h in history if h["role"] != "system"]
-                continue
-            if cmd.startswith(("/image ", "/audio ")):
-                kind, path = cmd[1:6], cmd[7:].strip()
-                if m.projector is None:
-                    print("[/image and /audio need --mmproj]", file=sys.stderr)
-                elif not os.path.isfile(path):
-                    print(f"[no such file: {path}]", file=sys.stderr)
-                else:
-                    pending.append({"type": kind, kind: path})
-                    print(f"[{kind} {path} goes with your next message]", file=sys.stderr)
-                continue
-            if not cmd:
-                continue
-            history.append({"role": "user", "content": [*pending, {"type": "text", "text": line}] if pending else line})
-            pending = []
-            try:
-                stream = m.chat(history, **_generation_kwargs(args))
-                assert isinstance(stream, Stream)
-                for piece in stream:
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-            except KeyboardInterrupt:
-                print("\n[interrupted]", file=sys.stderr)
-                history.pop()
-                continue
-            except ValueError as e:  # media the projector cannot read, a prompt too long for n_ctx
-                print(f"[{e}]", file=sys.stderr)
-                history.pop()
-                continue
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            assert stream.result is not None
-            history.append(stream.result.message)
+        try:
+            while True:
+                try:
+                    line = input("> " if interactive else "")
+                except EOFError:
+                    break
+                except KeyboardInterrupt:
+                    print()
+                    break
+                cmd = line.strip()
+                if cmd in ("/exit", "/quit"):
+                    break
+                if cmd == "/help":
+                    print(CHAT_HELP, file=sys.stderr)
+                    continue
+                if cmd == "/reset":
+                    history = history[:1] if args.system else []
+                    continue
+                if cmd.startswith("/system "):
+                    history = [{"role": "system", "content": cmd[8:]}] + [h for h in history if h["role"] != "system"]
+                    continue
+                if cmd.startswith(("/image ", "/audio ")):
+                    kind, path = cmd[1:6], cmd[7:].strip()
+                    if m.projector is None:
+                        print("[/image and /audio need --mmproj]", file=sys.stderr)
+                    elif not os.path.isfile(path):
+                        print(f"[no such file: {path}]", file=sys.stderr)
+                    else:
+                        pending.append({"type": kind, kind: path})
+                        print(f"[{kind} {path} goes with your next message]", file=sys.stderr)
+                    continue
+                if cmd.startswith("/") and cmd[1:2].isalpha():  # a command, not a message: never sent
+                    print(f"[unknown command {cmd.split()[0]}: /help lists them]", file=sys.stderr)
+                    continue
+                if not cmd:
+                    continue
+                content = [*pending, {"type": "text", "text": line}] if pending else line
+                history.append({"role": "user", "content": content})
+                pending = []
+                try:
+                    stream = m.chat(history, **_generation_kwargs(args))
+                    assert isinstance(stream, Stream)
+                    for piece in stream:
+                        sys.stdout.write(piece)
+                        sys.stdout.flush()
+                except KeyboardInterrupt:
+                    print("\n[interrupted]", file=sys.stderr)
+                    history.pop()
+                    continue
+                except ValueError as e:  # media the projector cannot read, a prompt too long for n_ctx
+                    print(f"[{e}]", file=sys.stderr)
+                    history.pop()
+                    continue
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                r = stream.result
+                assert r is not None
+                print(f"[{r.generation.timings.summary()} | finish: {r.finish_reason}]", file=sys.stderr)
+                history.append(r.message)
+        finally:
+            _save_history(history_file)
     return 0
 
 
