@@ -69,15 +69,53 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _route(self):
+        """(kind, repo, revision, path) of a request: a model repository's routes, and a dataset
+        repository's under /api/datasets/ and /datasets/ (the repo id then reads "datasets/ORG/NAME")."""
         path = self.path.split("?", 1)[0]
         self.server.log.append((self.command, path))
-        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(/.*)?", path)
+        m = re.fullmatch(r"/api/(models|datasets)/([^/]+/[^/]+)/(tree|paths-info)/([^/]+)(/.*)?", path)
         if m:
-            return "tree", m.group(1), m.group(2), None
-        m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+            repo = m.group(2) if m.group(1) == "models" else f"datasets/{m.group(2)}"
+            return m.group(3), repo, m.group(4), (m.group(5) or "/")[1:]
+        m = re.fullmatch(r"/api/(models|datasets)/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
+        if m:
+            repo = m.group(2) if m.group(1) == "models" else f"datasets/{m.group(2)}"
+            return "info", repo, m.group(3) or "main", None
+        m = re.fullmatch(r"/((?:datasets/)?[^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
         if m:
             return "resolve", m.group(1), m.group(2), m.group(3)
         return None, None, None, None
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._serve()
+
+    def _json(self, obj) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _entries(self, files: dict[str, Path], under: str) -> list[dict]:
+        """The tree API's entries below `under` (files and the folders on their paths)."""
+        out, dirs = [], set()
+        for p, f in files.items():
+            if under and not p.startswith(under.rstrip("/") + "/"):
+                continue
+            parts = p.split("/")
+            for k in range(1, len(parts)):
+                dirs.add("/".join(parts[:k]))
+            size = f.stat().st_size
+            lfs = {"oid": self.server.sha256(f), "size": size, "pointerSize": 134}
+            out.append(
+                {"type": "file", "oid": hashlib.sha1(p.encode()).hexdigest(), "size": size, "path": p, "lfs": lfs}
+            )
+        out += [{"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
+                for d in sorted(dirs) if not under or d.startswith(under.rstrip("/") + "/")]  # fmt: skip
+        return out
 
     def do_GET(self):
         self._serve()
@@ -92,25 +130,13 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, "RepoNotFound")
         if rev not in ("main", COMMIT):
             return self._error(404, "RevisionNotFound")
-        if kind == "tree":
-            tree = [
-                {
-                    "type": "file",
-                    "oid": hashlib.sha1(p.encode()).hexdigest(),
-                    "size": f.stat().st_size,
-                    "path": p,
-                    "lfs": {"oid": self.server.sha256(f), "size": f.stat().st_size, "pointerSize": 134},
-                }
-                for p, f in files.items()
-            ]
-            body = json.dumps(tree).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command == "GET":
-                self.wfile.write(body)
-            return None
+        if kind in ("tree", "paths-info"):
+            return self._json(self._entries(files, file or ""))
+        if kind == "info":
+            name = repo.removeprefix("datasets/")
+            siblings = [{"rfilename": p} for p in files]
+            return self._json({"id": name, "_id": COMMIT[:24], "sha": COMMIT, "private": False, "disabled": False,
+                               "gated": False, "siblings": siblings, "tags": [], "cardData": {}})  # fmt: skip
         f = files.get(file)
         if f is None:
             return self._error(404, "EntryNotFound")

@@ -7,6 +7,22 @@ import sys
 from .. import models
 from .common import add_hf
 
+DATASET_ID = r"[\w.-]+/[\w.-]+(:[\w.-]+)?"  # a Hub dataset id, org/name[:split]
+
+
+def _check_inputs(data: dict, files: dict) -> None:
+    """FileNotFoundError, before the model loads, for data that is no file, folder or Hub dataset id
+    and for a missing file."""
+    import re
+    from pathlib import Path
+
+    for flag, f in data.items():
+        if f is not None and not Path(f).exists() and not re.fullmatch(DATASET_ID, f):
+            raise FileNotFoundError(f"{flag}: no such file or folder, and not a Hub dataset id (org/name[:split]): {f}")
+    for flag, f in files.items():
+        if f is not None and not Path(f).is_file():
+            raise FileNotFoundError(f"{flag}: no such file: {f}")
+
 
 def _eval(args) -> int:
     from pathlib import Path
@@ -14,13 +30,7 @@ def _eval(args) -> int:
     from .. import train
     from ..api import Model
 
-    for flag, f in (
-        ("--data", args.data),
-        ("--adapter", args.adapter),
-        ("--chat-template-file", args.chat_template_file),
-    ):
-        if f is not None and not Path(f).is_file():
-            raise FileNotFoundError(f"{flag}: no such file: {f}")
+    _check_inputs({"--data": args.data}, {"--adapter": args.adapter, "--chat-template-file": args.chat_template_file})
     template = Path(args.chat_template_file).read_text(encoding="utf-8") if args.chat_template_file else None
     kw = dict(n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
     with Model(models.resolve(args.model), **kw) as m:
@@ -67,10 +77,8 @@ def _finetune(args) -> int:
     from .. import train
     from ..api import Model
 
-    files = (("--data", args.data), ("--valid", args.valid), ("--test", args.test))
-    for flag, f in (*files, ("--chat-template-file", args.chat_template_file)):
-        if f is not None and not Path(f).is_file():
-            raise FileNotFoundError(f"{flag}: no such file: {f}")
+    _check_inputs({"--data": args.data, "--valid": args.valid, "--test": args.test},
+                  {"--chat-template-file": args.chat_template_file})  # fmt: skip
     template = Path(args.chat_template_file).read_text(encoding="utf-8") if args.chat_template_file else None
     out = Path(args.output)
     try:  # fail now, not after the training, if the output cannot be written
@@ -166,7 +174,8 @@ def add_parsers(sub) -> None:
     f.add_argument(
         "--data",
         required=True,
-        help="JSONL ({text} / {prompt, completion} / {messages[, tools]} per line) or a UTF-8 text file",
+        help="JSONL ({text} / {prompt, completion} / {messages[, tools]} per line), a UTF-8 text file, or a 🤗 "
+        "dataset with such columns: a folder, a parquet/CSV/JSON file, or a Hub id org/name[:split] (the train extra)",
     )
     f.add_argument("--valid", default=None, help="held-out file of the same kinds (instead of --val-split)")
     f.add_argument("--test", default=None, help="held-out file: its loss and perplexity after training")
@@ -214,7 +223,7 @@ def add_parsers(sub) -> None:
     ev.add_argument("--model", "-m", default=models.DEFAULT, help="model name or GGUF path")
     add_hf(ev)
     ev.add_argument("--adapter", default=None, help="a LoRA adapter GGUF to apply (scale 1)")
-    ev.add_argument("--data", required=True, help="JSONL (as finetune --data) or a UTF-8 text file")
+    ev.add_argument("--data", required=True, help="as finetune --data: JSONL, a text file, or a 🤗 dataset")
     ev.add_argument("--ctx-size", "-c", type=int, default=256, help="tokens per window")
     ev.add_argument("--train-on-prompt", action="store_true", help="count every token, not only the answers")
     ev.add_argument("--chat-template-file", default=None, help="jinja chat template instead of the GGUF's")

@@ -35,7 +35,7 @@ weights that may be quantized (QLoRA: the Q4_1 SmolLM2 as is); the trained adapt
 """
 
 from .checkpoint import latest_checkpoint
-from .data import Example, chat_example, example_windows, load_jsonl, read_data, windows
+from .data import Example, chat_example, example_windows, from_dataset, load_dataset, load_jsonl, read_data, windows
 from .evaluate import EvalResult, evaluate
 from .fuse import fuse
 from .loop import EpochStats, TrainResult, finetune, iterate_batches
@@ -54,6 +54,8 @@ __all__ = [
     "chat_example",
     "evaluate",
     "example_windows",
+    "from_dataset",
+    "load_dataset",
     "finetune",
     "fuse",
     "iterate_batches",

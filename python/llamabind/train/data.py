@@ -1,13 +1,17 @@
-"""Training data: plain text cut into windows, and JSONL examples in the formats mlx-lm documents
-(``{"text"}``, ``{"prompt", "completion"}``, ``{"messages"[, "tools"]}``), rendered with the
-model's chat template exactly as :meth:`llamabind.Model.chat` renders a conversation, with a mask
-of the tokens the loss counts (the completion / assistant turns unless ``train_on_prompt``)."""
+"""Training data: plain text cut into windows, and examples in the formats mlx-lm documents
+(``{"text"}``, ``{"prompt", "completion"}``, ``{"messages"[, "tools"]}``) from JSONL files or from
+🤗 datasets (a ``Dataset``/``IterableDataset`` with such columns; local dataset folders, parquet,
+CSV or JSON files, or a Hub dataset id ``org/name[:split]``, through ``datasets.load_dataset``: the
+``train`` extra), rendered with the model's chat template exactly as :meth:`llamabind.Model.chat`
+renders a conversation, with a mask of the tokens the loss counts (the completion / assistant turns
+unless ``train_on_prompt``)."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +20,9 @@ import numpy as np
 from .._validate import as_int
 from ..model import ChatTemplates, Model
 
-__all__ = ["Example", "chat_example", "load_jsonl", "read_data", "windows", "example_windows"]
+__all__ = [
+    "Example", "chat_example", "from_dataset", "load_dataset", "load_jsonl", "read_data", "windows", "example_windows",
+]  # fmt: skip
 
 
 @dataclass
@@ -200,19 +206,106 @@ def _examples(p: Path, text: str, model: Model, chat_template: str | None, train
     return out
 
 
+FORMATS = "a 'text' column, 'prompt' and 'completion' columns, or a 'messages' column (the JSONL formats)"
+
+
+def is_dataset(obj) -> bool:
+    """Whether ``obj`` is a 🤗 datasets Dataset or IterableDataset (told without importing datasets)."""
+    return type(obj).__module__.split(".")[0] == "datasets" and hasattr(obj, "features")
+
+
+def _require_datasets():
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError("reading a 🤗 dataset needs the datasets package: pip install 'llamabind[train]'") from err
+    return datasets
+
+
+def from_dataset(
+    ds, model: Model, *, chat_template: str | None = None, train_on_prompt: bool = False, name: str = "the dataset"
+) -> list[Example]:
+    """Every row of a 🤗 ``Dataset`` or ``IterableDataset`` as an :class:`Example`, the format told
+    by its columns as :func:`load_jsonl` tells a line's by its keys (``text``; ``prompt`` and
+    ``completion``; ``messages`` with optional ``tools``), the loss on the same tokens. Every row is
+    read and checked before anything is returned. Raises ValueError naming the columns and the
+    formats (no known column), the row and column (a value of the wrong type), or an empty split."""
+    cols = list(ds.column_names or []) if getattr(ds, "column_names", None) is not None else None
+    rows: Iterable = ds
+    if cols is None:  # an IterableDataset whose features are not resolved: the first row tells
+        it = iter(ds)
+        first = next(it, None)
+        if first is None:
+            raise ValueError(f"{name} is empty: no rows to train on")
+        cols = list(first)
+        rows = _chain(first, it)
+    known = "text" in cols or {"prompt", "completion"} <= set(cols) or "messages" in cols
+    if not known:
+        raise ValueError(f"{name} has the columns {cols}; fine-tuning takes {FORMATS}")
+    templates = model.chat_templates(chat_template) if chat_template is not None else None
+    out = [
+        _example(model, dict(row), f"{name}, row {i}", templates, bool(train_on_prompt)) for i, row in enumerate(rows)
+    ]
+    if not out:
+        raise ValueError(f"{name} is empty: no rows to train on")
+    return out
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+def load_dataset(spec: str):
+    """A 🤗 dataset from ``spec``: a folder written by ``save_to_disk`` (its ``train`` split if it holds
+    several), another folder of data files, a parquet / CSV / JSON(-array) / arrow file, or a Hub id
+    ``org/name[:split]`` (default split ``train``; huggingface_hub's cache, token, HF_ENDPOINT and
+    offline mode apply). Raises ImportError without the datasets package, FileNotFoundError for
+    what is none of these, ValueError for a missing split."""
+    datasets = _require_datasets()
+    p = Path(spec)
+    if p.is_dir():
+        if (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists() or (p / "state.json").exists():
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                if "train" not in ds:
+                    raise ValueError(f"{p}: no 'train' split among {sorted(ds)}")
+                ds = ds["train"]
+            return ds
+        return datasets.load_dataset(str(p), split="train")
+    if p.is_file():
+        kind = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}.get(
+            p.suffix
+        )
+        if kind is None:
+            raise ValueError(f"{p}: not a dataset file (parquet, csv, json, arrow)")
+        return datasets.load_dataset(kind, data_files=str(p), split="train")
+    m = re.fullmatch(r"([\w.-]+/[\w.-]+)(?::([\w.-]+))?", spec)
+    if m is None:
+        raise FileNotFoundError(f"no such file or folder, and not a Hub dataset id (org/name[:split]): {spec}")
+    return datasets.load_dataset(m.group(1), split=m.group(2) or "train")
+
+
 def read_data(
-    path: str | os.PathLike, model: Model, *, chat_template: str | None = None, train_on_prompt: bool = False
+    path, model: Model, *, chat_template: str | None = None, train_on_prompt: bool = False
 ) -> str | list[Example]:
-    """A training file: JSONL examples (:func:`load_jsonl`) when the file's first non-blank line is
-    a JSON object, else its UTF-8 text (trained on as one stream of sliding windows). Raises
-    FileNotFoundError, ValueError (see :func:`load_jsonl`; an empty file)."""
+    """Training data from ``path``: a 🤗 Dataset (:func:`from_dataset`); a file of JSONL examples
+    (:func:`load_jsonl`) when its first non-blank line is a JSON object; a parquet, CSV, arrow or
+    JSON-array file, a dataset folder or a Hub dataset id ``org/name[:split]`` (:func:`load_dataset`,
+    then :func:`from_dataset`); else a file's UTF-8 text (trained on as one stream of sliding
+    windows). Raises FileNotFoundError, ImportError (a dataset without the datasets package),
+    ValueError (see :func:`load_jsonl` and :func:`from_dataset`; an empty file)."""
+    read = dict(chat_template=chat_template, train_on_prompt=train_on_prompt)
+    if is_dataset(path):
+        return from_dataset(path, model, **read)
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no such file: {p}")
-    text = p.read_text(encoding="utf-8")
-    first = next((ln for ln in text.splitlines() if ln.strip()), "")
-    if not first:
-        raise ValueError(f"{p}: the file is empty")
-    if first.lstrip().startswith("{"):
-        return _examples(p, text, model, chat_template, bool(train_on_prompt))  # the text already read
-    return text
+    if p.is_file() and p.suffix not in (".parquet", ".csv", ".arrow"):
+        text = p.read_text(encoding="utf-8")
+        first = next((ln for ln in text.splitlines() if ln.strip()), "")
+        if not first:
+            raise ValueError(f"{p}: the file is empty")
+        if first.lstrip().startswith("{"):
+            return _examples(p, text, model, chat_template, bool(train_on_prompt))  # the text already read
+        if not first.lstrip().startswith("[") or p.suffix != ".json":
+            return text
+    return from_dataset(load_dataset(str(path)), model, name=str(path), **read)

@@ -14,7 +14,7 @@ import numpy as np
 from .._validate import as_float, as_int, expect
 from ..context import Context
 from ..model import LoraAdapter, Model
-from .data import Example
+from .data import Example, from_dataset, is_dataset
 
 __all__ = ["EvalResult", "evaluate"]
 
@@ -34,6 +34,8 @@ def _pieces(model: Model, data, ctx_size: int) -> list[tuple[np.ndarray, np.ndar
     """(tokens, labels with -1 for uncounted) of each window: an example cut at ctx_size + 1
     tokens; text in consecutive windows of ctx_size + 1 tokens sharing one token, so every token
     but the first is predicted once."""
+    if is_dataset(data):
+        data = from_dataset(data, model)
     if isinstance(data, str):
         t = np.asarray(model.tokenize(data, add_special=True), np.int32)
         out = []

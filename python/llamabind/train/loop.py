@@ -19,7 +19,7 @@ import numpy as np
 from .._validate import as_float, as_int, expect, one_of
 from ..model import LoraAdapter, Model
 from .checkpoint import check_matches, load_state, restore_optimizer, save_checkpoint
-from .data import Example, example_windows, windows
+from .data import Example, example_windows, from_dataset, is_dataset, windows
 from .lora import lora_init
 from .schedule import check_schedule, lr_at
 from .trainer import Trainer
@@ -120,9 +120,10 @@ def finetune(
 
     Args:
         data: text (tokenized with the model's tokenizer, BOS added; sliding windows), token ids,
-            shape (n,), any integer dtype, each in [0, n_vocab), or a list of :class:`Example`
+            shape (n,), any integer dtype, each in [0, n_vocab), a list of :class:`Example`
             (e.g. from :func:`load_jsonl`: one per window, cut or padded, the loss on their
-            counted tokens only).
+            counted tokens only), or a 🤗 ``Dataset``/``IterableDataset`` with a ``text``,
+            ``prompt``/``completion`` or ``messages`` column (:func:`from_dataset`).
         valid: held-out data of the same kinds for the validation loss, instead of ``val_split``.
         ctx_size: tokens per window (a multiple of 256: llama.cpp pads each sequence to 256).
         epochs: passes over the train windows (shuffled each epoch with ``seed`` unless
@@ -416,7 +417,10 @@ def _split(model: Model, data, valid, ctx_size: int, val_split: float) -> tuple[
 
 
 def _windows(model: Model, data, ctx_size: int, what: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """(windows (n, ctx_size + 1), labels (n, ctx_size) or None) of text, token ids or examples."""
+    """(windows (n, ctx_size + 1), labels (n, ctx_size) or None) of text, token ids, examples or a
+    🤗 dataset (its rows as examples: :func:`~llamabind.train.from_dataset`)."""
+    if is_dataset(data):
+        data = from_dataset(data, model, name=f"{what} (a dataset)")
     if isinstance(data, str):
         return windows(np.asarray(model.tokenize(data, add_special=True), dtype=np.int64), ctx_size), None
     if isinstance(data, Sequence) and len(data) and all(isinstance(e, Example) for e in data):

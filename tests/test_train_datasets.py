@@ -1,0 +1,128 @@
+"""Fine-tuning data from 🤗 datasets (issue 41): a Dataset / IterableDataset with the JSONL formats'
+columns gives the examples the same JSONL lines give; local parquet, CSV, JSON and saved folders;
+`finetune --data org/name` against a local server laid out as the Hub serves datasets, then offline
+from the cache (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE); bad datasets are a ValueError naming the
+column and the formats; without the datasets package, an ImportError naming the extra."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from test_hub import FakeHub, _env
+
+import llamabind
+from llamabind import train
+
+datasets = pytest.importorskip("datasets")
+
+CHATS = [
+    {"messages": [{"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": f"{2 * i}."}]}
+    for i in range(12)
+]
+ROWS = {
+    "text": [{"text": f"Line {i} of a plain text about llamas."} for i in range(6)],
+    "prompt-completion": [{"prompt": f"Say {i}", "completion": f"{i}!"} for i in range(6)],
+    "messages": CHATS[:6],
+}
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    with llamabind.Model(model_path, n_threads=2, repack=False) as m:
+        yield m
+
+
+def _same(a: list[train.Example], b: list[train.Example]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert np.array_equal(x.tokens, y.tokens) and np.array_equal(x.counted, y.counted)
+
+
+@pytest.mark.parametrize("fmt", sorted(ROWS))
+def test_dataset_rows_are_the_jsonl_lines(fmt, model, tmp_path):
+    rows = ROWS[fmt]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    want = train.load_jsonl(path, model)
+    ds = datasets.Dataset.from_list(rows)
+    _same(train.from_dataset(ds, model), want)
+    _same(train.read_data(ds, model), want)
+    _same(train.from_dataset(ds.to_iterable_dataset(), model), want)  # streamed rows too
+    # the same rows as local files and folders
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict(train=ds).save_to_disk(str(tmp_path / "saved-dict"))
+    for spec in ("d.parquet", "saved", "saved-dict"):
+        _same(train.read_data(tmp_path / spec, model), want)
+    if fmt != "messages":  # flat columns: CSV and a JSON array too
+        ds.to_csv(str(tmp_path / "d.csv"), index=False)
+        (tmp_path / "d.json").write_text(json.dumps(rows))
+        _same(train.read_data(tmp_path / "d.csv", model), want)
+        _same(train.read_data(tmp_path / "d.json", model), want)
+
+
+def test_finetune_takes_a_dataset(model):
+    r = train.finetune(model, datasets.Dataset.from_list(CHATS), lora_rank=4, iters=2, val_split=0.25, progress=False)
+    assert r.steps == 2 and np.isfinite(r.losses).all() and np.isfinite(r.epochs[-1].val_loss)
+
+
+def test_bad_datasets_are_clear_errors(model, tmp_path):
+    with pytest.raises(ValueError, match=r"columns \['question', 'answer'\].*'messages' column"):
+        train.from_dataset(datasets.Dataset.from_list([{"question": "q", "answer": "a"}]), model)
+    with pytest.raises(ValueError, match="empty"):
+        train.from_dataset(datasets.Dataset.from_list([{"text": "x"}]).select([]), model)
+    with pytest.raises(ValueError, match="row 1: field 'text' must be a str"):
+        train.from_dataset(datasets.Dataset.from_list([{"text": "a"}, {"text": None}]), model)
+    with pytest.raises(ValueError, match="row 0: messages"):
+        train.from_dataset(datasets.Dataset.from_list([{"messages": ["not a message"]}]), model)
+    with pytest.raises(ValueError, match="not a dataset file"):
+        (tmp_path / "x.bin").write_bytes(b"\0")
+        train.load_dataset(str(tmp_path / "x.bin"))
+    with pytest.raises(FileNotFoundError, match="Hub dataset id"):
+        train.read_data(tmp_path / "missing" / "deeper" / "x.parquet", model)
+    d = tmp_path / "dd"
+    datasets.DatasetDict(test=datasets.Dataset.from_list([{"text": "x"}])).save_to_disk(str(d))
+    with pytest.raises(ValueError, match="no 'train' split"):
+        train.load_dataset(str(d))
+
+
+def test_without_datasets_an_import_error_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"llamabind\[train\]"):
+        train.load_dataset("org/name")
+
+
+def test_cli_finetune_on_a_hub_dataset_then_offline(model_path, tmp_path):
+    """`python -m llamabind finetune --data org/name` (LoRA, 2 steps) through huggingface_hub against
+    a local server laid out as the Hub serves dataset repositories, then with the network gone and
+    the offline switches on, from the cache it filled."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHATS))
+    readme = tmp_path / "README.md"
+    readme.write_text("---\nlicense: mit\n---\n# arithmetic chats\n")
+    srv = FakeHub({"datasets/test-org/chats": {"README.md": readme, "data/train.jsonl": data}})
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        cmd = [sys.executable, "-m", "llamabind", "finetune", "-m", str(model_path), "--data", "test-org/chats",
+               "--lora-rank", "4", "--iters", "2", "--val-split", "0.25", "--no-progress",
+               "--threads", "2"]  # fmt: skip
+        env = _env(tmp_path, srv.url)
+        p = subprocess.run([*cmd, "-o", str(tmp_path / "a.gguf")], env=env, capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "12 examples from test-org/chats" in p.stderr and "2 optimizer steps" in p.stdout, p.stderr[-2000:]
+        assert any("/data/train.jsonl" in path for _, path in srv.log)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    offline = {**_env(tmp_path, None, offline=True), "HF_DATASETS_OFFLINE": "1"}
+    p = subprocess.run([*cmd, "-o", str(tmp_path / "b.gguf")], env=offline, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "12 examples from test-org/chats" in p.stderr
+    bad = subprocess.run([*cmd[:7], "nowhere/none", *cmd[8:], "-o", str(tmp_path / "c.gguf")], env=offline,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode != 0 and "nowhere/none" in bad.stderr, bad.stderr[-2000:]
