@@ -295,9 +295,8 @@ def read_data(
     then :func:`from_dataset`); else a file's UTF-8 text (trained on as one stream of sliding
     windows). Raises FileNotFoundError, ImportError (a dataset without the datasets package),
     ValueError (see :func:`load_jsonl` and :func:`from_dataset`; an empty file)."""
-    read = dict(chat_template=chat_template, train_on_prompt=train_on_prompt)
     if is_dataset(path):
-        return from_dataset(path, model, **read)
+        return from_dataset(path, model, chat_template=chat_template, train_on_prompt=train_on_prompt)
     p = Path(path)
     if p.is_file() and p.suffix not in (".parquet", ".csv", ".arrow"):
         text = p.read_text(encoding="utf-8")
@@ -308,4 +307,6 @@ def read_data(
             return _examples(p, text, model, chat_template, bool(train_on_prompt))  # the text already read
         if not first.lstrip().startswith("[") or p.suffix != ".json":
             return text
-    return from_dataset(load_dataset(str(path)), model, name=str(path), **read)
+    return from_dataset(
+        load_dataset(str(path)), model, chat_template=chat_template, train_on_prompt=train_on_prompt, name=str(path)
+    )
