@@ -109,10 +109,12 @@ class DeviceArray(ArrayOps):
 
     @property
     def device(self) -> str:
+        """The backend device holding the data, as ``ops.devices()`` names it (``"CUDA0"``, ``"CPU"``)."""
         return self._buf.device
 
     @property
     def nbytes(self) -> int:
+        """Size of the data in bytes (ggml_nbytes of the tensor)."""
         return self._buf.nbytes
 
     def numpy(self) -> np.ndarray:

@@ -41,7 +41,7 @@ def _binary(name: str, doc_op: str):
     def fn(a, b, *, backend: str | None = None):
         return apply(build, (a, b), {}, backend)
 
-    fn.__name__ = name
+    fn.__name__ = fn.__qualname__ = name  # a module-level name for tracebacks and the API reference
     fn.__doc__ = f"""Element-wise ``{doc_op}`` with numpy broadcasting (wraps ggml_{name}).
 
     a, b: arrays whose shapes broadcast; dtypes (float32, float32), (float16, float16),
@@ -64,7 +64,7 @@ def _unary(name: str, formula: str, dtypes=FLOATS):
     def fn(a, *, backend: str | None = None):
         return apply(build, (a,), {}, backend)
 
-    fn.__name__ = name
+    fn.__name__ = fn.__qualname__ = name  # a module-level name for tracebacks and the API reference
     names = ", ".join("bfloat16" if d is BF16 else d.name for d in dtypes)
     fn.__doc__ = (
         f"""Element-wise ``{formula}`` (wraps ggml_{name}). a: any shape, dtype {names}; same shape and dtype out."""

@@ -1,0 +1,39 @@
+"""A griffe extension for the API reference (mkdocs.yml): the pages are made by importing the
+installed package (force_inspection: docstrings as Python composes them, functions made by
+factories such as the element-wise ops), where a constant's docstring would be its type's
+(``str.__doc__`` for MEDIA_MARKER). Such a docstring is replaced by the one written under the
+constant in the source, read statically by griffe."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import griffe
+
+
+@functools.cache
+def _static(package: str) -> griffe.Module | None:
+    try:  # the whole package once, its aliases resolved (MEDIA_MARKER is llamabind.multimodal's)
+        return griffe.load(package, force_inspection=False, resolve_aliases=True, resolve_external=False)
+    except Exception:  # noqa: BLE001 - no source: keep what inspection found
+        return None
+
+
+class StaticConstantDocstrings(griffe.Extension):
+    def on_attribute_instance(self, *, node, attr, agent, **kwargs) -> None:
+        obj = getattr(node, "obj", None)
+        if obj is None or inspect.isroutine(obj) or inspect.isclass(obj) or inspect.ismodule(obj):
+            return
+        if attr.docstring is None or attr.docstring.value.strip() != (inspect.getdoc(type(obj)) or "").strip():
+            return
+        attr.docstring = None  # the type's docstring says nothing about this constant
+        package, _, rest = attr.path.partition(".")
+        static = _static(package)
+        try:
+            found = static[rest] if static is not None and rest else None
+            found = found.final_target if found is not None and found.is_alias else found
+        except (KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+            found = None
+        if found is not None and found.docstring is not None:
+            attr.docstring = griffe.Docstring(found.docstring.value, parent=attr)
