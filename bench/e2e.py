@@ -13,8 +13,10 @@ interleaved in alternating order:
   graph (backend sampling, llama_set_sampler: only the token comes back);
 - ``Model.generate(stream=True)`` as a user runs it, both ways: tokens / generation time
   (Timings.generated_tps: first sample to last token).
-Prints a table (t/s, ratio to tg, us per token of each part) and writes
-bench/results/e2e-<host>-<date>.json.
+Prints a table (t/s; the median of each round's ratio to that round's llama-bench tg, its min-max,
+the t/s spread as IQR / median; us per token of each part) and writes
+bench/results/e2e-<host>-<date>.json; bench/compare.py OLD.json NEW.json --relative-to "tg (llama-bench)"
+compares two of them.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", "-m", default=models.DEFAULT)
     ap.add_argument("--threads", "-t", type=int, default=2)
-    ap.add_argument("--rounds", "-r", type=int, default=3)
+    ap.add_argument("--rounds", "-r", type=int, default=10, help="rounds, interleaved ABAB (default 10)")
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=99, help="99: all layers")
     ap.add_argument("--out", default=None)
@@ -167,18 +169,35 @@ def main() -> int:
             p: statistics.median(x[p] for x in res[k]) for p in ("decode_us", "sample_us", "detokenize_us", "python_us")
         }
         parts[k]["attached"] = all(x["attached"] for x in res[k]) if "backend" in k else False
-    ref = med["tg (llama-bench)"]
+    # each round's ratio to that round's llama-bench (the host's state in a round moves both alike)
+    ratios = {k: [tps(x) / tps(b) for x, b in zip(v, res["tg (llama-bench)"])] for k, v in res.items()}
+    stats = {}
+    for k, v in res.items():
+        xs = [tps(x) for x in v]
+        q = statistics.quantiles(xs, n=4) if len(xs) >= 4 else [min(xs), 0, max(xs)]
+        stats[k] = {
+            "median_ratio": statistics.median(ratios[k]),
+            "ratio_min": min(ratios[k]),
+            "ratio_max": max(ratios[k]),
+            "spread": (q[2] - q[0]) / statistics.median(xs),  # interquartile range over the median
+        }
     print(f"model {path.name}, -ngl {args.n_gpu_layers}, {t} threads, n={n}, {args.rounds} rounds (median)")
-    print("| run | t/s | vs llama-bench tg | decode us | sample us | detokenize us | python us |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| run | t/s | vs llama-bench tg (per-round median) | min-max | spread (IQR) "
+        "| decode us | sample us | detokenize us | python us |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for k, v in med.items():
-        p = parts.get(k)
+        p, st = parts.get(k), stats[k]
         cols = (
             f"{p['decode_us']:.1f} | {p['sample_us']:.1f} | {p['detokenize_us']:.1f} | {p['python_us']:.1f}"
             if p
             else "- | - | - | -"
         )
-        print(f"| {k} | {v:.1f} | {v / ref:.3f} | {cols} |")
+        print(
+            f"| {k} | {v:.1f} | {st['median_ratio']:.3f} | {st['ratio_min']:.3f}-{st['ratio_max']:.3f} | "
+            f"{100 * st['spread']:.1f}% | {cols} |"
+        )
     same = tokens.get(False) == tokens.get(True)
     print(f"greedy tokens equal with CPU and backend sampling: {same}")
     out = {
@@ -190,6 +209,7 @@ def main() -> int:
         "build_info": {k: v for k, v in llamabind.build_info().items() if k != "devices"},
         "devices": [d["description"] for d in llamabind.devices()],
         "median_tps": med,
+        "ratio_to_llama_bench": stats,
         "per_token_us": parts,
         "greedy_tokens_equal": same,
         "raw": res,
