@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import require_tool
+from conftest import CUT_LAYERS, require_tool
 
 import llamabind
 from llamabind import train
@@ -236,10 +236,11 @@ def _full_parity(f32_path, window, reference_python, tmp_path, n_steps, lr=1e-4,
     return loss0, adamw_losses, _reference(reference_python, "train_reference.py", tmp_path, job)
 
 
-def test_matches_pytorch(f32_path, text, reference_python, tmp_path):
+def test_matches_pytorch(smollm2_f32_cut, text, reference_python, tmp_path):
     """The same F32 weights in PyTorch (transformers' LlamaForCausalLM from the GGUF), the same
     window: loss, every trained tensor's gradient, and the weights after 5 AdamW steps; token_embd,
     SmolLM2's tied input/output matrix, trained as one tensor on both sides (patch 0033)."""
+    f32_path = smollm2_f32_cut  # SmolLM2's first CUT_LAYERS blocks (conftest)
 
     loss0, adamw_losses, ref = _full_parity(f32_path, _window(f32_path, text), reference_python, tmp_path, 5)
     print(f"loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
@@ -252,16 +253,17 @@ def test_matches_pytorch(f32_path, text, reference_python, tmp_path):
     assert abs(loss0 - ref["loss"]) <= 1e-4 * ref["loss"]
     np.testing.assert_allclose(adamw_losses, ref["adamw_losses"], rtol=5e-4)  # the losses on the way
     assert "model.embed_tokens.weight" in cos  # the tied matrix: both gradients in one tensor
-    assert len(cos) == 30 * 9 + 2 and min(cos.values()) >= 0.9999, worst  # 9 per layer, output_norm, token_embd
+    assert len(cos) == CUT_LAYERS * 9 + 2 and min(cos.values()) >= 0.9999, worst  # 9 per layer, output_norm, token_embd
     assert max(rel.values()) <= 1e-4, rel
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2], ids=["one-graph", "accumulated"])
-def test_batched_step_matches_pytorch(grad_accum, f32_path, text, reference_python, tmp_path):
+def test_batched_step_matches_pytorch(grad_accum, smollm2_f32_cut, text, reference_python, tmp_path):
     """A step over a batch of 2 windows equals PyTorch's step on the batch's mean loss (the loss,
     every tensor's gradient (SGD lr 1) and the weights after 3 AdamW steps), whether the two windows
     run as two sequences of one graph (patch 0031: an attention stream per window) or as two
     accumulated micro-batches (patch 0025: each loss scaled by 1/2)."""
+    f32_path = smollm2_f32_cut  # SmolLM2's first CUT_LAYERS blocks (conftest)
     with llamabind.Model(f32_path, vocab_only=True) as v:
         batch = train.windows(v.tokenize(text[:5000], add_special=True), 256)[[0, 2]]  # two windows, no overlap
     loss0, adamw_losses, ref = _full_parity(f32_path, batch, reference_python, tmp_path, 3, grad_accum=grad_accum)
@@ -271,7 +273,7 @@ def test_batched_step_matches_pytorch(grad_accum, f32_path, text, reference_pyth
     print("lowest gradient cosine", min(cos.values()), "largest weight difference", max(rel.values()))
     assert abs(loss0 - ref["loss"]) <= 1e-4 * ref["loss"]
     np.testing.assert_allclose(adamw_losses, ref["adamw_losses"], rtol=5e-4)
-    assert len(cos) == 30 * 9 + 2 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
+    assert len(cos) == CUT_LAYERS * 9 + 2 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
     assert max(rel.values()) <= 1e-4, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
 
 
@@ -284,10 +286,11 @@ def _masked_labels(window: np.ndarray) -> np.ndarray:
     return labels
 
 
-def test_masked_loss_matches_pytorch(f32_path, text, reference_python, tmp_path):
+def test_masked_loss_matches_pytorch(smollm2_f32_cut, text, reference_python, tmp_path):
     """patch 0027: labels -1 leave positions out of the loss; the loss is the mean over the
     others. Against PyTorch's cross-entropy with ignore_index on the same window: the loss, every
     tensor's gradient (SGD lr 1) and the weights after 3 AdamW steps."""
+    f32_path = smollm2_f32_cut  # SmolLM2's first CUT_LAYERS blocks (conftest)
     window = _window(f32_path, text)
     labels = _masked_labels(window)
     loss0, adamw_losses, ref = _full_parity(f32_path, window, reference_python, tmp_path, 3, labels=labels)
@@ -296,7 +299,7 @@ def test_masked_loss_matches_pytorch(f32_path, text, reference_python, tmp_path)
     print("lowest gradient cosine", min(cos.values()), "largest weight difference", max(rel.values()))
     assert abs(loss0 - ref["loss"]) <= 1e-4 * ref["loss"]
     np.testing.assert_allclose(adamw_losses, ref["adamw_losses"], rtol=5e-4)
-    assert len(cos) == 30 * 9 + 2 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
+    assert len(cos) == CUT_LAYERS * 9 + 2 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
     assert max(rel.values()) <= 1e-4, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
 
 
@@ -377,10 +380,11 @@ def test_lora_over_the_quantized_model(model_path, text, tmp_path):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_lora_matches_pytorch(masked, f32_path, text, reference_python, tmp_path):
+def test_lora_matches_pytorch(masked, smollm2_f32_cut, text, reference_python, tmp_path):
     """A LoRA on attn_v/attn_output over the F32 weights, against a hand-written LoRA in PyTorch:
     loss, the gradient of every adapter tensor, the adapter after 5 AdamW steps; ``masked``: with
     labels -1 left out of the loss (patch 0027; PyTorch's ignore_index)."""
+    f32_path = smollm2_f32_cut  # SmolLM2's first CUT_LAYERS blocks (conftest)
 
     rank, alpha, lr, wd, n_steps = 4, 8.0, 1e-4, 0.01, 5
     window = _window(f32_path, text)
@@ -417,7 +421,7 @@ def test_lora_matches_pytorch(masked, f32_path, text, reference_python, tmp_path
     print("largest", sorted(rel.items(), key=lambda kv: kv[1])[-1])
     assert abs(loss0 - ref["loss"]) <= 1e-4 * ref["loss"]
     np.testing.assert_allclose(adamw_losses, ref["adamw_losses"], rtol=5e-4)
-    assert len(cos) == 30 * 2 * 2 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
+    assert len(cos) == CUT_LAYERS * 2 * 2 and min(cos.values()) >= 0.9999, sorted(cos.items(), key=lambda kv: kv[1])[:3]
     # the adapters within 1e-4 relative (norm) for the median tensor and 1e-3 for every one: where
     # an element's gradient is near zero at some step, Adam's normalized update (about lr in size)
     # takes the sign float32 rounding gives it, on either side
