@@ -4,7 +4,9 @@
     python bench/e2e.py [--model NAME|PATH] [-ngl 99] [--threads 2] [--rounds 3] [-n 128]
 
 Greedy generation of n tokens (ignore_eos) after a fixed prompt, in one process run, rounds
-interleaved in alternating order:
+interleaved in alternating order, every context of n_ctx = prompt + n tokens (llama-bench's
+``-p 0 -n n -d len(prompt)``: the same KV cells attended to; with a larger n_ctx than llama-bench's the
+decode reads more of the cache per token and looks slower than it is):
 - tg: llamabind's decode alone, one token at a time (what llama-bench's tg measures);
 - llama-bench tg (the same tree's tool, the decode-only limit) and llama-completion (upstream's own
   end-to-end loop: n / (total - prompt eval - load) of its common_perf_print);
@@ -94,16 +96,18 @@ def generate_tps(model: llamabind.Model, ctx: llamabind.Context, n: int, on_devi
     return stream.result.timings.generated_tps, stream.result.tokens
 
 
-def llama_bench_tg(path: Path, n: int, threads: int, ngl: int) -> float:
+def llama_bench_tg(path: Path, n: int, depth: int, threads: int, ngl: int) -> float:
     exe = llamabind.tool_path("llama-bench")
-    cmd = [str(exe), "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(n), "-ngl", str(ngl), "-o", "json"]
+    cmd = [str(exe), "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(n), "-d", str(depth)]
+    cmd += ["-ngl", str(ngl), "-o", "json"]
     p = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
     return json.loads(p.stdout)[0]["avg_ts"]
 
 
-def llama_completion(path: Path, n: int, threads: int, ngl: int) -> dict:
+def llama_completion(path: Path, n: int, n_ctx: int, threads: int, ngl: int) -> dict:
     exe = llamabind.tool_path("llama-completion")
     cmd = [str(exe), "-m", str(path), "-no-cnv", "-n", str(n), "--temp", "0", "--ignore-eos", "-t", str(threads)]
+    cmd += ["-c", str(n_ctx)]
     cmd += ["-ngl", str(ngl), "-p", PROMPT]
     # a random-weight model's text need not be UTF-8
     p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", check=True, timeout=1800)
@@ -129,8 +133,11 @@ def main() -> int:
     path = models.resolve(args.model)
     n, t = args.n, args.threads
     model = llamabind.Model(path, n_threads=t, n_gpu_layers=-1 if args.n_gpu_layers >= 99 else args.n_gpu_layers)
-    ctx = model.context(n_ctx=512, n_threads=t)
     prompt = model.tokenize(PROMPT)
+    # the context llama-bench makes for "-p 0 -n n -d len(prompt)": n_ctx = depth + n, the prompt
+    # decoded first (its time left out); the attention then spans as many KV cells on both sides
+    n_ctx = len(prompt) + n
+    ctx = model.context(n_ctx=n_ctx, n_threads=t)
     res: dict[str, list] = {}
 
     def add(key, v):
@@ -138,8 +145,8 @@ def main() -> int:
 
     tokens = {}
     steps = [
-        lambda: add("tg (llama-bench)", llama_bench_tg(path, n, t, args.n_gpu_layers)),
-        lambda: add("e2e (llama-completion)", llama_completion(path, n, t, args.n_gpu_layers)),
+        lambda: add("tg (llama-bench)", llama_bench_tg(path, n, len(prompt), t, args.n_gpu_layers)),
+        lambda: add("e2e (llama-completion)", llama_completion(path, n, n_ctx + 1, t, args.n_gpu_layers)),
         lambda: add("tg (llamabind decode)", tg_loop(ctx, prompt, n)),
         lambda: add("loop, CPU sampling", stepwise(model, ctx, prompt, n, False)),
         lambda: add("loop, backend sampling", stepwise(model, ctx, prompt, n, True)),
@@ -205,7 +212,14 @@ def main() -> int:
         "host": socket.gethostname(),
         "command": " ".join(sys.argv),
         "model": str(path),
-        "params": {"n": n, "threads": t, "n_gpu_layers": args.n_gpu_layers, "rounds": args.rounds},
+        "params": {
+            "n": n,
+            "n_ctx": n_ctx,
+            "depth": len(prompt),
+            "threads": t,
+            "n_gpu_layers": args.n_gpu_layers,
+            "rounds": args.rounds,
+        },
         "build_info": {k: v for k, v in llamabind.build_info().items() if k != "devices"},
         "devices": [d["description"] for d in llamabind.devices()],
         "median_tps": med,
