@@ -18,25 +18,11 @@ import sys
 from pathlib import Path
 
 import gguf
+import gguf_once  # noqa: F401 - one parse per GGUF file in this process (tests/gguf_once.py)
 import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
-
-# transformers parses a GGUF twice per from_pretrained (config, then weights), and gguf's reader spends
-# most of a load on the tokenizer's 49,152 tokens and merges: one parse per file in this process
-_parsed: dict[str, gguf.GGUFReader] = {}
-_GGUFReader = gguf.GGUFReader
-
-
-def _reader_once(path, *args, **kwargs):
-    key = str(Path(path).resolve())
-    if key not in _parsed:
-        _parsed[key] = _GGUFReader(path, *args, **kwargs)
-    return _parsed[key]
-
-
-gguf.GGUFReader = _reader_once
 
 HF = {"attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
 
