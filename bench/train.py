@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Fine-tuning throughput and peak memory: llamabind (full, LoRA over F32, over F16/BF16, QLoRA over
 the quantized GGUF), upstream's llama-finetune from the same tree, and PyTorch (transformers'
-LlamaForCausalLM from the same F32 GGUF; f32, tf32 and bf16 autocast; full and peft LoRA) on the CPU
+LlamaForCausalLM from the same F32 GGUF; f32, tf32 and bf16 autocast; full and peft LoRA in f32 or tf32) on the CPU
 or the GPU, in one run, on the same windows of the same text, for every --ctx x --batch.
 
     python bench/train.py [--threads 2] [--ctx 256[,2048]] [--chars 12000] [-ngl 0] [--batch 1,4]
         [--model smollm2-135m-instruct | --size 1b] [--runners full,lora,lora-f16,lora-bf16,qlora,finetune]
-        [--torch PYTHON] [--torch-device cpu|cuda] [--torch-runs f32,tf32,bf16,lora]
+        [--torch PYTHON] [--torch-device cpu|cuda] [--torch-runs f32,tf32,bf16,lora,lora-tf32]
         [--steps N] [--peak TFLOPS] [--out FILE.json]
 
 Data: the pinned tree's docs/build.md (its first --chars characters, repeated for more), cut as
@@ -209,7 +209,9 @@ def main() -> int:
     )
     ap.add_argument("--torch", default=None, help="python with torch + transformers (+ peft for the LoRA row)")
     ap.add_argument("--torch-device", default="cpu")
-    ap.add_argument("--torch-runs", default="f32", help="f32, tf32, bf16 (full fine-tunes) and lora (peft, f32)")
+    ap.add_argument(
+        "--torch-runs", default="f32", help="f32, tf32, bf16 (full fine-tunes), lora (peft, f32), lora-tf32 (peft, tf32)"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=["full", "lora"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-ctx", type=int, default=256, help=argparse.SUPPRESS)
@@ -289,15 +291,15 @@ def main() -> int:
                 n_train = int(len(win) * 0.9)
                 for run in args.torch_runs.split(","):
                     for b in batches:
-                        lora = run == "lora"
+                        lora = run.startswith("lora")
                         steps = args.steps or -(-n_train // b)
                         cfg = dict(model=str(f32), threads=args.threads, lr=LR_LORA if lora else LR_FULL, lora=lora,
                                    rank=RANK, windows=win.tolist(), n_train=n_train, batch=b, steps=steps,
-                                   device=args.torch_device, precision="f32" if lora else run)  # fmt: skip
+                                   device=args.torch_device, precision=run[5:] or "f32" if lora else run)  # fmt: skip
                         job = tmpd / "torch-job.json"  # the windows: too long for a command line
                         job.write_text(json.dumps(cfg))
                         name = f"PyTorch {args.torch_device} " + (
-                            f"LoRA r{RANK} (peft, f32)" if lora else f"full {run}"
+                            f"LoRA r{RANK} (peft, {cfg['precision']})" if lora else f"full {run}"
                         )
                         name += f", ctx {ctx}, batch {b}"
                         try:
