@@ -368,7 +368,7 @@ train42c)
     IFS=: read -r sz ctx batches <<< "$spec"
     python3 bench/train.py -ngl 99 --threads 8 --model $MODELS/llama-$sz-q4_0.gguf --chars ${LB_CHARS:-400000} \
       --ctx $ctx --batch $batches --steps ${LB_STEPS:-8} --runners ${LB_RUNNERS:-full,lora,qlora} \
-      --torch python3 --torch-device cuda --torch-runs ${LB_TORCH_RUNS:-tf32,bf16,lora} \
+      $([ "${LB_TORCH_RUNS:-}" = none ] || echo --torch python3 --torch-device cuda --torch-runs ${LB_TORCH_RUNS:-tf32,bf16,lora}) \
       --out "$OUT/train-$sz-ctx$ctx.json" 2>&1 | grep -E "^\||^[A-Za-z].*(parameters|wrote)|rror" | tee "$OUT/bench-train-$sz-ctx$ctx.txt"
   done
   ;;
