@@ -6,6 +6,7 @@ untied output matrix (bench/make_model.py tiny)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import llamabind
+from conftest import GPU_BUILD
 from llamabind import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,6 +78,45 @@ def test_graphs_are_built_once_per_shape(f32_path, wins, monkeypatch):
     assert kept[-1] < kept[0]  # and it trains
 
 
+_RPC_STEPS = """
+import json, sys, numpy as np, llamabind
+from llamabind import train
+path, endpoint, wins = sys.argv[1], sys.argv[2], np.load(sys.argv[3])
+kw = dict(rpc=[endpoint], repack=False) if endpoint else dict(n_gpu_layers=0, op_offload=False, repack=False)
+with llamabind.Model(path, use_mmap=False, n_threads=2, **kw) as m:
+    with train.Trainer(m, batch_size=2, optimizer="adamw", lr=1e-3, n_threads=2) as t:
+        out = [t.evaluate(wins[2:4])[0]] + [t.step(wins[:2])[0] for _ in range(2)] + [t.evaluate(wins[2:4])[0]]
+        out += [t.step(wins[:2])[0]]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not getattr(llamabind._core, "HAS_RPC", False), reason="build without GGML_RPC")
+def test_validation_then_steps_across_two_backends(untied_f32, tmp_path):
+    """patch 0036: with the layers on a second backend (an RPC server's CPU, as a GPU would hold them)
+    the scheduler copies the token, position and mask inputs from the CPU and points the kept graphs'
+    forward nodes at its copies; a validation, training steps, a validation and a step again must
+    read the inputs, not the copies freed by the graph split before (on CUDA: an abort in soft_max)."""
+    from llamabind import rpc
+    from test_rpc import free_port
+
+    wins = np.array([np.arange(257) * (i + 3) % 4000 + 5 for i in range(4)], np.int32)
+    np.save(tmp_path / "wins.npy", wins)
+    run = lambda ep: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", _RPC_STEPS, str(untied_f32), ep, str(tmp_path / "wins.npy")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    local = run("")
+    assert local.returncode == 0, local.stderr[-2000:]
+    with rpc.serve(port=free_port(), device="CPU", threads=2) as server:
+        remote = run(server.endpoint)
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    a, b = json.loads(local.stdout.splitlines()[-1]), json.loads(remote.stdout.splitlines()[-1])
+    print("local", a, "over RPC", b)
+    np.testing.assert_allclose(b, a, rtol=1e-5)
+    assert b[3] < b[0]  # the steps trained
+
+
 def test_windows_of_one_graph_attend_only_within_themselves(f32_path, wins):
     """patch 0031: two windows as two sequences of one ubatch give each window the loss it has
     alone: the loss of the pair is the mean of the two, and changing the second window leaves the
@@ -90,8 +131,11 @@ def test_windows_of_one_graph_attend_only_within_themselves(f32_path, wins):
             l0, l1 = one.evaluate(wins[:1])[0], one.evaluate(wins[1:2])[0]
     print(f"pair {pair:.6f}, alone {l0:.6f} {l1:.6f}; first with another second: {a:.6f} {b:.6f}")
     assert n == 512
-    assert pair == pytest.approx((l0 + l1) / 2, rel=1e-5)
-    assert a == pytest.approx(l1, rel=1e-5) and b == pytest.approx(l1, rel=1e-5)
+    # a window attending to another moves its loss by 1e-2 and more; on a GPU the batch's shape moves the
+    # TF32 products' sums (4e-5 on an H100), on the CPU the sums are the same to float32 rounding
+    rel = 2e-4 if GPU_BUILD else 1e-5
+    assert pair == pytest.approx((l0 + l1) / 2, rel=rel)
+    assert a == pytest.approx(l1, rel=rel) and b == pytest.approx(l1, rel=rel)
 
 
 def _tensor(path, name) -> np.ndarray:
