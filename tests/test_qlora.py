@@ -125,10 +125,12 @@ def test_gradient_through_a_quantized_weight_matches_float64(qtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("k,m,n", [(1, 1, 1), (37, 13, 45), (300, 7, 33), (5, 70, 16)])
+@pytest.mark.parametrize("k,m,n", [(1, 1, 1), (37, 13, 45), (300, 7, 33), (5, 70, 16), (1100, 250, 40), (700, 200, 3)])
 def test_out_prod_at_any_shape_matches_float64(k, m, n, backend):
     """float32 out_prod at shapes that leave remainders in every tile of the CPU kernel (patch
-    0023: 2 x GGML_F32_EPR outputs by 6 rows, blocks of 128 summed rows)."""
+    0023: 2 x GGML_F32_EPR outputs by 6 rows, groups of 96 dst rows with their b values packed,
+    blocks of up to 512 summed rows for float32: k = 1100 is three blocks, m = 250 several groups per
+    thread)."""
     rng = np.random.default_rng(k * m * n)
     a = rng.standard_normal((k, m)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
