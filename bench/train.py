@@ -210,7 +210,9 @@ def main() -> int:
     ap.add_argument("--torch", default=None, help="python with torch + transformers (+ peft for the LoRA row)")
     ap.add_argument("--torch-device", default="cpu")
     ap.add_argument(
-        "--torch-runs", default="f32", help="f32, tf32, bf16 (full fine-tunes), lora (peft, f32), lora-tf32 (peft, tf32)"
+        "--torch-runs",
+        default="f32",
+        help="f32, tf32, bf16 (full fine-tunes), lora (peft, f32), lora-tf32 (peft, tf32)",
     )
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=["full", "lora"], default=None, help=argparse.SUPPRESS)

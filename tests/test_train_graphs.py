@@ -14,9 +14,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from conftest import GPU_BUILD
 
 import llamabind
-from conftest import GPU_BUILD
 from llamabind import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,8 +97,9 @@ def test_validation_then_steps_across_two_backends(untied_f32, tmp_path):
     the scheduler copies the token, position and mask inputs from the CPU and points the kept graphs'
     forward nodes at its copies; a validation, training steps, a validation and a step again must
     read the inputs, not the copies freed by the graph split before (on CUDA: an abort in soft_max)."""
-    from llamabind import rpc
     from test_rpc import free_port
+
+    from llamabind import rpc
 
     wins = np.array([np.arange(257) * (i + 3) % 4000 + 5 for i in range(4)], np.int32)
     np.save(tmp_path / "wins.npy", wins)
