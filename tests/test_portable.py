@@ -4,7 +4,13 @@ then run on this CPU and on an emulated CPU without AVX2 (qemu-user, -cpu SandyB
 AVX2, FMA or F16C; numpy 2.4 itself needs AVX, so an older model cannot run Python's numpy), where
 ggml must pick its sandybridge variant. The native build (./dev's, -march=native here) run under the
 same emulation is the control: it must die of an illegal instruction. auditwheel checks the
-manylinux policy. On x86-64 Linux only; the first build compiles all CPU variants (minutes)."""
+manylinux policy. On x86-64 Linux only.
+
+In CI the wheel carries four of the 14 x86-64 variants (patch 0037's GGML_CPU_VARIANTS): x64, the
+baseline; sse42; sandybridge, the one the emulated CPU must load; haswell, the one an AVX2 host
+loads (a variant is one more build of ggml-cpu: ~80 s of compiler time each on 2 cores).
+LLAMABIND_PORTABLE_VARIANTS=all builds every variant, as the CUDA wheel (tools/build_cuda_wheel.py,
+on the GPU machine) always does."""
 
 from __future__ import annotations
 
@@ -17,13 +23,15 @@ import sys
 import zipfile
 
 import pytest
-from conftest import build_requirements, build_wheel, new_venv, outside_env
+from conftest import VENDOR, build_requirements, build_wheel, new_venv, outside_env
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux", reason="x86-64 Linux only"),
 ]
 NO_AVX2_CPU = "SandyBridge"  # qemu's model: SSE4.2 + AVX; no AVX2, FMA, F16C
+CI_VARIANTS = ["x64", "sse42", "sandybridge", "haswell"]
+ALL = os.environ.get("LLAMABIND_PORTABLE_VARIANTS") == "all"
 PROBE = """
 import json, sys, llamabind
 m = llamabind.Model(sys.argv[1], n_ctx=128, n_threads=2)
@@ -54,7 +62,11 @@ def qemu() -> str:
 def portable_venv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("portable")
     whl = build_wheel(
-        tmp / "wheels", "-Cbuild-dir=build/portable-{wheel_tag}", "-Ccmake.define.LLAMABIND_PORTABLE=ON", timeout=5400
+        tmp / "wheels",
+        "-Cbuild-dir=build/portable-{wheel_tag}",
+        "-Ccmake.define.LLAMABIND_PORTABLE=ON",
+        f"-Ccmake.define.GGML_CPU_VARIANTS={'' if ALL else ';'.join(CI_VARIANTS)}",  # set either way: cached
+        timeout=5400,
     )
     py = new_venv(tmp / "venv", str(whl))
     return whl, py
@@ -71,14 +83,44 @@ def run_probe(cmd: list[str], model_path, timeout=900) -> subprocess.CompletedPr
     )
 
 
-def test_the_wheel_carries_every_cpu_variant(portable_venv):
+def test_the_wheel_carries_the_cpu_variants_asked_for(portable_venv):
+    """Patch 0037: exactly the variants GGML_CPU_VARIANTS names (all 14 with
+    LLAMABIND_PORTABLE_VARIANTS=all), each a module ggml can load."""
     whl, _ = portable_venv
     names = zipfile.ZipFile(whl).namelist()
-    variants = sorted(n for n in names if "libggml-cpu-" in n)
-    assert len(variants) >= 10 and any("sse42" in n for n in variants) and any("haswell" in n for n in variants)
+    variants = sorted(n.rsplit("libggml-cpu-", 1)[1].removesuffix(".so") for n in names if "libggml-cpu-" in n)
+    if ALL:
+        assert len(variants) >= 14 and {*CI_VARIANTS, "skylakex", "zen4", "alderlake"} <= set(variants), variants
+    else:
+        assert variants == sorted(CI_VARIANTS), variants
     assert all(any(f"llamabind/lib{lib}.so" in n for n in names) for lib in ("ggml", "ggml-base", "llama"))
     size = sum(i.file_size for i in zipfile.ZipFile(whl).infolist()) / 2**20
     print(f"\n{whl.name}: {whl.stat().st_size / 2**20:.1f} MiB, installed {size:.1f} MiB, {len(variants)} CPU variants")
+
+
+def _configure_ggml(tmp_path, variants: str) -> subprocess.CompletedProcess:
+    """cmake's configure step of the patched tree without its tools (seconds), as the portable build sets it."""
+    cmake = shutil.which("cmake") or pytest.skip("no cmake on PATH")
+    off = "LLAMA_BUILD_TESTS LLAMA_BUILD_TOOLS LLAMA_BUILD_EXAMPLES LLAMA_BUILD_SERVER LLAMA_BUILD_COMMON"
+    off = [f"-D{o}=OFF" for o in (*off.split(), "LLAMA_OPENSSL", "GGML_NATIVE")]
+    return subprocess.run(
+        [cmake, "-S", str(VENDOR), "-B", str(tmp_path / "b"), "-G", "Ninja", *off, "-DBUILD_SHARED_LIBS=ON",
+         "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON", f"-DGGML_CPU_VARIANTS={variants}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_cpu_variants_a_subset_or_a_clear_error(tmp_path):
+    """Patch 0037 on the configure step: the variants named become build targets and the others do
+    not; a name that is no variant stops the configure and lists the ones there are."""
+    ok = _configure_ggml(tmp_path / "ok", "sse42;haswell")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    ninja = (tmp_path / "ok" / "b" / "build.ninja").read_text()
+    built = {v for v in ["x64", "sse42", "sandybridge", "haswell", "skylakex", "zen4"] if f"ggml-cpu-{v}.so" in ninja}
+    assert built == {"sse42", "haswell"}, built
+    bad = _configure_ggml(tmp_path / "bad", "haswell;hasswell")
+    assert bad.returncode != 0
+    assert "no CPU variant 'hasswell'" in bad.stderr and "sapphirerapids" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_runs_here_with_the_best_variant(portable_venv, model_path):
