@@ -241,64 +241,33 @@ def new_venv(path: Path, *requirements: str, python: str = sys.executable) -> Pa
 REFERENCE_REQUIREMENTS = ROOT / "tests" / "embed" / "requirements.txt"
 
 
-def _make_reference_venv() -> str | None:
-    """Build $LLAMABIND_CACHE/embed-venv unless its stamp matches tests/embed/requirements.txt;
-    returns the failure's text, or None."""
-    import hashlib
-    import subprocess
-
-    venv = models.cache_dir() / "embed-venv"
-    py = venv / "bin" / "python"
-    stamp = venv / ".llamabind-requirements"
-    digest = hashlib.sha256(REFERENCE_REQUIREMENTS.read_bytes()).hexdigest()
-    if stamp.exists() and stamp.read_text() == digest:
-        return None
-    steps = [
-        [sys.executable, "-m", "venv", "--clear", str(venv)],
-        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r",
-         str(REFERENCE_REQUIREMENTS), str(VENDOR / "gguf-py")],
-    ]  # fmt: skip
-    for cmd in steps:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if p.returncode != 0:
-            return f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
-    stamp.write_text(digest)
-    return None
-
-
-_reference_venv_job = None  # a future: the side venv built in a thread while the first tests run
-
-
-def pytest_collection_finish(session):
-    """On a new machine the side venv is ~6 GB of wheels (torch with its CUDA libraries, from PyPI),
-    about 100 s of mostly disk and network time: start it now, beside the tests before its first user."""
-    global _reference_venv_job
-    if session.config.option.collectonly or os.environ.get("LLAMABIND_REFERENCE_PYTHON"):
-        return
-    if not (VENDOR / ".llamabind-stamp.json").exists():
-        return
-    if any("reference_python" in getattr(item, "fixturenames", ()) for item in session.items):
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = ThreadPoolExecutor(1, thread_name_prefix="reference-venv")
-        _reference_venv_job = pool.submit(_make_reference_venv)
-        pool.shutdown(wait=False)
-
-
 @pytest.fixture(scope="session")
 def reference_python(vendor_dir) -> Path:
     """The python of the side venv with the independent references (torch, transformers,
     sentence-transformers, and gguf from the vendored tree): $LLAMABIND_CACHE/embed-venv, made from
-    tests/embed/requirements.txt once (started in a thread when the session's tests are collected),
-    and anew when that file changes (its sha256 is the stamp); or $LLAMABIND_REFERENCE_PYTHON where set."""
+    tests/embed/requirements.txt once, and anew when that file changes (its sha256 is the stamp);
+    or $LLAMABIND_REFERENCE_PYTHON where set."""
+    import hashlib
+    import subprocess
+
     if os.environ.get("LLAMABIND_REFERENCE_PYTHON"):  # e.g. the GPU machine's python with torch (no PyPI there)
         return Path(os.environ["LLAMABIND_REFERENCE_PYTHON"])
-    error = _reference_venv_job.result() if _reference_venv_job is not None else _make_reference_venv()
-    if error is None and _reference_venv_job is not None:
-        error = _make_reference_venv()  # the thread's venv, checked against its stamp (a no-op when done)
-    if error:
-        pytest.fail(error)
-    return models.cache_dir() / "embed-venv" / "bin" / "python"
+    venv = models.cache_dir() / "embed-venv"
+    py = venv / "bin" / "python"
+    stamp = venv / ".llamabind-requirements"
+    digest = hashlib.sha256(REFERENCE_REQUIREMENTS.read_bytes()).hexdigest()
+    if not stamp.exists() or stamp.read_text() != digest:
+        steps = [
+            [sys.executable, "-m", "venv", "--clear", str(venv)],
+            [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r",
+             str(REFERENCE_REQUIREMENTS), str(vendor_dir / "gguf-py")],
+        ]  # fmt: skip
+        for cmd in steps:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if p.returncode != 0:
+                pytest.fail(f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+        stamp.write_text(digest)
+    return py
 
 
 # ---- GPU runs (tests/device/cuda_run.sh): LLAMABIND_TEST_BACKEND=cuda runs the op tests on that
@@ -365,7 +334,7 @@ def _checked(name, fn):
             rng, fraction = _CALL_SAMPLE
             if all(isinstance(a, (np.ndarray, int, float, bool, str, type(None))) for a in args) and (
                 rng.random() >= fraction
-            ):  # a later call of an (op, dtypes) already checked on the device: on the CPU, unless drawn
+            ):  # a later call of an op already checked on the device: on the CPU, unless drawn
                 rec = _ops_check.setdefault((name, dtypes), {"calls": 0, "max_nmse": None})
                 rec["sampled_out"] = rec.get("sampled_out", 0) + 1
                 return fn(*args, **{**kw, "backend": "cpu"})
