@@ -305,8 +305,8 @@ _NOT_OPS = {
 _ops_check: dict[tuple[str, str], dict] = {}
 _ops_on_device: set[str] = set()  # ops checked on the test backend at least once
 # LLAMABIND_TEST_CALL_SAMPLE="SEED:FRACTION" (CI's Vulkan sweep on lavapipe, which runs kernels on the
-# CPU and compiles each new pipeline with LLVM on first use: 5 s for an element-wise kernel, 40-240 s
-# for a mat-mul or mat-vec one, on 2 cores): the first call of every op runs on the test backend and
+# CPU and compiles each new pipeline with LLVM on first use: under a second for an element-wise kernel,
+# 40-240 s for a mat-mul or mat-vec one, on 2 cores): the first call of every op runs on the test backend and
 # is checked; each later call, of any dtypes, does with probability FRACTION (seeded), else on the CPU
 # unchecked. Every op meets the device, a sample of its types and shapes; the GPU machine runs every
 # call there (no sample).

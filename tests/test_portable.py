@@ -98,11 +98,14 @@ def test_the_wheel_carries_the_cpu_variants_asked_for(portable_venv):
     print(f"\n{whl.name}: {whl.stat().st_size / 2**20:.1f} MiB, installed {size:.1f} MiB, {len(variants)} CPU variants")
 
 
-def _configure_ggml(tmp_path, variants: str) -> subprocess.CompletedProcess:
-    """cmake's configure step of the patched tree without its tools (seconds), as the portable build sets it."""
+_OFF = "LLAMA_BUILD_TESTS LLAMA_BUILD_TOOLS LLAMA_BUILD_EXAMPLES LLAMA_BUILD_SERVER LLAMA_BUILD_COMMON LLAMA_OPENSSL"
+
+
+def _configure_cpu_variants(tmp_path, variants: str) -> subprocess.CompletedProcess:
+    """cmake's configure step of the patched tree without its tools (seconds), CPU variants as the
+    portable build asks for them."""
     cmake = shutil.which("cmake") or pytest.skip("no cmake on PATH")
-    off = "LLAMA_BUILD_TESTS LLAMA_BUILD_TOOLS LLAMA_BUILD_EXAMPLES LLAMA_BUILD_SERVER LLAMA_BUILD_COMMON"
-    off = [f"-D{o}=OFF" for o in (*off.split(), "LLAMA_OPENSSL", "GGML_NATIVE")]
+    off = [f"-D{o}=OFF" for o in (*_OFF.split(), "GGML_NATIVE")]
     return subprocess.run(
         [cmake, "-S", str(VENDOR), "-B", str(tmp_path / "b"), "-G", "Ninja", *off, "-DBUILD_SHARED_LIBS=ON",
          "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON", f"-DGGML_CPU_VARIANTS={variants}"],
@@ -113,12 +116,12 @@ def _configure_ggml(tmp_path, variants: str) -> subprocess.CompletedProcess:
 def test_cpu_variants_a_subset_or_a_clear_error(tmp_path):
     """Patch 0037 on the configure step: the variants named become build targets and the others do
     not; a name that is no variant stops the configure and lists the ones there are."""
-    ok = _configure_ggml(tmp_path / "ok", "sse42;haswell")
+    ok = _configure_cpu_variants(tmp_path / "ok", "sse42;haswell")
     assert ok.returncode == 0, ok.stderr[-2000:]
     ninja = (tmp_path / "ok" / "b" / "build.ninja").read_text()
     built = {v for v in ["x64", "sse42", "sandybridge", "haswell", "skylakex", "zen4"] if f"ggml-cpu-{v}.so" in ninja}
     assert built == {"sse42", "haswell"}, built
-    bad = _configure_ggml(tmp_path / "bad", "haswell;hasswell")
+    bad = _configure_cpu_variants(tmp_path / "bad", "haswell;hasswell")
     assert bad.returncode != 0
     assert "no CPU variant 'hasswell'" in bad.stderr and "sapphirerapids" in bad.stderr, bad.stderr[-2000:]
 

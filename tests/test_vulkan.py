@@ -248,7 +248,7 @@ out = {}
 with llamabind.Model(sys.argv[1], n_gpu_layers=0, n_threads=2) as m:
     for gpu in (False, True):
         p = llamabind.Projector(m, sys.argv[2], use_gpu=gpu)
-        for kind, path in (("image", sys.argv[3]), ("audio", sys.argv[4]))[: int(sys.argv[5])]:
+        for kind, path in (("image", sys.argv[3]), ("audio", sys.argv[4])):
             pieces = p.tokenize("x" + llamabind.MEDIA_MARKER, [p.media(path)])
             chunk = [x for x in pieces if not isinstance(x, int)][0]
             out.setdefault(kind, []).append(p.encode(chunk))
@@ -260,28 +260,29 @@ print(json.dumps({
 """
 
 
+@pytest.mark.skipif(
+    os.environ.get("LLAMABIND_VULKAN_SWEEP") != "full",
+    reason="lavapipe: the projector's pipelines take minutes to compile; LLAMABIND_VULKAN_SWEEP=full runs it",
+)
 def test_a_projector_on_vulkan_gives_the_cpus_embeddings(vulkan_env, model_path, tmp_path):
     """Issue 29 on Vulkan (lavapipe): the random-weight Gemma 3 vision and Ultravox audio encoders
     (bench/make_mmproj.py omni) on Vulkan0 against the same encoders on the CPU, for test-1.jpeg and
-    test-2.mp3 (the audio path's conv1d im2col has KW*IC = 1152 > 1024). In CI the image alone (the
-    audio encoder on lavapipe took minutes); LLAMABIND_VULKAN_SWEEP=full and the GPU machine's Vulkan
-    phase run both. Only with LLAMABIND_VULKAN_SWEEP=full: on lavapipe the vision encoder's pipelines
-    alone took 302 s of a cold CI run (the op sweep's sample and the model test above keep Vulkan0's
-    mat-mul, norm, soft_max and conv paths in CI)."""
-    full = os.environ.get("LLAMABIND_VULKAN_SWEEP") == "full"
-    if not full:
-        pytest.skip("lavapipe: the projector's pipelines take minutes to compile; LLAMABIND_VULKAN_SWEEP=full runs it")
+    test-2.mp3 (the audio path's conv1d im2col has KW*IC = 1152 > 1024). Only with
+    LLAMABIND_VULKAN_SWEEP=full: on lavapipe the vision encoder's pipelines alone took 302 s of a cold
+    CI run and the audio encoder's minutes more (the op sweep's sample and the model test above keep
+    Vulkan0's mat-mul, norm, soft_max and conv paths in CI). The GPU machine's Vulkan phase does not
+    run it either (this test fetches the SDK with apt-get, which that machine cannot reach)."""
     mmproj = tmp_path / "omni.gguf"
     subprocess.run([sys.executable, str(ROOT / "bench" / "make_mmproj.py"), "omni", "-o", str(mmproj)], check=True)
     media = ROOT / "vendor" / "llama.cpp" / "tools" / "mtmd"
     p = subprocess.run(
         [sys.executable, "-c", MTMD_PROBE, str(model_path), str(mmproj), str(media / "test-1.jpeg"),
-         str(media / "test-2.mp3"), "2" if full else "1"],
-        env=vulkan_env, capture_output=True, text=True, timeout=900,
+         str(media / "test-2.mp3")],
+        env=vulkan_env, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert any("Vulkan0" in s for s in r["backends"]) and any("CPU" in s for s in r["backends"]), r
     # measured on lavapipe: image 1.6e-5, audio 5.5e-4 (two Whisper blocks, the stacked 3072-wide
     # projector, F16 weights); a wrong kernel is O(1), as for the model's logits above (5e-3 there)
-    assert r["nmse"]["image"] < 1e-4 and (not full or r["nmse"]["audio"] < 5e-3), r
+    assert r["nmse"]["image"] < 1e-4 and r["nmse"]["audio"] < 5e-3, r
