@@ -35,7 +35,8 @@
 # vulkanqlora: (carry .device-v after qlora) issue 27 on Vulkan: the Vulkan build, tests/test_qlora.py on
 #         Vulkan0 (NVIDIA's driver), bench/train.py's full/LoRA/QLoRA rows on Vulkan0.
 # server: (carry .device-b after build) tests/test_server.py and the fuzz with the model fully offloaded,
-#         then bench/server.py -ngl 99 (llamabind serve beside llama-server from the same build).
+#         then bench/server.py -ngl 99 (llamabind serve beside llama-server from the same build); LB_NO_TESTS=1:
+#         the bench alone; LB_PARALLEL (slots, 8), LB_CTX (8192), LB_CLIENTS (1,4,8).
 # opsarrays: (carry .device after build) issue 21: the op tests on CUDA0 with inputs bound in place,
 #         DeviceArray/DLPack tests with torch, then bench/ops.py (per-call overhead, element-wise,
 #         the 10-op chain: numpy round trips vs DeviceArray vs PyTorch CUDA).
@@ -181,11 +182,11 @@ PY
 server)
   join_model
   t0=$SECONDS
-  LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests/test_server.py tests/test_server_fuzz.py $PYTEST_ARGS --durations=5 \
+  [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests/test_server.py tests/test_server_fuzz.py $PYTEST_ARGS --durations=5 \
     2>&1 | tee "$OUT/server-tests.log" | tail -30
   echo "server tests in $((SECONDS - t0)) s"
-  python3 bench/server.py -ngl 99 --threads 8 --parallel 8 --rounds ${LB_ROUNDS:-3} --requests 8 --max-tokens 128 \
-    --out "$OUT/server-bench.json" 2>&1 | tail -9
+  python3 bench/server.py -ngl 99 --threads 8 --parallel ${LB_PARALLEL:-8} --ctx ${LB_CTX:-8192} --rounds ${LB_ROUNDS:-3} \
+    --requests 8 --max-tokens 128 --clients ${LB_CLIENTS:-1,4,8} --out "$OUT/server-bench.json" 2>&1 | tail -12
   ;;
 ops)
   cp .device/smollm2.part-a .device/tokenizer.gguf /tmp/
