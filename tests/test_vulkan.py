@@ -152,7 +152,13 @@ def vulkan_env(sdk, tmp_path_factory) -> dict:
 # pipeline with LLVM on one thread on its first dispatch; patch 0038 has the waiting thread of each
 # process sleep on the fence instead of spinning (measured on 2 cores: the model probe's main thread
 # burned 52 s of CPU in 142 s before it, 0.7 s after), so three processes share the cores.
-SWEEP = {"ops": ["tests/test_ops.py"], "rest": ["tests/test_ops_backends.py", "tests/test_qlora.py"]}
+# The halves as balanced from one cold run (s, alone): test_ops.py 276, of which the chain graph 117 (its
+# mat-mul pipelines), conv_1d 78, soft_max 42; test_ops_backends.py + test_qlora.py 89; the probe 156.
+CHAIN = "tests/test_ops.py::test_graph_runs_a_chain_as_one_graph"
+SWEEP = {
+    "ops": ["tests/test_ops.py", "--deselect", CHAIN],
+    "rest": [CHAIN, "tests/test_ops_backends.py", "tests/test_qlora.py"],
+}
 
 PROBE = """
 import json, sys, time, llamabind
@@ -227,7 +233,7 @@ def test_the_vulkan_build_runs_every_op_like_the_cpu(lavapipe_runs):
     LLAMABIND_VULKAN_SWEEP=full for all);
     patch 0021's bf16 product of 8 columns is test_mul_mat_half_types. Ops ggml-vulkan has no
     kernel for raise TypeError there (skips), which the table records. Beside it, in a second
-    process, tests/test_ops_backends.py with Vulkan0 as the GPU: DeviceArrays kept there between
+    process, test_ops.py's chain graph, then tests/test_ops_backends.py with Vulkan0 as the GPU: DeviceArrays kept there between
     ops, and the queued (async) copies of numpy arguments on a device that is not host memory; then
     tests/test_qlora.py (patch 0026): OUT_PROD of every block type, F16 and BF16 on Vulkan0 against
     float64 and the CPU, and a QLoRA step of a tiny Q4_0 llama with no node on the CPU but the
