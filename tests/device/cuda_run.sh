@@ -36,7 +36,7 @@
 #         Vulkan0 (NVIDIA's driver), bench/train.py's full/LoRA/QLoRA rows on Vulkan0.
 # server: (carry .device-b after build) tests/test_server.py and the fuzz with the model fully offloaded,
 #         then bench/server.py -ngl 99 (llamabind serve beside llama-server from the same build); LB_NO_TESTS=1:
-#         the bench alone; LB_PARALLEL (slots, 8), LB_CTX (8192), LB_CLIENTS (1,4,8).
+#         the bench alone, LB_NO_BENCH=1 the tests alone; LB_PARALLEL (slots, 8), LB_CTX (8192), LB_CLIENTS (1,4,8).
 # opsarrays: (carry .device after build) issue 21: the op tests on CUDA0 with inputs bound in place,
 #         DeviceArray/DLPack tests with torch, then bench/ops.py (per-call overhead, element-wise,
 #         the 10-op chain: numpy round trips vs DeviceArray vs PyTorch CUDA).
@@ -64,7 +64,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 MODELS=/tmp/lb-models
 # the image's pytest plugins are not autoloaded (one of them crashed the interpreter at start-up)
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
-PYTEST_ARGS="-q -p no:cacheprovider -p _hypothesis_pytestplugin -rs"
+PYTEST_ARGS="-q -p no:cacheprovider -p _hypothesis_pytestplugin -rs ${LB_PYTEST_EXTRA:-}"
 # left out of the suite here: test_embeddings (builds a side venv from PyPI), the sdist, vendor and
 # wheel-building tests (PyPI, other Pythons, the untrimmed upstream tree), upstream's vocab GGUFs and
 # chat templates (not carried), the notebook (nbformat is not in the image); the op tests run in "ops"
@@ -185,6 +185,7 @@ server)
   [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REQUIRE_TOOLS=1 python3 -m pytest tests/test_server.py tests/test_server_fuzz.py $PYTEST_ARGS --durations=5 \
     2>&1 | tee "$OUT/server-tests.log" | tail -30
   echo "server tests in $((SECONDS - t0)) s"
+  [ -n "${LB_NO_BENCH:-}" ] && exit 0
   python3 bench/server.py -ngl 99 --threads 8 --parallel ${LB_PARALLEL:-8} --ctx ${LB_CTX:-8192} --rounds ${LB_ROUNDS:-3} \
     --requests 8 --max-tokens 128 --clients ${LB_CLIENTS:-1,4,8} --out "$OUT/server-bench.json" 2>&1 | tail -12
   ;;
