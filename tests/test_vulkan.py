@@ -233,8 +233,9 @@ def test_the_vulkan_build_runs_every_op_like_the_cpu(lavapipe_runs):
     LLAMABIND_VULKAN_SWEEP=full for all);
     patch 0021's bf16 product of 8 columns is test_mul_mat_half_types. Ops ggml-vulkan has no
     kernel for raise TypeError there (skips), which the table records. Beside it, in a second
-    process, test_ops.py's chain graph, then tests/test_ops_backends.py with Vulkan0 as the GPU: DeviceArrays kept there between
-    ops, and the queued (async) copies of numpy arguments on a device that is not host memory; then
+    process, test_ops.py's chain graph, then tests/test_ops_backends.py with Vulkan0 as the GPU:
+    DeviceArrays kept there between ops, and the queued (async) copies of numpy arguments on a
+    device that is not host memory; then
     tests/test_qlora.py (patch 0026): OUT_PROD of every block type, F16 and BF16 on Vulkan0 against
     float64 and the CPU, and a QLoRA step of a tiny Q4_0 llama with no node on the CPU but the
     input embedding lookup."""
