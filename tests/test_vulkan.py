@@ -184,7 +184,10 @@ def lavapipe_runs(vulkan_env, model_path, tmp_path_factory) -> dict:
     (PROBE) together and waits for all three: {name: (returncode, stdout, stderr)}, plus "tables",
     the sweep's ops-check rows."""
     tmp = tmp_path_factory.mktemp("lavapipe")
-    sweep_env = {**vulkan_env, "LLAMABIND_TEST_BACKEND": "vulkan"}
+    # each pytest its own basetemp, and none of this run's options (a --basetemp there would have
+    # every process clear the same directory, this fixture's files in it)
+    sweep_env = {k: v for k, v in vulkan_env.items() if k != "PYTEST_ADDOPTS"}
+    sweep_env["LLAMABIND_TEST_BACKEND"] = "vulkan"
     # lavapipe runs kernels on the CPU (and JIT-compiles every pipeline with LLVM on its first use):
     # every test function, a seeded tenth of each one's other parameter cases (conftest's
     # LLAMABIND_TEST_SAMPLE; the seed changes daily so the cases rotate).
@@ -198,7 +201,8 @@ def lavapipe_runs(vulkan_env, model_path, tmp_path_factory) -> dict:
         sweep_env["LLAMABIND_TEST_SAMPLE"] = f"{day}:0.1"
         sweep_env["LLAMABIND_TEST_CALL_SAMPLE"] = f"{day}:0.1"
     commands = {
-        name: ([sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-x"],
+        name: ([sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-x",
+                "--basetemp", str(tmp / f"pytest-{name}")],
                {**sweep_env, "LLAMABIND_OPS_CHECK_OUT": str(tmp / f"ops-check-{name}.json")})
         for name, files in SWEEP.items()
     }  # fmt: skip
