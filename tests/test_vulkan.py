@@ -154,6 +154,7 @@ def vulkan_env(sdk, tmp_path_factory) -> dict:
 # burned 52 s of CPU in 142 s before it, 0.7 s after), so three processes share the cores.
 # The halves as balanced from one cold run (s, alone): test_ops.py 276, of which the chain graph 117 (its
 # mat-mul pipelines), conv_1d 78, soft_max 42; test_ops_backends.py + test_qlora.py 89; the probe 156.
+# Side by side: 338 s with test_ops.py whole in the first process, 272 s with these halves.
 CHAIN = "tests/test_ops.py::test_graph_runs_a_chain_as_one_graph"
 SWEEP = {
     "ops": ["tests/test_ops.py", "--deselect", CHAIN],
