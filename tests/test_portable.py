@@ -101,14 +101,17 @@ def test_the_wheel_carries_the_cpu_variants_asked_for(portable_venv):
     print(f"\n{whl.name}: {whl.stat().st_size / 2**20:.1f} MiB, installed {size:.1f} MiB, {len(variants)} CPU variants")
 
 
-_OFF = "LLAMA_BUILD_TESTS LLAMA_BUILD_TOOLS LLAMA_BUILD_EXAMPLES LLAMA_BUILD_SERVER LLAMA_BUILD_COMMON LLAMA_OPENSSL"
+_OFF = [
+    "LLAMA_BUILD_TESTS", "LLAMA_BUILD_TOOLS", "LLAMA_BUILD_EXAMPLES", "LLAMA_BUILD_SERVER", "LLAMA_BUILD_COMMON",
+    "LLAMA_OPENSSL", "GGML_NATIVE",
+]  # fmt: skip
 
 
 def _configure_cpu_variants(tmp_path, variants: str) -> subprocess.CompletedProcess:
     """cmake's configure step of the patched tree without its tools (seconds), CPU variants as the
     portable build asks for them."""
     cmake = shutil.which("cmake") or pytest.skip("no cmake on PATH")
-    off = [f"-D{o}=OFF" for o in (*_OFF.split(), "GGML_NATIVE")]
+    off = [f"-D{o}=OFF" for o in _OFF]
     return subprocess.run(
         [cmake, "-S", str(VENDOR), "-B", str(tmp_path / "b"), "-G", "Ninja", *off, "-DBUILD_SHARED_LIBS=ON",
          "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON", f"-DGGML_CPU_VARIANTS={variants}"],
