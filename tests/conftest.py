@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal as _signal
 import sys
 from pathlib import Path
 
@@ -156,6 +157,16 @@ def post_json(url: str, body: dict, timeout: float = 600) -> dict:
 
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     return json.loads(urllib.request.urlopen(req, timeout=timeout).read())
+
+
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test: in a full suite run here a
+    handler left by another library swallowed the raised SIGINT ("DID NOT RAISE"), and a suite
+    started in the background by a non-interactive shell inherits SIGINT ignored."""
+    old = _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+    yield
+    _signal.signal(_signal.SIGINT, old)
 
 
 def run_python(code: str, timeout: float = 120, **kw):

@@ -165,15 +165,6 @@ def test_token_prompt_and_eval(model):
         assert int(logits.argmax()) == a.tokens[0]  # greedy = argmax of the prompt's last logits
 
 
-@pytest.fixture
-def default_sigint():
-    """Python's own SIGINT handler (KeyboardInterrupt) for the test: in a full suite run here a
-    handler left by another library swallowed the raised SIGINT ("DID NOT RAISE")."""
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, old)
-
-
 @pytest.mark.usefixtures("default_sigint")
 def test_ctrl_c_interrupts_a_long_prompt_and_the_model_stays_usable(model):
     ids = (model.tokenize("All work and no play makes Jack a dull boy. ") * 200)[:3000]

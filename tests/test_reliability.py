@@ -276,6 +276,7 @@ def test_a_generation_leaves_no_openmp_team_behind(model):
 # ---- interrupts
 
 
+@pytest.mark.usefixtures("default_sigint")
 def test_ctrl_c_during_a_long_op_and_ops_still_work():
     """SIGINT while a graph computes (GIL released): KeyboardInterrupt once the graph returns."""
     a = np.random.default_rng(0).standard_normal((1536, 1536)).astype(np.float32)

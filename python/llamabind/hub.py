@@ -86,14 +86,27 @@ def _hub() -> Any:
     return huggingface_hub
 
 
-def _repo_files(hf: Any, repo_id: str, revision: str | None) -> list[str]:
-    """The repository's files: from the Hub, or in offline mode (or when the Hub cannot be
-    reached) the ones huggingface_hub's cache holds for that revision."""
+def _unreachable(hf: Any) -> str | None:
+    """Why the Hub's endpoint cannot be reached (one request through huggingface_hub's session, its
+    proxies and timeouts; any HTTP answer counts as reached), or None. huggingface_hub's own calls
+    retry a refused connection five times over ~23 s each."""
+    try:
+        hf.get_session().head(hf.constants.ENDPOINT, timeout=10)
+    except Exception as e:  # httpx's ConnectError, timeouts, DNS failures (OSError)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _repo_files(hf: Any, repo_id: str, revision: str | None) -> tuple[list[str], bool]:
+    """The repository's files and whether the Hub answered: from the Hub, or in offline mode (or
+    when the Hub cannot be reached) the ones huggingface_hub's cache holds for that revision. Where
+    the Hub did not answer, the downloads that follow read the cache only (local_files_only):
+    hf_hub_download would otherwise retry each file's request for ~23 s before using the cache."""
     err = hf.errors
-    offline = hf.constants.HF_HUB_OFFLINE
-    if not offline:
+    reason = "HF_HUB_OFFLINE is set" if hf.constants.HF_HUB_OFFLINE else _unreachable(hf)
+    if reason is None:
         try:
-            return hf.list_repo_files(repo_id, revision=revision)
+            return hf.list_repo_files(repo_id, revision=revision), True
         except err.RepositoryNotFoundError:
             where = hf.constants.ENDPOINT
             raise FileNotFoundError(f"no repository {repo_id!r} on {where} (or it is private)") from None
@@ -101,13 +114,11 @@ def _repo_files(hf: Any, repo_id: str, revision: str | None) -> list[str]:
             raise FileNotFoundError(f"{repo_id} has no revision {revision!r}") from None
         except Exception as e:  # unreachable (httpx's errors, HfHubHTTPError, OSError): the cache, if any
             reason = f"{type(e).__name__}: {e}"
-    else:
-        reason = "HF_HUB_OFFLINE is set"
     try:
         snap = Path(hf.snapshot_download(repo_id, revision=revision, local_files_only=True))
     except (err.LocalEntryNotFoundError, FileNotFoundError, ValueError):
         raise ConnectionError(f"cannot list {repo_id} ({reason}) and huggingface_hub's cache has no copy") from None
-    return sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file() or p.is_symlink())
+    return sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file() or p.is_symlink()), False
 
 
 def download(repo_id: str, filename: str | None = None, *, tag: str | None = None, revision: str | None = None) -> Path:
@@ -123,11 +134,11 @@ def download(repo_id: str, filename: str | None = None, *, tag: str | None = Non
     if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise ValueError(f"a Hugging Face repository is 'org/name'; got {repo_id!r}")
     hf = _hub()
-    files = _repo_files(hf, repo_id, revision)
+    files, online = _repo_files(hf, repo_id, revision)
     paths = []
     for f in pick(repo_id, files, filename=filename, tag=tag):
         try:
-            paths.append(Path(hf.hf_hub_download(repo_id, f, revision=revision)))
+            paths.append(Path(hf.hf_hub_download(repo_id, f, revision=revision, local_files_only=not online)))
         except hf.errors.EntryNotFoundError:
             raise FileNotFoundError(f"{repo_id} has no file {f!r}") from None
         except (hf.errors.LocalEntryNotFoundError, hf.errors.HfHubHTTPError) as e:
@@ -158,7 +169,7 @@ def download_mmproj(
     glob), else :func:`pick_mmproj`'s choice (None when the repository has no projector).
     Downloaded into huggingface_hub's cache as :func:`download` does (same errors)."""
     hf = _hub()
-    files = _repo_files(hf, repo_id, revision)
+    files, online = _repo_files(hf, repo_id, revision)
     if filename is not None:
         found = [f for f in files if _matches(f, filename)]
         if len(found) != 1:
@@ -170,7 +181,7 @@ def download_mmproj(
     if name is None:
         return None
     try:
-        return Path(hf.hf_hub_download(repo_id, name, revision=revision))
+        return Path(hf.hf_hub_download(repo_id, name, revision=revision, local_files_only=not online))
     except hf.errors.EntryNotFoundError:
         raise FileNotFoundError(f"{repo_id} has no file {name!r}") from None
     except (hf.errors.LocalEntryNotFoundError, hf.errors.HfHubHTTPError) as e:

@@ -129,29 +129,38 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         buffers = [remote_buffer(port) for _ in range(3)]
+        recent: list[tuple[int, list[bytes]]] = []  # the cases since the server last answered a real client
         for i in range(args.cases):
             seed = args.seed * 1_000_003 + i
             sent: list[bytes] = []
+            recent.append((seed, sent))
             try:
                 one_case(port, random.Random(seed), buffers, sent)
             except OSError:
                 pass  # refused or reset: judged by the server's state below
-            for _ in range(50):
+            for _ in range(5):  # a frame that aborts the server mostly kills it within these 10 ms
                 if not server.running:
                     break
                 time.sleep(0.002)
-            if not server.running:
+            if not server.running:  # a later death is seen here, or by served(): every recent case is listed
                 err = server.process.stderr.read().decode(errors="replace")[-1500:] if server.process.stderr else ""
-                frames = [(f[0], struct.unpack("<Q", f[1:9])[0], len(f) - 9) for f in sent]
+                cases = [
+                    (sd, [(f[0], struct.unpack("<Q", f[1:9])[0], len(f) - 9) for f in fr]) for sd, fr in recent[-5:]
+                ]
                 print(
-                    f"server died (exit {server.process.returncode}) at case {i} (seed {seed}); frames after HELLO "
-                    f"(cmd, declared size, payload bytes): {frames}"
+                    f"server died (exit {server.process.returncode}) at case {i} (seed {seed}); the last cases' "
+                    f"(seed, frames after HELLO as (cmd, declared size, payload bytes)): {cases}"
                     f"\nserver stderr: {err}"
                 )
                 return 1
-            if i % 25 == 24 and not served(port):
-                print(f"server stopped serving after case {i} (seed {seed})")
-                return 1
+            if i % 25 == 24:
+                if not served(port):
+                    print(
+                        f"server stopped serving after case {i}; the cases since it last served: seeds "
+                        f"{[r[0] for r in recent]}"
+                    )
+                    return 1
+                recent.clear()
     finally:
         server.stop()
     print(f"{args.cases} cases, server alive and serving ({time.monotonic() - t0:.1f} s)")
