@@ -2,10 +2,11 @@
 """Where a fine-tuning step's time goes (issue 42): graph build, allocation, inputs, compute, and the
 compute split into forward, backward and optimizer ops, for the pin's way of running a batch (one
 window per graph, the graphs rebuilt for every window, token_embd frozen: "pin") beside this tree's
-(the batch's windows as sequences of one graph, graphs kept across steps, token_embd trained: "now").
+(the batch's windows as sequences of one graph, graphs kept across steps, token_embd trained: "now"),
+and LoRA r8 on attn_q/attn_v over the F32 model ("lora") or over its Q4_0 original ("qlora").
 
     python bench/train_profile.py [--size 1b | --model GGUF] [--configs 256x8,2048x1] [-ngl 99]
-        [--steps 6] [--profile-steps 2] [--modes pin,now] [--threads 8] [--out FILE.json]
+        [--qmodel GGUF] [--steps 6] [--profile-steps 2] [--modes pin,now,lora,qlora] [--threads 8] [--out FILE.json]
 
 Each (mode, ctx x batch) runs in its own process on random windows (a random-weight llama of
 bench/make_model.py's shape, F32, or an F32 GGUF given with --model), full fine-tune, AdamW lr 1e-5.
@@ -58,14 +59,20 @@ def worker(args) -> dict:
 
     ctx, batch = args.ctx, args.batch
     pin = args.mode == "pin"
+    lora = args.mode in ("lora", "qlora")
     if pin:
         os.environ["LLAMA_GRAPH_REUSE_DISABLE"] = "1"  # read when the context is made: rebuild every eval
     rng = np.random.default_rng(0)
     out: dict = dict(mode=args.mode, ctx=ctx, batch=batch)
-    with llamabind.Model(args.model, use_mmap=False, n_gpu_layers=args.ngl, n_threads=args.threads) as m:
+    path = args.qmodel if args.mode == "qlora" else args.model
+    with llamabind.Model(path, use_mmap=lora, n_gpu_layers=args.ngl, n_threads=args.threads) as m:
         wins = rng.integers(3, m.n_vocab, size=(batch, ctx + 1), dtype=np.int32)
-        kw = dict(ctx_size=ctx, batch_size=batch, grad_accum=batch if pin else 1, lr=1e-5,
+        kw = dict(ctx_size=ctx, batch_size=batch, grad_accum=batch if pin else 1, lr=1e-4 if lora else 1e-5,
                   embeddings=not pin, n_threads=args.threads)  # fmt: skip
+        if lora:  # LoRA r8 on attn_q/attn_v (bench/train.py's), over the F32 model or the quantized one
+            adapter = Path(tempfile.mkdtemp()) / "lora.gguf"
+            train.lora_init(m, adapter, rank=8, alpha=16.0)
+            kw.update(params="lora", adapter=m.load_lora(adapter), embeddings=False)
         with train.Trainer(m, **kw) as t:
             t.step(wins)  # warm-up: first allocation, cuBLAS handles
             s0 = t.stats()
@@ -100,7 +107,8 @@ def main() -> int:
     ap.add_argument("--size", default="1b", help="bench/make_model.py shape (ignored with --model)")
     ap.add_argument("--model", default=None, help="an F32 GGUF instead of a random-weight llama")
     ap.add_argument("--configs", default="256x8,2048x1", help="ctx x batch, comma-separated")
-    ap.add_argument("--modes", default="pin,now")
+    ap.add_argument("--qmodel", default=None, help="the quantized GGUF of the qlora mode (with --model)")
+    ap.add_argument("--modes", default="pin,now", help="pin, now (full fine-tunes), lora (r8, F32 base), qlora")
     ap.add_argument("-ngl", type=int, default=99)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
@@ -120,18 +128,21 @@ def main() -> int:
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
+        model, qmodel = args.model, args.qmodel
         if model is None:
-            q = Path(tmp) / "q8_0.gguf"
-            subprocess.run([sys.executable, str(HERE / "make_model.py"), "--size", args.size, "--type", "q8_0",
-                            "-o", str(q)], check=True)  # fmt: skip
+            qmodel = qmodel or str(Path(tmp) / "q4_0.gguf")
+            subprocess.run([sys.executable, str(HERE / "make_model.py"), "--size", args.size, "--type", "q4_0",
+                            "-o", qmodel], check=True)  # fmt: skip
             model = str(Path(tmp) / "f32.gguf")
-            train.to_f32(q, model)
+            train.to_f32(qmodel, model)
+        if "qlora" in args.modes.split(",") and qmodel is None:
+            ap.error("--modes qlora with --model needs --qmodel (the quantized GGUF LoRA trains over)")
         for cfg in args.configs.split(","):
             ctx, batch = (int(x) for x in cfg.split("x"))
             fpt, shape = flops_per_token(model, ctx)
             for mode in args.modes.split(","):
-                cmd = [sys.executable, __file__, "--worker", "--model", model, "--mode", mode, "--ctx", str(ctx),
+                cmd = [sys.executable, __file__, "--worker", "--model", model, "--qmodel", str(qmodel), "--mode", mode,
+                       "--ctx", str(ctx),
                        "--batch", str(batch), "-ngl", str(args.ngl), "--threads", str(args.threads),
                        "--steps", str(args.steps), "--profile-steps", str(args.profile_steps)]  # fmt: skip
                 p = subprocess.run(cmd, capture_output=True, text=True)
@@ -141,7 +152,11 @@ def main() -> int:
                     continue
                 r = json.loads(p.stdout.strip().splitlines()[-1])
                 tok_s = batch * ctx / (r["step_ms"] / 1e3)
-                r.update(tok_s=tok_s, tflops=fpt * tok_s / 1e12, mfu=fpt * tok_s / 1e12 / args.peak, **shape)
+                if mode in ("lora", "qlora"):  # no weight gradients: 4 N + 8 L T d (bench/train.py's count)
+                    f = 4 * shape["n_matmul_params"] + 8 * shape["n_layer"] * ctx * shape["n_embd"]
+                else:
+                    f = fpt
+                r.update(tok_s=tok_s, tflops=f * tok_s / 1e12, mfu=f * tok_s / 1e12 / args.peak, **shape)
                 results.append(r)
     _print(results, args)
     doc = dict(host=socket.gethostname(), date=datetime.date.today().isoformat(), args=vars(args), results=results)

@@ -347,12 +347,16 @@ train42)
   done
   t0=$SECONDS
   # the backward kernels of the training step on CUDA0 against the CPU (patch 0034) and finite differences
-  LLAMABIND_TEST_BACKEND=cuda LLAMABIND_REQUIRE_GPU=1 python3 -m pytest tests/test_ops_backends.py tests/test_ops_grad.py \
-    $PYTEST_ARGS -k "gradients or get_rows or repeat" 2>&1 | tee "$OUT/train42-kernel-tests.log" | tail -4
-  python3 bench/train_profile.py --model $MODELS/llama-1b-f32.gguf --configs ${LB_PROFILE_1B:-256x8,2048x1} -ngl 99 \
+  [ -n "${LB_NO_KERNEL_TESTS:-}" ] || LLAMABIND_TEST_BACKEND=cuda LLAMABIND_REQUIRE_GPU=1 python3 -m pytest \
+    tests/test_ops_backends.py tests/test_ops_grad.py $PYTEST_ARGS -k "gradients or get_rows or repeat" 2>&1 \
+    | tee "$OUT/train42-kernel-tests.log" | tail -4
+  # LB_MODES: pin, now (full fine-tunes), lora, qlora (LoRA r8 over the F32 copy or the Q4_0 original)
+  python3 bench/train_profile.py --model $MODELS/llama-1b-f32.gguf --qmodel $MODELS/llama-1b-q4_0.gguf \
+    --configs ${LB_PROFILE_1B:-256x8,2048x1} -ngl 99 \
     --modes ${LB_MODES:-pin,now} --threads 8 --steps 5 --profile-steps 2 --out "$OUT/train-profile-1b.json" 2>&1 \
     | tee "$OUT/train-profile-1b.txt" | tail -70
   [ -n "${LB_PROFILE_135M-256x8}" ] && python3 bench/train_profile.py --model $MODELS/llama-135m-f32.gguf \
+    --qmodel $MODELS/llama-135m-q4_0.gguf \
     --configs ${LB_PROFILE_135M:-256x8} -ngl 99 --modes ${LB_MODES:-pin,now} --threads 8 --steps 5 --profile-steps 2 \
     --out "$OUT/train-profile-135m.json" 2>&1 | tee "$OUT/train-profile-135m.txt" | tail -40
   echo "kernel tests and profiles in $((SECONDS - t0)) s"
