@@ -65,7 +65,8 @@ def worker(args) -> dict:
     rng = np.random.default_rng(0)
     out: dict = dict(mode=args.mode, ctx=ctx, batch=batch)
     path = args.qmodel if args.mode == "qlora" else args.model
-    with llamabind.Model(path, use_mmap=lora, n_gpu_layers=args.ngl, n_threads=args.threads) as m:
+    kw_model = dict(use_mmap=lora, repack=not lora, n_gpu_layers=args.ngl, n_threads=args.threads)
+    with llamabind.Model(path, **kw_model) as m:
         wins = rng.integers(3, m.n_vocab, size=(batch, ctx + 1), dtype=np.int32)
         kw = dict(ctx_size=ctx, batch_size=batch, grad_accum=batch if pin else 1, lr=1e-4 if lora else 1e-5,
                   embeddings=not pin, n_threads=args.threads)  # fmt: skip

@@ -21,9 +21,11 @@ BACKENDS = ["cpu"] + ([TEST_BACKEND] if TEST_BACKEND and TEST_BACKEND != "cpu" e
 # the CPU: sums of K float32 products against float64, relative error ~ sqrt(K) * 2^-24, far below
 # 1e-4 of the largest value. GPUs: ggml-cuda's cuBLAS products run in TF32 (10-bit mantissa: 3e-4 of
 # the largest value seen on an H100), so there the bound is on the NMSE, as test-backend-ops checks
-# (a wrong block or row gives an NMSE near 1)
+# (a wrong block or row gives an NMSE near 1). With a quantized or BF16 src0 ggml-cuda multiplies in
+# BF16 (patch 0039: both factors rounded to 8-bit mantissas; NMSE 5.5e-6 for Q4_0 on an H100).
 RTOL = 1e-4
 GPU_NMSE = 1e-6
+CUDA_BF16_NMSE = 2e-5
 
 
 def _dequantized(w: ops.Blocks) -> np.ndarray:
@@ -32,12 +34,12 @@ def _dequantized(w: ops.Blocks) -> np.ndarray:
     return gguf.quants.dequantize(w.data, qt).reshape(w.shape).astype(np.float64)
 
 
-def _close(got, want, backend="cpu"):
+def _close(got, want, backend="cpu", limit=GPU_NMSE):
     if backend == "cpu":
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err <= RTOL, err
     else:
-        assert ops.nmse(got, want) <= GPU_NMSE, ops.nmse(got, want)
+        assert ops.nmse(got, want) <= limit, ops.nmse(got, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -61,7 +63,8 @@ def test_out_prod_of_quantized_src0_matches_float64(qtype, backend):
         b64 = _dequantized(b)
     got = ops.out_prod(a, b, backend=backend)
     assert got.shape == (m, n) and got.dtype == np.float32
-    _close(got, a.astype(np.float64).T @ b64, backend)
+    bf16 = backend == "cuda" and qtype != "f16"  # patch 0039's BF16 product
+    _close(got, a.astype(np.float64).T @ b64, backend, CUDA_BF16_NMSE if bf16 else GPU_NMSE)
     if backend != "cpu":  # test-backend-ops' metric and limit for out_prod
         assert ops.nmse(got, ops.out_prod(a, b, backend="cpu")) <= 5e-4
 
@@ -101,7 +104,7 @@ def test_out_prod_of_every_block_type_matches_float64(qtype, backend):
         b64 = ops.dequantize(b.data, qtype, backend="cpu").astype(np.float64)  # q1_0, q2_0
     got = ops.out_prod(a, b, backend=backend)
     assert got.shape == (m, n)
-    _close(got, a.astype(np.float64).T @ b64, backend)
+    _close(got, a.astype(np.float64).T @ b64, backend, CUDA_BF16_NMSE if backend == "cuda" else GPU_NMSE)
     if backend != "cpu":
         assert ops.nmse(got, ops.out_prod(a, b, backend="cpu")) <= 5e-4
 
@@ -117,7 +120,7 @@ def test_gradient_through_a_quantized_weight_matches_float64(qtype, backend):
     r = rng.standard_normal((96, 7)).astype(np.float32)
     dx = ops.grad(lambda x: ops.sum(ops.mul(ops.mul_mat(w, x), r)), backend=backend)(x)
     assert dx.shape == x.shape
-    _close(dx, _dequantized(w).T @ r.astype(np.float64), backend)
+    _close(dx, _dequantized(w).T @ r.astype(np.float64), backend, CUDA_BF16_NMSE if backend == "cuda" else GPU_NMSE)
     # the forward product too (ggml quantizes x to the weight's vec_dot type on the CPU: looser)
     y = ops.mul_mat(w, x, backend=backend)
     ref = _dequantized(w) @ x.astype(np.float64)

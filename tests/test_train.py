@@ -97,6 +97,13 @@ def test_bad_input_is_a_clear_error(model_path, f32_path, text, tmp_path):
     with llamabind.Model(model_path, use_mmap=False, n_threads=2) as q:
         with pytest.raises(ValueError, match="F32 weights.*to_f32"):
             train.finetune(q, text, progress=False)
+        # the Trainer checks as finetune does: over repacked quantized weights the backward pass
+        # aborted in ggml's scheduler (GGML_ASSERT(*cur_backend_id != -1): no backend runs it)
+        with pytest.raises(ValueError, match="F32 weights"):
+            train.Trainer(q)
+        train.lora_init(q, tmp_path / "a.gguf")
+        with pytest.raises(ValueError, match="repack=False"):
+            train.Trainer(q, params="lora", adapter=q.load_lora(tmp_path / "a.gguf"))
     with llamabind.Model(f32_path, n_threads=2) as mapped:
         with pytest.raises(ValueError, match="use_mmap=False"):
             train.finetune(mapped, text, progress=False)

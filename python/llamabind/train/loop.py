@@ -22,7 +22,7 @@ from .checkpoint import check_matches, load_state, restore_optimizer, save_check
 from .data import Example, example_windows, from_dataset, is_dataset, windows
 from .lora import lora_init
 from .schedule import check_schedule, lr_at
-from .trainer import Trainer
+from .trainer import Trainer, check_model
 
 __all__ = ["EpochStats", "TrainResult", "finetune"]
 
@@ -59,27 +59,6 @@ class TrainResult:
     interrupted: bool = False
     evals: list[tuple[int, float]] = field(default_factory=list)
     checkpoints: list[Path] = field(default_factory=list)
-
-
-def _check_model(model: Model, lora: bool) -> None:
-    if not isinstance(model, Model):
-        raise TypeError(f"model must be a llamabind.Model; got {type(model).__name__}")
-    all_f32 = model.size == 4 * model.n_params
-    if lora:
-        if not all_f32 and model.repack:
-            raise ValueError(
-                "LoRA training over a quantized model needs its weights in the GGUF's layout: load it with "
-                "Model(path, repack=False) (the backward pass reads them with ggml's plain kernels)"
-            )
-        return
-    if model.use_mmap:
-        raise ValueError("fine-tuning writes the weights: load the model with Model(path, use_mmap=False)")
-    if not all_f32:
-        raise ValueError(
-            f"full fine-tuning needs F32 weights; this model is {model.description!r}. Convert it with "
-            "llamabind.train.to_f32(src, dst) (or `python -m llamabind finetune`, which does), or train a "
-            "LoRA adapter over it as it is (lora_rank=...)."
-        )
 
 
 def finetune(
@@ -173,7 +152,7 @@ def finetune(
     step if the loss becomes NaN/inf.
     """
     lora = lora_rank is not None
-    _check_model(model, lora)
+    check_model(model, lora)
     ctx_size = as_int(ctx_size, "ctx_size", 256)
     expect(ctx_size % 256 == 0, f"ctx_size must be a multiple of 256 (llama.cpp pads n_ctx to 256); got {ctx_size}")
     epochs = as_int(epochs, "epochs", 1)

@@ -16,6 +16,31 @@ from ..optimizer import Optimizer
 __all__ = ["Trainer"]
 
 
+def check_model(model: Model, lora: bool) -> None:
+    """What training needs of ``model``: for LoRA (``lora``) over a quantized model, weights in the
+    GGUF's layout (repack=False); for a full fine-tune, F32 weights loaded with use_mmap=False.
+    Raises TypeError (not a Model) or ValueError naming the fix; before any llama.cpp call (the
+    backward pass over a repacked weight would abort in ggml's scheduler: no backend runs it)."""
+    if not isinstance(model, Model):
+        raise TypeError(f"model must be a llamabind.Model; got {type(model).__name__}")
+    all_f32 = model.size == 4 * model.n_params
+    if lora:
+        if not all_f32 and model.repack:
+            raise ValueError(
+                "LoRA training over a quantized model needs its weights in the GGUF's layout: load it with "
+                "Model(path, repack=False) (the backward pass reads them with ggml's plain kernels)"
+            )
+        return
+    if model.use_mmap:
+        raise ValueError("fine-tuning writes the weights: load the model with Model(path, use_mmap=False)")
+    if not all_f32:
+        raise ValueError(
+            f"full fine-tuning needs F32 weights; this model is {model.description!r}. Convert it with "
+            "llamabind.train.to_f32(src, dst) (or `python -m llamabind finetune`, which does), or train a "
+            "LoRA adapter over it as it is (lora_rank=...)."
+        )
+
+
 class Trainer:
     """A training context of ``batch_size // grad_accum`` windows (the micro-batch: one sequence per
     window, all in one ubatch, so one forward and one backward graph run per micro-batch) and
@@ -75,6 +100,7 @@ class Trainer:
         )
         one_of(optimizer, "optimizer", ("adamw", "sgd"))
         one_of(params, "params", ("model", "lora"))
+        check_model(model, params == "lora")
         expect((adapter is not None) == (params == "lora"), "params='lora' takes an adapter, params='model' none")
         n = self.ctx_size * self.micro_batch
         self.context = Context(
