@@ -418,6 +418,9 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_sessionfinish(session):
+    vulkan = sys.modules.get("test_vulkan")
+    if vulkan is not None:
+        vulkan.stop_early()
     path = os.environ.get("LLAMABIND_OPS_CHECK_OUT")
     if not path or not _ops_check:
         return
@@ -429,6 +432,16 @@ def pytest_sessionfinish(session):
     ]
     with open(path, "w") as f:
         json.dump({"backend": TEST_BACKEND, "rows": rows}, f, indent=1)
+
+
+def pytest_collection_finish(session):
+    """tests/test_vulkan.py's build and lavapipe runs start now, in the background, when its tests
+    are among the selected ones (see start_early there)."""
+    if session.config.option.collectonly:
+        return
+    for mod in {getattr(item, "module", None) for item in session.items}:
+        if mod is not None and mod.__name__.rsplit(".", 1)[-1] == "test_vulkan":
+            mod.start_early(session.config)
 
 
 def pytest_collection_modifyitems(config, items):

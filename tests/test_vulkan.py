@@ -66,8 +66,7 @@ def _unavailable(msg: str):
     pytest.skip(msg)
 
 
-@pytest.fixture(scope="module")
-def sdk() -> Path:
+def _sdk() -> Path:
     """Debian 12's Vulkan SDK pieces and lavapipe, unpacked into <cache>/vulkan-sdk/root."""
     if not (shutil.which("apt-get") and shutil.which("dpkg")):
         _unavailable("needs apt-get and dpkg to fetch Debian's Vulkan SDK packages")
@@ -107,10 +106,9 @@ def _lib(root: Path) -> Path:
     return root / "usr" / "lib" / "x86_64-linux-gnu"
 
 
-@pytest.fixture(scope="module")
-def vulkan_env(sdk, tmp_path_factory) -> dict:
-    """Environment that imports the Vulkan build of llamabind and runs it on lavapipe."""
-    tmp = tmp_path_factory.mktemp("vulkan")
+def _vulkan_env(tmp: Path) -> dict:
+    """Environment that imports the Vulkan build of llamabind (built into tmp) and runs it on lavapipe."""
+    sdk = _sdk()
     lib = _lib(sdk)
     tools = {"PATH": f"{sdk}/usr/bin:{os.environ['PATH']}", "LD_LIBRARY_PATH": str(lib)}  # glslc's libshaderc
     whl = build_wheel(
@@ -180,12 +178,10 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def lavapipe_runs(vulkan_env, model_path, tmp_path_factory) -> dict:
+def _lavapipe_runs(vulkan_env: dict, model_path: Path, tmp: Path) -> dict:
     """Starts the op sweep (SWEEP's two pytest processes, every op on Vulkan0) and the model probe
     (PROBE) together and waits for all three: {name: (returncode, stdout, stderr)}, plus "tables",
     the sweep's ops-check rows, and "probe", the model probe's JSON (None if it failed)."""
-    tmp = tmp_path_factory.mktemp("lavapipe")
     # each pytest its own basetemp, and none of this run's options (a --basetemp there would have
     # every process clear the same directory, this fixture's files in it)
     sweep_env = {k: v for k, v in vulkan_env.items() if k != "PYTEST_ADDOPTS"}
@@ -213,6 +209,7 @@ def lavapipe_runs(vulkan_env, model_path, tmp_path_factory) -> dict:
     for name, (cmd, env) in commands.items():
         out, err = open(tmp / f"{name}.out", "w+"), open(tmp / f"{name}.err", "w+")
         procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True), out, err
+        _PROCS.append(procs[name][0])
     runs = {}
     try:
         for name, (proc, out, err) in procs.items():
@@ -233,6 +230,63 @@ def lavapipe_runs(vulkan_env, model_path, tmp_path_factory) -> dict:
     rc, out, _ = runs["model"]
     runs["probe"] = json.loads(out.strip().splitlines()[-1]) if rc == 0 else None
     return runs
+
+
+# The build and the lavapipe runs take ~8 minutes of this machine's 2 cores, mostly on one core at a
+# time (glslc, LLVM compiling one pipeline per process): conftest starts them in a background thread
+# when the session's collected tests include this file's (start_early), so that they overlap the
+# rest of the suite (which leaves ~25% of the cores idle: subprocess start-ups, servers, network);
+# the fixtures below then wait for them. Skips and failures raised there are raised here.
+_EARLY: dict = {}
+_PROCS: list[subprocess.Popen] = []
+
+
+def start_early(config) -> None:
+    """Run _vulkan_env and _lavapipe_runs in a background thread from now (conftest's
+    pytest_collection_finish; LLAMABIND_VULKAN_EARLY=0 runs them in the fixtures instead)."""
+    if _EARLY or os.environ.get("LLAMABIND_VULKAN_EARLY") == "0":
+        return
+    import threading
+    from concurrent.futures import Future
+
+    factory = config._tmp_path_factory  # pytest's own tmp_path_factory (the fixture's object)
+    env_dir, lavapipe_dir = factory.mktemp("vulkan"), factory.mktemp("lavapipe")
+    _EARLY.update(env=Future(), runs=Future())
+
+    def work():  # a Skipped or failure lands in the future, raised by the fixture that reads it
+        for key, fn in (("env", lambda: _vulkan_env(env_dir)),
+                        ("runs", lambda: _lavapipe_runs(_EARLY["env"].result(), models.resolve(models.DEFAULT),
+                                                        lavapipe_dir))):  # fmt: skip
+            try:
+                _EARLY[key].set_result(fn())
+            except BaseException as e:  # noqa: BLE001 (pytest's Skipped is a BaseException)
+                _EARLY[key].set_exception(e)
+                if key == "env":
+                    _EARLY["runs"].set_exception(e)
+                return
+
+    # a daemon thread: a session that ends first (-x, Ctrl-C) does not wait for it; stop_early kills
+    # the lavapipe processes it started
+    threading.Thread(target=work, name="vulkan-early", daemon=True).start()
+
+
+def stop_early() -> None:
+    """Kill the lavapipe processes still running (conftest's pytest_sessionfinish)."""
+    for proc in _PROCS:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def vulkan_env(tmp_path_factory) -> dict:
+    return _EARLY["env"].result() if _EARLY else _vulkan_env(tmp_path_factory.mktemp("vulkan"))
+
+
+@pytest.fixture(scope="module")
+def lavapipe_runs(vulkan_env, model_path, tmp_path_factory) -> dict:
+    if _EARLY:
+        return _EARLY["runs"].result()
+    return _lavapipe_runs(vulkan_env, model_path, tmp_path_factory.mktemp("lavapipe"))
 
 
 def test_the_vulkan_build_runs_every_op_like_the_cpu(lavapipe_runs):
