@@ -118,12 +118,12 @@ struct Arg {
 };
 
 // Arg storage without a heap allocation for the usual few arguments.
-struct Args {
+struct CallArgs {
     Arg small[4];
     std::unique_ptr<Arg[]> big;
     Arg * p;
 
-    explicit Args(size_t n) : p(small) {
+    explicit CallArgs(size_t n) : p(small) {
         if (n > 4) {
             big.reset(new Arg[n]);
             p = big.get();
@@ -221,7 +221,7 @@ static void graph_run(Graph & g, nb::sequence inputs, nb::sequence outputs, nb::
                     " outputs; got " + std::to_string(ni) + " and " + std::to_string(no));
     }
     if (ng && !g.gb) raise_value("this graph has no backward pass");
-    Args in(ni), out(no), gr(ng);
+    CallArgs in(ni), out(no), gr(ng);
     for (size_t i = 0; i < ni; ++i) {
         take_arg(in[i], inputs[i], g, false, "input", i);
         check_size(in[i], g.ins[i].t, "input", i);
