@@ -191,9 +191,11 @@ def build_wheel(
     python: str = sys.executable,
     env: dict | None = None,
     timeout: float = 3600,
+    nice: int = 0,
 ) -> Path:
     """`pip wheel source` (no deps, no build isolation, no tools) into out_dir; ``config`` are -C
-    settings (e.g. "-Cbuild-dir=build/x-{wheel_tag}"). Returns the wheel's path."""
+    settings (e.g. "-Cbuild-dir=build/x-{wheel_tag}"); ``nice``: the build's niceness (os.nice, which
+    its compilers inherit). Returns the wheel's path."""
     import subprocess
 
     env = {**outside_env(), "LLAMABIND_BUILD_TOOLS": "OFF", **(env or {})}
@@ -216,6 +218,7 @@ def build_wheel(
         text=True,
         env=env,
         timeout=timeout,
+        preexec_fn=(lambda: os.nice(nice)) if nice else None,
     )
     assert b.returncode == 0, b.stderr[-3000:]
     (whl,) = Path(out_dir).glob("llamabind-*.whl")
