@@ -11,22 +11,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import llamabind
 from llamabind.sampling import SamplingParams
 
-PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. Once upon a time,"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from e2e import PROMPT, tg_loop  # noqa: E402  (bench/e2e.py: the decode-alone loop, its prompt)
 
 
 def decode_alone(ctx: llamabind.Context, prompt: list[int], n: int) -> float:
-    ctx.clear()
-    ctx.decode(prompt)
-    tok = prompt[-1]
-    t0 = time.perf_counter()
-    for _ in range(n):
-        ctx.decode([tok])
-    return 1e6 * (time.perf_counter() - t0) / n
+    """us per token of bench/e2e.py's decode-alone loop."""
+    return 1e6 / tg_loop(ctx, prompt, n)
 
 
 def sampled(model: llamabind.Model, ctx: llamabind.Context, prompt: list[int], n: int, ignore_eos: bool) -> float:
