@@ -121,7 +121,7 @@ def _vulkan_env(tmp: Path) -> dict:
         f"-Ccmake.define.Vulkan_GLSLC_EXECUTABLE={sdk}/usr/bin/glslc",
         env=tools,
         timeout=3600,
-        nice=_NICE[0],
+        nice=_nice,
     )
     pkg = tmp / "pkg"
     subprocess.run(
@@ -249,11 +249,11 @@ def _lavapipe_runs(vulkan_env: dict, model_path: Path, tmp: Path) -> dict:
 # and shared the 2 cores with the Vulkan build's compilers.)
 _EARLY: dict = {}
 _PROCS: list[subprocess.Popen] = []
-_NICE = [0]
+_nice = 0  # 19 once start_early runs
 
 
 def _niced():
-    return (lambda: os.nice(_NICE[0])) if _NICE[0] else None
+    return (lambda: os.nice(_nice)) if _nice else None
 
 
 def start_early(config) -> None:
@@ -264,22 +264,24 @@ def start_early(config) -> None:
     import threading
     from concurrent.futures import Future
 
-    _NICE[0] = 19
+    global _nice
+    _nice = 19
     factory = config._tmp_path_factory  # pytest's own tmp_path_factory (the fixture's object)
     env_dir, lavapipe_dir = factory.mktemp("vulkan"), factory.mktemp("lavapipe")
     _EARLY.update(env=Future(), runs=Future())
 
-    def work():  # a Skipped or failure lands in the future, raised by the fixture that reads it
-        for key, fn in (("env", lambda: _vulkan_env(env_dir)),
-                        ("runs", lambda: _lavapipe_runs(_EARLY["env"].result(), models.resolve(models.DEFAULT),
-                                                        lavapipe_dir))):  # fmt: skip
-            try:
-                _EARLY[key].set_result(fn())
-            except BaseException as e:  # noqa: BLE001 (pytest's Skipped is a BaseException)
-                _EARLY[key].set_exception(e)
-                if key == "env":
-                    _EARLY["runs"].set_exception(e)
-                return
+    def work():  # a Skipped or failure lands in the futures, raised by the fixtures that read them
+        try:
+            env = _vulkan_env(env_dir)
+        except BaseException as e:  # noqa: BLE001 (pytest's Skipped is a BaseException)
+            _EARLY["env"].set_exception(e)
+            _EARLY["runs"].set_exception(e)
+            return
+        _EARLY["env"].set_result(env)
+        try:
+            _EARLY["runs"].set_result(_lavapipe_runs(env, models.resolve(models.DEFAULT), lavapipe_dir))
+        except BaseException as e:  # noqa: BLE001
+            _EARLY["runs"].set_exception(e)
 
     # a daemon thread: a session that ends first (-x, Ctrl-C) does not wait for it; stop_early kills
     # the lavapipe processes it started
