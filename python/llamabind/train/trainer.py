@@ -62,8 +62,10 @@ class Trainer:
         n_threads: CPU threads (None: the default).
         profile: time every node of the training graphs (:meth:`profile`; slows each step down).
 
-    Raises TypeError/ValueError for bad arguments (naming them), LlamaError if llama.cpp cannot
-    create the context. Close it (or use ``with``) to free the context; the model keeps the weights.
+    Raises TypeError/ValueError for bad arguments (naming them) and for a model training cannot use
+    (:func:`check_model`: LoRA over a repacked quantized model, a full fine-tune without F32 weights
+    loaded with use_mmap=False), LlamaError if llama.cpp cannot create the context. Close it (or
+    use ``with``) to free the context; the model keeps the weights.
     """
 
     def __init__(
