@@ -233,6 +233,24 @@ def test_backend_sampling_gives_the_cpu_chains_tokens(model, kw):
         assert got.tokens == want.tokens and got.text == want.text
 
 
+def test_backend_logit_bias_moves_the_argmax_as_the_host_chain_does(model):
+    """patch 0040: in the decode graph the bias is a vocabulary-sized tensor written once at
+    attach and added to the logits. A bias that bans the unbiased greedy path's tokens and lifts
+    others changes the tokens, and the chain in the graph picks what the host's chain picks, on
+    every step (greedy); a +100 bias forces its token at every step."""
+    plain = model.generate(PROMPT, max_tokens=16, temperature=0, ignore_eos=True).tokens
+    bias = {t: float("-inf") for t in set(plain[:4])}
+    bias.update({plain[5]: 3.0, plain[7]: -2.0, model.n_vocab - 1: 0.5})
+    want = model.generate(PROMPT, max_tokens=16, temperature=0, logit_bias=bias, backend_sampling=False)
+    got = model.generate(PROMPT, max_tokens=16, temperature=0, logit_bias=bias, backend_sampling=True)
+    assert want.tokens != plain[: len(want.tokens)]
+    assert not set(want.tokens) & {t for t, b in bias.items() if b == float("-inf")}
+    assert got.tokens == want.tokens and got.text == want.text
+    forced = model.tokenize(" yes", add_special=False)[0]
+    got = model.generate(PROMPT, max_tokens=6, temperature=0, logit_bias={forced: 100.0}, backend_sampling=True)
+    assert got.tokens == [forced] * 6
+
+
 def test_backend_sampling_refuses_what_needs_the_logits(model):
     with pytest.raises(ValueError, match="grammar or JSON schema"):
         model.generate(PROMPT, max_tokens=4, backend_sampling=True, json_schema={"type": "object"})

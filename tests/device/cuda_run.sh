@@ -174,8 +174,13 @@ for bs in (False, True):
     print("  ", runs[0][:14], runs[1][:14])
 PY
   until [ -f $MODELS/done ]; do sleep 5; done; cat $MODELS/make.log | tr '\r' '\n' | grep wrote
-  for m in $MODELS/llama-micro-f16.gguf $LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
-           $(ls $MODELS/llama-1b-*.gguf); do
+  # LB_SAMPLER_COST: tests/device/sampler_cost.py on these 1B types first (the in-graph sampler's us/token)
+  for t in ${LB_SAMPLER_COST:-}; do
+    python3 tests/device/sampler_cost.py $MODELS/llama-1b-$t.gguf --rounds 7 --out "$OUT/sampler-cost-1b-$t.json" 2>&1 | tail -6
+  done
+  # LB_E2E_MODELS: which models (default: micro, SmolLM2, every 1B type)
+  for m in ${LB_E2E_MODELS:-$MODELS/llama-micro-f16.gguf $LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
+           $(ls $MODELS/llama-1b-*.gguf)}; do
     python3 bench/e2e.py --model $m -ngl 99 --threads 8 --rounds ${LB_ROUNDS:-3} --out "$OUT/e2e-$(basename $m .gguf).json" 2>&1 | grep -v "^round"
   done
   ;;
