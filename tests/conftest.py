@@ -55,6 +55,11 @@ def model(request):
 # The parity tests against PyTorch (test_train.py) train SmolLM2's real weights at its real shapes, cut
 # to its first CUT_LAYERS transformer blocks: every kind of tensor, the tied embedding and the
 # 49,152 x 576 output product stay, and a step costs about a fifth of the 30-block model's on 2 cores.
+# Subprocesses write their bytecode caches even where the environment says not to: with
+# PYTHONDONTWRITEBYTECODE set, every side-venv process (torch, transformers, installed with
+# --no-compile) compiled all it imports anew, ~4 s of the 2 cores per torch + transformers start.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 CUT_LAYERS = 4
 
 

@@ -18,11 +18,10 @@ import sys
 from pathlib import Path
 
 import gguf
-import gguf_once  # noqa: F401 - one parse per GGUF file in this process (tests/gguf_once.py)
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
+from gguf_once import load_model  # one parse per GGUF file, one load per base (tests/gguf_once.py)
 
 HF = {"attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
 
@@ -36,8 +35,7 @@ def read_adapter(path: str) -> dict[str, np.ndarray]:
 
 def main(work: Path) -> None:
     job = json.loads((work / "job.json").read_text())
-    p = Path(job["f32"])
-    model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).train()
+    model = load_model(job["f32"], keep=True)
     for v in model.parameters():
         v.requires_grad_(False)
     init = read_adapter(job["init"])

@@ -223,7 +223,7 @@ def test_steps_in_one_context_equal_steps_in_fresh_contexts(f32_path, text, tmp_
     np.testing.assert_allclose(one_context, fresh, rtol=1e-5)
 
 
-def _full_parity(f32_path, window, reference_python, tmp_path, n_steps, lr=1e-4, wd=0.01, labels=None, grad_accum=1):
+def _full_parity(f32_path, window, reference, tmp_path, n_steps, lr=1e-4, wd=0.01, labels=None, grad_accum=1):
     """A full fine-tune of the F32 model on `window` (or a batch of windows) in llamabind and in
     PyTorch (tests/train_reference.py): (loss before, llamabind's AdamW step losses, the reference's
     result: loss, per-tensor gradient cosines from an SGD lr-1 step, AdamW losses and weight
@@ -240,16 +240,16 @@ def _full_parity(f32_path, window, reference_python, tmp_path, n_steps, lr=1e-4,
     job = dict(f32=str(f32_path), sgd=str(tmp_path / "sgd.gguf"), adamw=str(tmp_path / "adamw.gguf"))
     job.update(window=window.tolist(), adamw_steps=n_steps, lr=lr, weight_decay=wd)
     job.update(labels=None if labels is None else labels.tolist())
-    return loss0, adamw_losses, _reference(reference_python, "train_reference.py", tmp_path, job)
+    return loss0, adamw_losses, reference.run("train_reference.py", tmp_path, job)
 
 
-def test_matches_pytorch(smollm2_f32_cut, text, reference_python, tmp_path):
+def test_matches_pytorch(smollm2_f32_cut, text, reference, tmp_path):
     """The same F32 weights in PyTorch (transformers' LlamaForCausalLM from the GGUF), the same
     window: loss, every trained tensor's gradient, and the weights after 5 AdamW steps; token_embd,
     SmolLM2's tied input/output matrix, trained as one tensor on both sides (patch 0033)."""
     f32_path = smollm2_f32_cut  # SmolLM2's first CUT_LAYERS blocks (conftest)
 
-    loss0, adamw_losses, ref = _full_parity(f32_path, _window(f32_path, text), reference_python, tmp_path, 5)
+    loss0, adamw_losses, ref = _full_parity(f32_path, _window(f32_path, text), reference, tmp_path, 5)
     print(f"loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
     print("AdamW step losses:", [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw_losses, ref["adamw_losses"])])
     cos = ref["grad_cosine"]
@@ -265,7 +265,7 @@ def test_matches_pytorch(smollm2_f32_cut, text, reference_python, tmp_path):
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2], ids=["one-graph", "accumulated"])
-def test_batched_step_matches_pytorch(grad_accum, smollm2_f32_cut, text, reference_python, tmp_path):
+def test_batched_step_matches_pytorch(grad_accum, smollm2_f32_cut, text, reference, tmp_path):
     """A step over a batch of 2 windows equals PyTorch's step on the batch's mean loss (the loss,
     every tensor's gradient (SGD lr 1) and the weights after 3 AdamW steps), whether the two windows
     run as two sequences of one graph (patch 0031: an attention stream per window) or as two
@@ -273,7 +273,7 @@ def test_batched_step_matches_pytorch(grad_accum, smollm2_f32_cut, text, referen
     f32_path = smollm2_f32_cut  # SmolLM2's first CUT_LAYERS blocks (conftest)
     with llamabind.Model(f32_path, vocab_only=True) as v:
         batch = train.windows(v.tokenize(text[:5000], add_special=True), 256)[[0, 2]]  # two windows, no overlap
-    loss0, adamw_losses, ref = _full_parity(f32_path, batch, reference_python, tmp_path, 3, grad_accum=grad_accum)
+    loss0, adamw_losses, ref = _full_parity(f32_path, batch, reference, tmp_path, 3, grad_accum=grad_accum)
     cos, rel = ref["grad_cosine"], ref["adamw_rel"]
     print(f"batch-2 loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
     print("AdamW step losses:", [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw_losses, ref["adamw_losses"])])
@@ -293,14 +293,14 @@ def _masked_labels(window: np.ndarray) -> np.ndarray:
     return labels
 
 
-def test_masked_loss_matches_pytorch(smollm2_f32_cut, text, reference_python, tmp_path):
+def test_masked_loss_matches_pytorch(smollm2_f32_cut, text, reference, tmp_path):
     """patch 0027: labels -1 leave positions out of the loss; the loss is the mean over the
     others. Against PyTorch's cross-entropy with ignore_index on the same window: the loss, every
     tensor's gradient (SGD lr 1) and the weights after 3 AdamW steps."""
     f32_path = smollm2_f32_cut  # SmolLM2's first CUT_LAYERS blocks (conftest)
     window = _window(f32_path, text)
     labels = _masked_labels(window)
-    loss0, adamw_losses, ref = _full_parity(f32_path, window, reference_python, tmp_path, 3, labels=labels)
+    loss0, adamw_losses, ref = _full_parity(f32_path, window, reference, tmp_path, 3, labels=labels)
     cos, rel = ref["grad_cosine"], ref["adamw_rel"]
     print(f"masked loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
     print("lowest gradient cosine", min(cos.values()), "largest weight difference", max(rel.values()))
@@ -387,7 +387,7 @@ def test_lora_over_the_quantized_model(model_path, text, tmp_path):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_lora_matches_pytorch(masked, smollm2_f32_cut, text, reference_python, tmp_path):
+def test_lora_matches_pytorch(masked, smollm2_f32_cut, text, reference, tmp_path):
     """A LoRA on attn_v/attn_output over the F32 weights, against a hand-written LoRA in PyTorch:
     loss, the gradient of every adapter tensor, the adapter after 5 AdamW steps; ``masked``: with
     labels -1 left out of the loss (patch 0027; PyTorch's ignore_index)."""
@@ -420,7 +420,7 @@ def test_lora_matches_pytorch(masked, smollm2_f32_cut, text, reference_python, t
     job = dict(f32=str(f32_path), init=str(tmp_path / "init.gguf"), sgd=str(tmp_path / "sgd.gguf"))
     job.update(adamw=str(tmp_path / "adamw.gguf"), window=window.tolist(), adamw_steps=n_steps, lr=lr)
     job.update(weight_decay=wd, scale=alpha / rank, labels=None if labels is None else labels.tolist())
-    ref = _reference(reference_python, "lora_reference.py", tmp_path, job)
+    ref = reference.run("lora_reference.py", tmp_path, job)
     cos, rel = ref["grad_cosine"], ref["adamw_rel"]
     print(f"LoRA loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
     print("AdamW step losses:", [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw_losses, ref["adamw_losses"])])
@@ -436,16 +436,46 @@ def test_lora_matches_pytorch(masked, smollm2_f32_cut, text, reference_python, t
     assert max(rel.values()) <= 1e-3, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
 
 
-def _reference(python, script: str, work: Path, job: dict) -> dict:
-    """Run a PyTorch reference script (tests/*_reference.py) in the side venv on job; its result."""
-    import json
+class _ReferenceWorker:
+    """tests/reference_worker.py in the side venv: the PyTorch reference scripts' main(work) for every
+    parity test of this module in one process (torch and transformers imported once, the base GGUF
+    loaded once)."""
 
-    (work / "job.json").write_text(json.dumps(job))
-    p = subprocess.run(
-        [str(python), str(Path(__file__).parent / script), str(work)], capture_output=True, text=True, timeout=1200
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads((work / "result.json").read_text())
+    def __init__(self, python: Path, log: Path):
+        self.log = log
+        self.proc = subprocess.Popen(
+            [str(python), str(Path(__file__).parent / "reference_worker.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+        )  # fmt: skip
+
+    def run(self, script: str, work: Path, job: dict) -> dict:
+        import json
+        import select
+
+        (work / "job.json").write_text(json.dumps(job))
+        self.proc.stdin.write(f"{script}\t{work}\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], 1200)
+        answer = self.proc.stdout.readline().rstrip("\n") if ready else 'error "no answer in 1200 s"'
+        if answer != "ok":
+            tail = self.log.read_text()[-3000:]
+            pytest.fail(f"{script} failed: {json.loads(answer[6:]) if answer.startswith('error ') else answer}\n{tail}")
+        return json.loads((work / "result.json").read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_python, tmp_path_factory):
+    """The PyTorch reference runner (_ReferenceWorker) shared by this module's parity tests."""
+    worker = _ReferenceWorker(reference_python, tmp_path_factory.mktemp("reference") / "worker.log")
+    yield worker
+    worker.close()
 
 
 def _read_lora(path):

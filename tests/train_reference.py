@@ -20,15 +20,9 @@ import json
 import sys
 from pathlib import Path
 
-import gguf_once  # noqa: F401 - one parse per GGUF file in this process (tests/gguf_once.py)
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
-
-
-def load(path: str):
-    p = Path(path)
-    return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).train()
+from gguf_once import load_model  # one parse per GGUF file, one load per base (tests/gguf_once.py)
 
 
 def loss_of(model, window: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,13 +40,14 @@ def main(work: Path) -> None:
     window = torch.tensor(job["window"], dtype=torch.long)
     labels = torch.tensor(job["labels"], dtype=torch.long) if job.get("labels") else None
     torch.manual_seed(0)
-    model = load(job["f32"])  # every parameter trained: the tied embed_tokens/lm_head is one tensor (patch 0033)
+    # every parameter trained: the tied embed_tokens/lm_head is one tensor (patch 0033)
+    model = load_model(job["f32"], keep=True)
     w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
     loss = loss_of(model, window, labels)
     loss.backward()
     grads = {k: v.grad.detach().clone() for k, v in model.named_parameters() if v.grad is not None}
     out: dict = {"loss": loss.item(), "grad_cosine": {}, "adamw_rel": {}, "adamw_losses": []}
-    sgd = dict(load(job["sgd"]).named_parameters())
+    sgd = dict(load_model(job["sgd"]).named_parameters())
     for k, g in grads.items():
         ours = (w0[k] - sgd[k].detach()).double().flatten()  # lr 1: the gradient llamabind applied
         ref = g.double().flatten()
@@ -71,7 +66,7 @@ def main(work: Path) -> None:
         step_loss.backward()
         opt.step()
         out["adamw_losses"].append(step_loss.item())
-    ours = dict(load(job["adamw"]).named_parameters())
+    ours = dict(load_model(job["adamw"]).named_parameters())
     for k, v in model.named_parameters():
         a, b = ours[k].detach().double(), v.detach().double()
         out["adamw_rel"][k] = float((a - b).norm() / b.norm())
