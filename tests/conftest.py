@@ -24,6 +24,28 @@ def model_path() -> Path:
     return models.resolve(models.DEFAULT)
 
 
+@pytest.fixture(scope="session")
+def tiny_q8(tmp_path_factory) -> Path:
+    """A random-weight llama of bench/make_model.py's "tiny" shape (256 wide, 2 blocks, SmolLM2's
+    tokenizer, untied output), Q8_0: for tests of the fine-tuning machinery, not of a model's quality."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("tiny") / "tiny-q8_0.gguf"
+    make = ROOT / "bench" / "make_model.py"
+    subprocess.run([sys.executable, str(make), "--size", "tiny", "--type", "q8_0", "-o", str(out)], check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_f32(tiny_q8) -> Path:
+    """tiny_q8 in F32 (train.to_f32)."""
+    from llamabind import train
+
+    out = tiny_q8.with_name("tiny-f32.gguf")
+    train.to_f32(tiny_q8, out)
+    return out
+
+
 # CUDA's kernels depend on the batch size (one token: mat-vec kernels; more: tiled mat-mul), so
 # logits of the same token differ slightly between batch shapes there (measured on an H200: up to
 # 0.53 between eval() rows and one token at a time) and greedy text can part at near ties. Tests
@@ -52,14 +74,14 @@ def model(request):
     return request.getfixturevalue("_model_cpu" if exact else "_model_default")
 
 
-# The parity tests against PyTorch (test_train.py) train SmolLM2's real weights at its real shapes, cut
-# to its first CUT_LAYERS transformer blocks: every kind of tensor, the tied embedding and the
-# 49,152 x 576 output product stay, and a step costs about a fifth of the 30-block model's on 2 cores.
 # Subprocesses write their bytecode caches even where the environment says not to: with
 # PYTHONDONTWRITEBYTECODE set, every side-venv process (torch, transformers, installed with
 # --no-compile) compiled all it imports anew, ~4 s of the 2 cores per torch + transformers start.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
+# The parity tests against PyTorch (test_train.py) train SmolLM2's real weights at its real shapes, cut
+# to its first CUT_LAYERS transformer blocks: every kind of tensor, the tied embedding and the
+# 49,152 x 576 output product stay, and a step costs about a fifth of the 30-block model's on 2 cores.
 CUT_LAYERS = 4
 
 

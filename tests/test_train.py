@@ -150,7 +150,11 @@ def test_bad_input_is_a_clear_error(model_path, f32_path, text, tmp_path):
         assert m.generate(PROMPT, max_tokens=2, temperature=0).tokens  # nothing was lost
 
 
-def test_cli_finetune(model_path, text, tmp_path):
+def test_cli_finetune(tiny_q8, text, tmp_path):
+    """`python -m llamabind finetune`: a full fine-tune of a quantized model (converted to F32 first)
+    and a LoRA, their output files, the exit status 2 and message of bad arguments; on the tiny
+    random-weight model (the CLI's plumbing: what trains is train.finetune, tested above)."""
+    model_path = tiny_q8
     data = tmp_path / "data.txt"
     data.write_text(text[:4000], encoding="utf-8")
     out = tmp_path / "out.gguf"
@@ -161,8 +165,9 @@ def test_cli_finetune(model_path, text, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "converting" in p.stderr and "epoch 1: train loss" in p.stdout and "tokens/s" in p.stdout, p.stdout
     import gguf
+    import gguf_tensors
 
-    types = {t.tensor_type for t in gguf.GGUFReader(out).tensors}
+    types = {t.type for t in gguf_tensors.read(out).values()}
     assert types == {gguf.GGMLQuantizationType.F32}, types
     bad = subprocess.run(
         [*cmd[:-1], str(tmp_path / "missing-dir" / "x.gguf")], capture_output=True, text=True, timeout=300

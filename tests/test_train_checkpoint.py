@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import gguf
+import gguf_tensors
 import numpy as np
 import pytest
 
@@ -27,22 +28,12 @@ KW = dict(ctx_size=256, iters=4, lr=1e-3, batch_size=2, lr_schedule="cosine", wa
 
 
 @pytest.fixture(scope="module")
-def tiny_f32(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ckpt")
-    q8 = d / "tiny-q8_0.gguf"
-    make = ROOT / "bench" / "make_model.py"
-    subprocess.run([sys.executable, str(make), "--size", "tiny", "--type", "q8_0", "-o", str(q8)], check=True)
-    train.to_f32(q8, d / "tiny-f32.gguf")
-    return d / "tiny-f32.gguf"
-
-
-@pytest.fixture(scope="module")
 def text(vendor_dir):
     return (vendor_dir / "docs" / "build.md").read_text(encoding="utf-8")
 
 
 def _tensors(path) -> dict[str, np.ndarray]:
-    return {t.name: np.array(t.data, dtype=np.float64) for t in gguf.GGUFReader(path).tensors}
+    return {n: np.asarray(t.data, dtype=np.float64) for n, t in gguf_tensors.read(path).items()}
 
 
 def _stop_at(n):
@@ -179,3 +170,16 @@ def test_cli_save_every_and_resume(tiny_f32, text, tmp_path):
     assert json.loads((ck / "step-0000003" / "state.json").read_text())["step"] == 3
     with llamabind.Model(tiny_f32) as m:
         m.load_lora(tmp_path / "a.gguf")
+
+
+def test_the_tensor_reader_agrees_with_gguf(tiny_q8, tiny_f32):
+    """tests/gguf_tensors.py (the fast reader _tensors uses) gives gguf.GGUFReader's names, types and
+    bytes, for an F32 and a Q8_0 file."""
+    for path in (tiny_f32, tiny_q8):
+        fast = gguf_tensors.read(path)
+        ref = gguf.GGUFReader(path).tensors
+        assert list(fast) == [t.name for t in ref]
+        for t in ref:
+            f = fast[t.name]
+            assert f.type == t.tensor_type and f.shape == tuple(int(n) for n in reversed(t.shape)), t.name
+            assert np.asarray(f.data).tobytes() == np.asarray(t.data).tobytes(), t.name

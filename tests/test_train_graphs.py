@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf
+import gguf_tensors
 import numpy as np
 import pytest
 from conftest import GPU_BUILD
@@ -30,15 +30,8 @@ def f32_path(model_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def untied_f32(tmp_path_factory):
-    d = tmp_path_factory.mktemp("untied")
-    q8 = d / "tiny-q8_0.gguf"
-    subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "make_model.py"), "--size", "tiny", "--type", "q8_0", "-o", str(q8)],
-        check=True,
-    )
-    train.to_f32(q8, d / "tiny-f32.gguf")
-    return d / "tiny-f32.gguf"
+def untied_f32(tiny_f32):
+    return tiny_f32  # conftest: bench/make_model.py's tiny shape has an untied output matrix
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +137,7 @@ def test_windows_of_one_graph_attend_only_within_themselves(f32_path, wins):
 
 
 def _tensor(path, name) -> np.ndarray:
-    (t,) = [t for t in gguf.GGUFReader(path).tensors if t.name == name]
-    return np.array(t.data, dtype=np.float64)
+    return np.asarray(gguf_tensors.read(path)[name].data, dtype=np.float64)  # tests/gguf_tensors.py
 
 
 @pytest.mark.parametrize("which", ["tied", "untied"])
