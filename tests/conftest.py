@@ -77,7 +77,10 @@ def model(request):
 # Subprocesses write their bytecode caches even where the environment says not to: with
 # PYTHONDONTWRITEBYTECODE set, every side-venv process (torch, transformers, installed with
 # --no-compile) compiled all it imports anew, ~4 s of the 2 cores per torch + transformers start.
+# They write them under $LLAMABIND_CACHE/pycache (PYTHONPYCACHEPREFIX), not beside the sources: the
+# vendored tree's scripts (convert_hf_to_gguf.py, gguf-py) must stay as the lock says (test_vendor).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+os.environ.setdefault("PYTHONPYCACHEPREFIX", str(models.cache_dir() / "pycache"))
 
 # The parity tests against PyTorch (test_train.py) train SmolLM2's real weights at its real shapes, cut
 # to its first CUT_LAYERS transformer blocks: every kind of tensor, the tied embedding and the

@@ -54,9 +54,13 @@ def srv(model_path):
         yield s
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    """A client per test (its own connections): with max_retries=0, a keep-alive connection left idle
+    by an earlier test can be closed by the server (uvicorn: after 5 s, as llama-server's httplib) just
+    as it is reused (openai 3.57 + httpx2 in a cold CI run: "Server disconnected")."""
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def _fresh_chat(model, messages, **kw):
