@@ -322,7 +322,8 @@ def _make_reference_venv(nice: int = 0) -> Path:
              str(REFERENCE_REQUIREMENTS), str(VENDOR / "gguf-py")],
         ]  # fmt: skip
         for cmd in steps:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, preexec_fn=lambda: os.nice(nice))
+            niced = (lambda: os.nice(nice)) if nice else None  # as build_wheel
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, preexec_fn=niced)
             if p.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
         stamp.write_text(digest)

@@ -2,7 +2,8 @@
 of every part of every value, ~7 s on 2 cores for SmolLM2's tokenizer arrays (49,152 tokens, 48,900
 merges) per file; tests that compare weights of several saved models spent most of their time
 there. This walks past the values (their lengths only, the layout of the GGUF specification in
-ggml/docs/gguf.md) and maps the tensor data, with gguf's own type table (GGML_QUANT_SIZES)."""
+ggml/docs/gguf.md) and maps the tensor data, with gguf's own tables (value types and their numpy
+types, GGML_QUANT_SIZES)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import NamedTuple
 import gguf
 import numpy as np
 
-_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_V = gguf.GGUFValueType
+_SCALAR = {int(t): np.dtype(d).itemsize for t, d in gguf.GGUFReader.gguf_scalar_to_np.items()}  # value type -> bytes
 _DTYPES = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
 
 
@@ -41,9 +42,9 @@ def read(path: str | Path) -> dict[str, Tensor]:
     def skip(pos: int, vtype: int) -> int:
         if vtype in _SCALAR:
             return pos + _SCALAR[vtype]
-        if vtype == _STRING:
+        if vtype == _V.STRING:
             return pos + 8 + struct.unpack_from("<Q", mem, pos)[0]
-        if vtype == _ARRAY:
+        if vtype == _V.ARRAY:
             itype, n = struct.unpack_from("<IQ", mem, pos)
             pos += 12
             if itype in _SCALAR:
@@ -57,7 +58,7 @@ def read(path: str | Path) -> dict[str, Tensor]:
         key, pos = string(pos)
         (vtype,) = struct.unpack_from("<I", mem, pos)
         pos += 4
-        if key == "general.alignment" and vtype == _UINT32:
+        if key == "general.alignment" and vtype == _V.UINT32:
             (alignment,) = struct.unpack_from("<I", mem, pos)
         pos = skip(pos, vtype)
     infos = []
