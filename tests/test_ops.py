@@ -119,6 +119,22 @@ def test_reductions():
     assert ops.argmax(m[0]).shape == () and int(ops.argmax(m[0])) == m[0].argmax()
 
 
+@pytest.mark.parametrize("shape", [(1, 49152), (3, 128256), (200, 4100), (2, 5000)])
+def test_argmax_of_long_rows_and_ties_takes_the_last_maximum(shape):
+    """ggml_argmax of a decode's logits (one row of n_vocab per sequence; on CUDA, patch 0041 splits a
+    few long rows over several blocks) and of many rows (one block each). Of equal maxima the last
+    column wins, as ggml's CPU kernel (ggml_vec_argmax_f32) has it: here ties within a block's columns,
+    across the blocks' boundaries and across the whole row, and a row of -inf (its last column)."""
+    x = rnd(*shape, seed=shape[1])
+    n = shape[1]
+    x[0, [5, n // 3, n // 2 + 1, n - 7]] = 3.0  # one maximum in several places of row 0
+    if shape[0] > 1:
+        x[1, [2047, 2048, 4095]] = 2.5  # around a 2048-column boundary
+        x[-1] = -np.inf
+    want = n - 1 - x[:, ::-1].argmax(-1)  # numpy's argmax takes the first: the last from the reversed row
+    np.testing.assert_array_equal(ops.argmax(x), want)
+
+
 @pytest.mark.parametrize(
     "sa,sb",
     [
