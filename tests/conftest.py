@@ -221,11 +221,11 @@ def build_wheel(
     python: str = sys.executable,
     env: dict | None = None,
     timeout: float = 3600,
-    preexec_fn=None,
+    nice: int = 0,
 ) -> Path:
     """`pip wheel source` (no deps, no build isolation, no tools) into out_dir; ``config`` are -C
-    settings (e.g. "-Cbuild-dir=build/x-{wheel_tag}"); ``preexec_fn``: run in the build's process
-    before pip (a niceness or process group, which its compilers inherit). Returns the wheel's path."""
+    settings (e.g. "-Cbuild-dir=build/x-{wheel_tag}"); ``nice``: the build's niceness (os.nice, which
+    its compilers inherit). Returns the wheel's path."""
     import subprocess
 
     env = {**outside_env(), "LLAMABIND_BUILD_TOOLS": "OFF", **(env or {})}
@@ -248,7 +248,7 @@ def build_wheel(
         text=True,
         env=env,
         timeout=timeout,
-        preexec_fn=preexec_fn,
+        preexec_fn=(lambda: os.nice(nice)) if nice else None,
     )
     assert b.returncode == 0, b.stderr[-3000:]
     (whl,) = Path(out_dir).glob("llamabind-*.whl")
@@ -301,7 +301,6 @@ def reference_python(vendor_dir) -> Path:
 
 
 _REFERENCE_VENV = None  # a Future of _make_reference_venv, started by pytest_collection_finish
-_VULKAN = None  # tests/test_vulkan.py's module while its early work runs (pytest_collection_finish)
 
 
 def _make_reference_venv(nice: int = 0) -> Path:
@@ -482,24 +481,15 @@ def pytest_sessionfinish(session):
         json.dump({"backend": TEST_BACKEND, "rows": rows}, f, indent=1)
 
 
-def _vulkan_module(items):
-    """tests/test_vulkan.py's module when its tests are among items and its early work is enabled."""
-    for mod in {getattr(item, "module", None) for item in items}:
-        if mod is not None and mod.__name__.rsplit(".", 1)[-1] == "test_vulkan" and mod.early_enabled():
-            return mod
-    return None
-
-
 def pytest_collection_finish(session):
     """tests/test_vulkan.py's build and lavapipe runs start now, in the background, when its tests
     are among the selected ones (see start_early there); so does the reference venv's making
     (reference_python) when a selected test needs it."""
-    global _VULKAN
     if session.config.option.collectonly:
         return
-    _VULKAN = _vulkan_module(session.items)
-    if _VULKAN is not None:
-        _VULKAN.start_early(session.config)
+    for mod in {getattr(item, "module", None) for item in session.items}:
+        if mod is not None and mod.__name__.rsplit(".", 1)[-1] == "test_vulkan":
+            mod.start_early(session.config)
     global _REFERENCE_VENV
     wanted = any("reference_python" in getattr(item, "fixturenames", ()) for item in session.items)
     if wanted and not os.environ.get("LLAMABIND_REFERENCE_PYTHON") and VENDOR.joinpath("gguf-py").is_dir():
@@ -517,26 +507,10 @@ def pytest_collection_finish(session):
         Thread(target=make, daemon=True, name="reference-venv").start()
 
 
-def pytest_runtest_setup(item):
-    """The first test outside test_vulkan's FRONT files moves its early work to niceness 19."""
-    if _VULKAN is not None and item.path.name not in _VULKAN.FRONT:
-        _VULKAN.to_background()
-
-
-def _front_first(items) -> None:
-    """With test_vulkan's early work, its FRONT files (builds, downloads, file checks) run first, in
-    their order, beside that work at niceness 0 (see test_vulkan)."""
-    mod = _vulkan_module(items)
-    if mod is not None:
-        items.sort(key=lambda item: item.path.name not in mod.FRONT)  # stable: each group keeps its order
-
-
 def pytest_collection_modifyitems(config, items):
-    """test_vulkan's FRONT files first when its early work runs (_front_first).
-    LLAMABIND_TEST_SAMPLE="SEED:FRACTION" keeps, of every parametrized test, its first case and a
+    """LLAMABIND_TEST_SAMPLE="SEED:FRACTION" keeps, of every parametrized test, its first case and a
     seeded random FRACTION of the others (every test function still runs; CI's Vulkan sweep on
     lavapipe runs a sample, the GPU machine the whole set). The deselected cases are reported."""
-    _front_first(items)
     spec = os.environ.get("LLAMABIND_TEST_SAMPLE")
     if not spec:
         return

@@ -121,14 +121,14 @@ def _vulkan_env(tmp: Path) -> dict:
         f"-Ccmake.define.Vulkan_GLSLC_EXECUTABLE={sdk}/usr/bin/glslc",
         env=tools,
         timeout=3600,
-        preexec_fn=_early_preexec(),
+        nice=_nice,
     )
     pkg = tmp / "pkg"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(pkg), str(whl)],
         check=True,
         timeout=600,
-        preexec_fn=_early_preexec(),
+        preexec_fn=_niced(),
     )
     icd = json.loads((sdk / "usr/share/vulkan/icd.d/lvp_icd.json").read_text())
     icd["ICD"]["library_path"] = str(lib / "libvulkan_lvp.so")
@@ -211,7 +211,7 @@ def _lavapipe_runs(vulkan_env: dict, model_path: Path, tmp: Path) -> dict:
     for name, (cmd, env) in commands.items():
         out, err = open(tmp / f"{name}.out", "w+"), open(tmp / f"{name}.err", "w+")
         procs[name] = (
-            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True, preexec_fn=_early_preexec()),
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True, preexec_fn=_niced()),
             out,
             err,
         )
@@ -238,56 +238,40 @@ def _lavapipe_runs(vulkan_env: dict, model_path: Path, tmp: Path) -> dict:
     return runs
 
 
-# The build and the lavapipe runs take ~8 minutes of this machine's 2 cores (glslc, the compilers,
-# LLVM compiling one pipeline per process): conftest starts them in a background thread when the
-# session's collected tests include this file's (start_early), and the fixtures below wait for them.
-# Skips and failures raised there are raised here.
-# They share the cores with the rest of the suite in two phases, through one process group:
-# - first at niceness 0, beside the files in FRONT, which conftest runs first: builds, downloads and
-#   file checks, which only lose their share of the cores to this work;
-# - then at niceness 19 (to_background, when the first test outside FRONT starts), so that it takes
-#   the cores only when the rest of the suite leaves them idle. At niceness 0 there, measured in a cold
-#   CI run, test_context_shift's llama-server comparisons took 427 s instead of 44. Even niceness 19
-#   (or SCHED_IDLE) is not enough for the tests that compute with ggml's two threads: they spin-wait at
-#   every graph node and lose far more than their share of the time to anything else running
-#   (examples/finetune.ipynb here: 103 s alone, 244 s beside this work at niceness 19, 271 s with it
-#   SCHED_IDLE, 317 s beside three SCHED_IDLE busy loops). So as much of the work as possible is done
-#   in the first phase.
-# The group is led by a keeper process that kills it when this pytest process is gone; stop_early
-# kills it at the session's end.
-FRONT = ("test_portable.py", "test_packaging.py", "test_metal_sources.py", "test_patches.py",
-         "test_patches_metal.py", "test_layout.py", "test_vendor.py")  # fmt: skip
+# The build and the lavapipe runs take ~8 minutes of this machine's 2 cores, mostly on one core at a
+# time (glslc, LLVM compiling one pipeline per process): conftest starts them in a background thread
+# when the session's collected tests include this file's (start_early), so that they overlap the
+# rest of the suite (which leaves ~25% of the cores idle: subprocess start-ups, servers, network);
+# the fixtures below then wait for them. Skips and failures raised there are raised here.
+# Started early, every process of that work runs at niceness 19: it takes the cores mostly when the rest of
+# the suite leaves them idle. (At the default niceness, measured in a cold CI run,
+# test_context_shift's llama-server comparisons took 427 s instead of 44: their threads spin-wait,
+# and shared the 2 cores with the Vulkan build's compilers.)
+# Niceness 19 does not spare the tests whose two ggml threads spin-wait at every graph node: beside this
+# work examples/finetune.ipynb took 244 s instead of 103 (271 s with it SCHED_IDLE, 317 s beside three
+# SCHED_IDLE busy loops). Tried and measured against it in a cold CI run (2026-11-26, run D of
+# bench/results/ci-cold-vm-2026-11-26b.txt): this work at niceness 0 beside the build-heavy files
+# (test_portable, test_packaging, ...) run first, then at 19: the fine-tuning tests gained 290 s, those
+# builds lost 423 s (sharing the cores fairly), and the run took 138 s longer; so it stays as it is.
 _EARLY: dict = {}
 _PROCS: list[subprocess.Popen] = []
-_GROUP: dict = {}  # "keeper": the Popen leading the early work's process group (its pid is the group's)
-_nice = 0  # 19 once to_background runs
-KEEPER = "import os, sys, time\nwhile os.getppid() == int(sys.argv[1]):\n    time.sleep(1)\nos.killpg(0, 9)\n"
+_nice = 0  # 19 once start_early runs
 
 
-def _early_preexec():
-    """preexec_fn for the early work's processes: into its process group, at the current niceness."""
-    pgid, nice = (_GROUP["keeper"].pid if _GROUP else None), _nice
-    if pgid is None and not nice:
-        return None
-
-    def preexec():
-        if pgid is not None:
-            os.setpgid(0, pgid)
-        if nice:
-            os.nice(nice)
-
-    return preexec
+def _niced():
+    return (lambda: os.nice(_nice)) if _nice else None
 
 
 def start_early(config) -> None:
     """Run _vulkan_env and _lavapipe_runs in a background thread from now (conftest's
     pytest_collection_finish; LLAMABIND_VULKAN_EARLY=0 runs them in the fixtures instead)."""
-    if _EARLY or not early_enabled():
+    if _EARLY or os.environ.get("LLAMABIND_VULKAN_EARLY") == "0":
         return
     import threading
     from concurrent.futures import Future
 
-    _GROUP["keeper"] = subprocess.Popen([sys.executable, "-c", KEEPER, str(os.getpid())], preexec_fn=os.setpgrp)
+    global _nice
+    _nice = 19
     factory = config._tmp_path_factory  # pytest's own tmp_path_factory (the fixture's object)
     env_dir, lavapipe_dir = factory.mktemp("vulkan"), factory.mktemp("lavapipe")
     _EARLY.update(env=Future(), runs=Future())
@@ -306,38 +290,15 @@ def start_early(config) -> None:
             _EARLY["runs"].set_exception(e)
 
     # a daemon thread: a session that ends first (-x, Ctrl-C) does not wait for it; stop_early kills
-    # the processes it started
+    # the lavapipe processes it started
     threading.Thread(target=work, name="vulkan-early", daemon=True).start()
 
 
-def early_enabled() -> bool:
-    return os.environ.get("LLAMABIND_VULKAN_EARLY") != "0"
-
-
-def to_background() -> None:
-    """The early work from now at niceness 19: its running processes (every thread of its process
-    group) and those it starts later (conftest's pytest_runtest_setup, at the first test outside FRONT)."""
-    global _nice
-    if _nice or not _GROUP:
-        return
-    _nice = 19
-    try:
-        os.setpriority(os.PRIO_PGRP, _GROUP["keeper"].pid, 19)
-    except ProcessLookupError:
-        pass
-
-
 def stop_early() -> None:
-    """Kill the early work's processes still running (conftest's pytest_sessionfinish)."""
+    """Kill the lavapipe processes still running (conftest's pytest_sessionfinish)."""
     for proc in _PROCS:
         if proc.poll() is None:
             proc.kill()
-    if _GROUP:
-        try:
-            os.killpg(_GROUP["keeper"].pid, 9)
-        except ProcessLookupError:
-            pass
-        _GROUP["keeper"].wait()
 
 
 @pytest.fixture(scope="module")
@@ -350,6 +311,30 @@ def lavapipe_runs(vulkan_env, model_path, tmp_path_factory) -> dict:
     if _EARLY:
         return _EARLY["runs"].result()
     return _lavapipe_runs(vulkan_env, model_path, tmp_path_factory.mktemp("lavapipe"))
+
+
+def test_the_generated_shader_sources_hold_the_spirv_as_string_literals(vulkan_env):
+    """Patch 0042: vulkan-shaders-gen writes each shader's SPIR-V into its C++ source as a string
+    literal of octal escapes (the 67 MB mul_mm.comp.cpp: g++ 28 -> 3 s), not a list of integers.
+    For every generated source under 1 MB, each NAME_data literal decodes to the bytes of glslc's
+    NAME.spv, NAME_len long, with the literal's zero after them."""
+    import re
+
+    # the build vulkan_env just made (build/vulkan-{wheel_tag}): the newest
+    spv_dir = max(ROOT.glob("build/vulkan-*/llama.cpp/ggml/src/ggml-vulkan/vulkan-shaders.spv"), key=os.path.getmtime)
+    gen = spv_dir.parent
+    literal = r'const uint64_t (\w+)_len = (\d+);\nconst unsigned char \1_data\[(\d+)\] =\n((?:"[^"]*"\n?)+);'
+    pattern = re.compile(literal)
+    checked = 0
+    for src in sorted(gen.glob("*.comp.cpp")):
+        if src.stat().st_size > 1 << 20:
+            continue
+        for name, n, size, body in pattern.findall(src.read_text()):
+            data = bytes(int(o, 8) for o in re.findall(r"\\([0-7]{3})", body))
+            assert len(data) == int(n) == int(size) - 1, (src.name, name)
+            assert data == (spv_dir / f"{name}.spv").read_bytes(), (src.name, name)
+            checked += 1
+    assert checked > 100, checked  # every shader of those files (0 with the lists of integers)
 
 
 def test_the_vulkan_build_runs_every_op_like_the_cpu(lavapipe_runs):
