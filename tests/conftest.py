@@ -229,6 +229,11 @@ def build_wheel(
     import subprocess
 
     env = {**outside_env(), "LLAMABIND_BUILD_TOOLS": "OFF", **(env or {})}
+    if nice:
+        # scikit-build-core gives `cmake -E capabilities` 5 s (program_search.compute_timeout), 20 s with
+        # CI set; at niceness 19 on two busy cores it took longer in a cold CI run, and the build failed
+        # with "Could not find CMake" (the Vulkan build started early by test_vulkan)
+        env.setdefault("CI", "1")
     b = subprocess.run(
         [
             python,
