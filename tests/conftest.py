@@ -326,8 +326,8 @@ def _make_reference_venv(nice: int = 0) -> Path:
             [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile", "-r",
              str(REFERENCE_REQUIREMENTS), str(VENDOR / "gguf-py")],
         ]  # fmt: skip
+        niced = (lambda: os.nice(nice)) if nice else None  # as build_wheel
         for cmd in steps:
-            niced = (lambda: os.nice(nice)) if nice else None  # as build_wheel
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, preexec_fn=niced)
             if p.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")

@@ -166,7 +166,9 @@ def _argmax(g: Graph, a: Tensor) -> Tensor:
 
 def argmax(a, *, backend: str | None = None):
     """Index of the largest element of each row (last axis): int32, shape a.shape[:-1]
-    (wraps ggml_argmax). a: float32, 1-D or 2-D."""
+    (wraps ggml_argmax). a: float32, 1-D (n,) or 2-D (rows, n). Of equal maxima the last index wins
+    on every backend (ggml's CPU kernel; CUDA with patch 0041), where numpy's argmax takes the first.
+    Raises TypeError for another dtype and ValueError for another number of dimensions."""
     return apply(_argmax, (a,), {}, backend)
 
 
