@@ -76,7 +76,9 @@ def test_finetune_lowers_held_out_loss_and_the_model_loads_back(f32_path, text, 
     assert p.stdout.decode().strip().endswith(after.strip()), (p.stdout, after)
 
 
-def test_ctrl_c_between_steps_returns_what_was_trained(f32_path, text):
+def test_ctrl_c_between_steps_returns_what_was_trained(smollm2_f32_cut, text):
+    f32_path = smollm2_f32_cut  # the machinery, not the model: its first blocks (conftest)
+
     def interrupt(step, loss):
         if step == 2:
             raise KeyboardInterrupt
@@ -87,7 +89,8 @@ def test_ctrl_c_between_steps_returns_what_was_trained(f32_path, text):
         assert m.generate(PROMPT, max_tokens=4, temperature=0).tokens  # still usable
 
 
-def test_nan_loss_names_the_step(f32_path, text):
+def test_nan_loss_names_the_step(smollm2_f32_cut, text):
+    f32_path = smollm2_f32_cut  # the machinery, not the model: its first blocks (conftest)
     with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
         with pytest.raises(FloatingPointError, match=r"at step \d"):
             train.finetune(m, text[:4000], ctx_size=256, lr=1e30, optimizer="sgd", val_split=0, progress=False)
@@ -209,9 +212,10 @@ def _opt_steps(m, window, optimizer, lr, wd, steps, params="model", adapter=None
     return before, losses
 
 
-def test_steps_in_one_context_equal_steps_in_fresh_contexts(f32_path, text, tmp_path):
+def test_steps_in_one_context_equal_steps_in_fresh_contexts(smollm2_f32_cut, text, tmp_path):
     """patch 0017: the second SGD step in a context uses only its own gradient (ggml-opt kept the
     previous steps' gradients in the accumulators of graphs rebuilt per eval)."""
+    f32_path = smollm2_f32_cut  # the machinery, not the model: its first blocks (conftest)
     window = _window(f32_path, text)
 
     def steps(path, n, save=None):
@@ -336,10 +340,11 @@ def test_masked_labels_are_checked(f32_path, text):
             assert t.stats()["n_evals"] == 2
 
 
-def test_validation_between_accumulated_windows_does_not_move_the_step(f32_path, text):
+def test_validation_between_accumulated_windows_does_not_move_the_step(smollm2_f32_cut, text):
     """patch 0025: with grad_accum=2, a forward-only (validation) eval between the two windows of
     a batch leaves the step where it was: the same weights as without it (ggml-opt counted
     forward evals towards the optimizer period, so the step came one window early)."""
+    f32_path = smollm2_f32_cut  # the machinery, not the model: its first blocks (conftest)
     with llamabind.Model(f32_path, vocab_only=True) as v:
         w = train.windows(v.tokenize(text[:6000], add_special=True), 256)[[0, 2, 4]]
 

@@ -1,8 +1,8 @@
 """How a training step runs (issue 42): the windows of a batch are sequences of one graph, each
 attending only within itself (patch 0031); the forward, backward and optimizer graphs are built once
 and kept while the shape stays (patch 0032); token_embd is trained (patch 0033); the profiler splits a
-step into forward, backward and optimizer ops. On SmolLM2's F32 copy and a random-weight llama with an
-untied output matrix (bench/make_model.py tiny)."""
+step into forward, backward and optimizer ops. On SmolLM2's F32 copy (its first blocks) and a
+random-weight llama with an untied output matrix (bench/make_model.py tiny)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def f32_path(model_path, tmp_path_factory):
-    p = tmp_path_factory.mktemp("graphs") / "smollm2-f32.gguf"
-    train.to_f32(model_path, p)
-    return p
+def f32_path(smollm2_f32_cut):
+    # SmolLM2's real weights with its tied embedding, cut to its first blocks (conftest): how a step
+    # runs does not depend on the depth, and a step costs a fifth of the 30-block model's
+    return smollm2_f32_cut
 
 
 @pytest.fixture(scope="module")

@@ -91,6 +91,42 @@ def test_build_info_names_the_pin_and_the_applied_patch():
     assert any(d["type"] == "cpu" for d in info["devices"])
 
 
+def _compile_defines(build_ninja: Path) -> dict[str, str]:
+    """{source file: its DEFINES line} of every C/C++ compile in a Ninja build file."""
+    out, src = {}, None
+    for line in build_ninja.read_text().splitlines():
+        if line.startswith("build ") and "_COMPILER__" in line:
+            src = line.split("_COMPILER__", 1)[1].split()[1]
+        elif src and line.startswith("  DEFINES = "):
+            out[src], src = line[len("  DEFINES = ") :], None
+    return out
+
+
+def test_the_backend_list_stays_inside_ggml(vendor_dir):
+    """CMakeLists.txt keeps ggml's GGML_USE_<BACKEND> definitions private to ggml (upstream: PUBLIC),
+    so that a Vulkan or CUDA build of the tree compiles libllama, common, mtmd, server-context and
+    _core with the command lines of the CPU build (ccache's direct mode hits). Safe only while no file
+    of those targets reads GGML_USE_*: checked in their sources too."""
+    builds = [p for p in sorted((ROOT / "build").glob("cp3*/build.ninja")) if "-matrix" not in p.parent.name]
+    if not builds:
+        pytest.skip("no ./dev build in build/")
+    defines = _compile_defines(max(builds, key=lambda p: p.stat().st_mtime))
+    reg = [d for s, d in defines.items() if s.endswith("ggml/src/ggml-backend-reg.cpp")]
+    assert reg and "-DGGML_USE_CPU" in reg[0]  # ggml itself still registers its backends
+    outside = {s: d for s, d in defines.items() if "/ggml/src/" not in s and "GGML_USE_" in d}
+    assert not outside, list(outside)[:5]
+    assert any(s.endswith("src/llama.cpp") for s in defines) and any("_core.dir" in s for s in defines)
+    readers = [
+        str(p.relative_to(ROOT))
+        for top in (vendor_dir / "src", vendor_dir / "common", vendor_dir / "tools", vendor_dir / "examples",
+                    ROOT / "python" / "src")
+        for p in top.rglob("*")
+        if p.suffix in (".c", ".cpp", ".h", ".hpp") and "GGML_USE_" in p.read_text(errors="replace")
+    ]  # fmt: skip
+    # upstream's cvector-generator reads GGML_USE_CUDA/METAL; llamabind neither builds nor ships it
+    assert [r for r in readers if "cvector-generator" not in r] == [], readers
+
+
 def test_stubs_ship_with_the_extension():
     pkg = Path(llamabind.__file__).parent
     stub = (pkg / "_core.pyi").read_text()
