@@ -232,8 +232,18 @@ def build_wheel(
     if nice:
         # scikit-build-core gives `cmake -E capabilities` 5 s (program_search.compute_timeout), 20 s with
         # CI set; at niceness 19 on two busy cores it took longer in a cold CI run, and the build failed
-        # with "Could not find CMake" (the Vulkan build started early by test_vulkan)
+        # with "Could not find CMake" (the Vulkan build started early by test_vulkan). The `cmake` found
+        # first on PATH may be a wrapper (pyenv's shim: bash, pyenv, then Python); the binary the ./dev
+        # build ran (its CMakeCache's CMAKE_COMMAND) goes first on PATH here.
         env.setdefault("CI", "1")
+        for cache in sorted((ROOT / "build").glob("*/CMakeCache.txt")):
+            for line in cache.read_text(errors="replace").splitlines():
+                if line.startswith("CMAKE_COMMAND:INTERNAL=") and Path(line.split("=", 1)[1]).is_file():
+                    env["PATH"] = f"{Path(line.split('=', 1)[1]).parent}{os.pathsep}{env.get('PATH', '')}"
+                    break
+            else:
+                continue
+            break
     b = subprocess.run(
         [
             python,
