@@ -119,14 +119,20 @@ def one_request(client: httpx.Client, url: str, model: str, prompt: str, max_tok
 
 def cell(url: str, model: str, clients: int, args, round_: int) -> dict:
     ttfts: list[float] = []
-    tokens = [0]
+    tokens, failed = [0], [0]
     lock = threading.Lock()
 
     def worker(c: int) -> None:
         with httpx.Client(timeout=600) as h:
             for i in range(args.requests):
                 prompt = f"Round {round_}, client {c}, request {i}: write a short story about the number {c * 100 + i}."
-                t, n = one_request(h, url, model, prompt, args.max_tokens)
+                try:
+                    t, n = one_request(h, url, model, prompt, args.max_tokens)
+                except httpx.HTTPError as e:  # counted and reported: the cell's tok/s is then not comparable
+                    print(f"{url} client {c} request {i}: {type(e).__name__}: {e}", file=sys.stderr)
+                    with lock:
+                        failed[0] += 1
+                    continue
                 with lock:
                     ttfts.append(t)
                     tokens[0] += n
@@ -138,7 +144,7 @@ def cell(url: str, model: str, clients: int, args, round_: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    return {"tokens": tokens[0], "seconds": wall, "tok_s": tokens[0] / wall, "ttft": ttfts}
+    return {"tokens": tokens[0], "seconds": wall, "tok_s": tokens[0] / wall, "ttft": ttfts, "failed": failed[0]}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -203,6 +209,7 @@ def main() -> int:
                 "server": k, "clients": c, "tok_s": statistics.median(x["tok_s"] for x in cells),
                 "tok_s_rounds": [round(x["tok_s"], 2) for x in cells],
                 "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p99_ms": 1000 * pct(ttft, 0.99), "requests": len(ttft),
+                "failed": sum(x["failed"] for x in cells),
             })  # fmt: skip
     by = {(r["server"], r["clients"]): r for r in rows}
     lines = [
@@ -218,7 +225,7 @@ def main() -> int:
             r = by[(k, c)]
             lines.append(
                 f"{c:>7} | {k:12} | {r['tok_s']:8.1f} | {r['ttft_p50_ms']:11.1f} | {r['ttft_p99_ms']:11.1f} | "
-                f"{r['tok_s'] / ref:.3f}"
+                f"{r['tok_s'] / ref:.3f}" + (f" ({r['failed']} requests failed: not comparable)" if r["failed"] else "")
             )
     print("\n".join(lines))
     out = Path(args.out) if args.out else HERE / "results" / (
