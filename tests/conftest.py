@@ -214,6 +214,15 @@ def outside_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
 
+def _built_with_cmake() -> Path | None:
+    """The cmake binary a build in build/ ran (its CMakeCache's CMAKE_COMMAND), or None."""
+    for cache in sorted((ROOT / "build").glob("*/CMakeCache.txt")):
+        for line in cache.read_text(errors="replace").splitlines():
+            if line.startswith("CMAKE_COMMAND:INTERNAL=") and Path(line.split("=", 1)[1]).is_file():
+                return Path(line.split("=", 1)[1])
+    return None
+
+
 def build_wheel(
     out_dir: Path,
     *config: str,
@@ -236,14 +245,9 @@ def build_wheel(
         # first on PATH may be a wrapper (pyenv's shim: bash, pyenv, then Python); the binary the ./dev
         # build ran (its CMakeCache's CMAKE_COMMAND) goes first on PATH here.
         env.setdefault("CI", "1")
-        for cache in sorted((ROOT / "build").glob("*/CMakeCache.txt")):
-            for line in cache.read_text(errors="replace").splitlines():
-                if line.startswith("CMAKE_COMMAND:INTERNAL=") and Path(line.split("=", 1)[1]).is_file():
-                    env["PATH"] = f"{Path(line.split('=', 1)[1]).parent}{os.pathsep}{env.get('PATH', '')}"
-                    break
-            else:
-                continue
-            break
+        cmake = _built_with_cmake()
+        if cmake is not None:
+            env["PATH"] = f"{cmake.parent}{os.pathsep}{env.get('PATH', '')}"
     b = subprocess.run(
         [
             python,
