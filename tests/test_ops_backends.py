@@ -29,6 +29,12 @@ CASES = [
     ("rms_norm", ops.rms_norm, (f32(6, 64),), {}),
     ("rms_norm_back", ops.rms_norm_back, (f32(6, 64), f32(6, 64)), {}),  # PR #24305
     ("soft_max_back", ops.soft_max_back, (f32(6, 64), ops.soft_max(f32(6, 64))), {}),
+    # patch 0043: rows kept in registers, a row over 128 threads (2048 columns), over two warps with two rows a
+    # block and a last block of one (5 x 640); two passes for a length not a multiple of 4 (37) or over 16384
+    ("soft_max_back_long_rows", ops.soft_max_back, (f32(9, 2048), ops.soft_max(f32(9, 2048))), {"scale": 0.125}),
+    ("soft_max_back_two_warps", ops.soft_max_back, (f32(5, 640), ops.soft_max(f32(5, 640))), {}),
+    ("soft_max_back_odd_rows", ops.soft_max_back, (f32(3, 7, 37), ops.soft_max(f32(3, 7, 37))), {}),
+    ("soft_max_back_over_16384", ops.soft_max_back, (f32(2, 16400), ops.soft_max(f32(2, 16400))), {}),
     ("rope", ops.rope, (f32(5, 2, 32), np.arange(5, dtype=np.int32), 32), {"mode": "neox"}),
     ("rope_back", ops.rope_back, (f32(5, 2, 32), np.arange(5, dtype=np.int32), 32), {"mode": "neox"}),  # PR #24725
     ("im2col_kw3_ic512", ops.im2col, (f32(8, 512, 3), f32(1, 512, 300), 1, 1, 1), {}),  # PR #24220
@@ -52,9 +58,12 @@ def test_gpu_matches_cpu(device, name, op, args, kw):
 
 
 _IDX = rng.integers(0, 700, 900).astype(np.int32)  # a 700-row table read 900 times: most rows several times
+_PERM = rng.permutation(600).astype(np.int32)  # every row once, out of order (the last layer's inp_out_ids)
 _W = {name: f32(*shape) for name, shape in (("rows", (900, 48)), ("norm", (300, 64)), ("heads", (2, 12, 5, 16)))}
+_W["perm"] = f32(600, 40)
 GRAD_CASES = [  # training's backward kernels (patch 0034): GET_ROWS_BACK (token_embd) and REPEAT_BACK (broadcasts)
     ("get_rows_back", lambda x: ops.sum(ops.mul(ops.get_rows(x, _IDX), _W["rows"])), f32(700, 48)),
+    ("get_rows_back_distinct", lambda x: ops.sum(ops.mul(ops.get_rows(x, _PERM), _W["perm"])), f32(600, 40)),
     ("repeat_back_rows", lambda x: ops.sum(ops.mul(ops.repeat(x, (300, 64)), _W["norm"])), f32(64)),
     ("repeat_back_heads", lambda x: ops.sum(ops.mul(ops.repeat(x, (2, 12, 5, 16)), _W["heads"])), f32(2, 3, 5, 16)),
 ]
