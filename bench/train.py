@@ -322,7 +322,7 @@ def main() -> int:
         if "error" in r:
             print(f"| {name:58s} | {r['error'][:60]} |")
             continue
-        if r.get("step_times") and "train_tok_s_mean" not in r:  # the median step, every runner alike
+        if r.get("step_times"):  # the median step, every runner alike (llama-finetune's row has none)
             r["train_tok_s_mean"] = r["train_tok_s"]
             r["train_tok_s"] = r["batch"] * r["ctx"] / statistics.median(r["step_times"])
         vl, gm = r.get("val_loss"), r.get("peak_gpu_mb")
