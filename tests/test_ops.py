@@ -209,6 +209,23 @@ def test_soft_max_back_and_rms_norm_back_values():
     close(ops.soft_max_back(dy, y, 2.0), 2.0 * f64(y) * (f64(dy) - (f64(y) * f64(dy)).sum(-1, keepdims=True)))
 
 
+def test_cross_entropy_loss_and_its_gradient_values():
+    """ggml_cross_entropy_loss: -sum(labels * log_softmax(logits)) / rows, one-hot and soft labels, rows
+    over two leading axes; ggml_cross_entropy_loss_back: (softmax(logits) - labels) * grad / rows."""
+    logits = rnd(2, 3, 40, lo=-6.0, hi=6.0)
+    onehot = np.eye(40, dtype=np.float32)[np.arange(6).reshape(2, 3) * 7 % 40]
+    soft = _softmax(f64(rnd(2, 3, 40, seed=3))).astype(np.float32)
+    x = f64(logits)
+    logp = x - x.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    for labels in (onehot, soft):
+        close(ops.cross_entropy_loss(logits, labels), -(f64(labels) * logp).sum() / 6)
+        g = np.array([1.5], np.float32)
+        close(ops.cross_entropy_loss_back(g, logits, labels), (np.exp(logp) - f64(labels)) * 1.5 / 6)
+    with pytest.raises(ValueError, match="one shape"):
+        ops.cross_entropy_loss(logits, onehot[:, :2])
+
+
 # ---- rope
 
 

@@ -21,6 +21,23 @@ def f32(*s):
     return rng.uniform(-1, 1, s).astype(np.float32)
 
 
+def _ce_logits(rows, classes):
+    return rng.normal(0, 4, (rows, classes)).astype(np.float32)
+
+
+def _onehot(rows, classes):
+    y = np.zeros((rows, classes), np.float32)
+    y[np.arange(rows), rng.integers(0, classes, rows)] = 1.0
+    return y
+
+
+def _soft(rows, classes):
+    e = np.exp(rng.normal(0, 1, (rows, classes)))
+    return (e / e.sum(-1, keepdims=True)).astype(np.float32)
+
+
+_G = np.array([0.75], np.float32)
+
 CASES = [
     ("add", ops.add, (f32(4, 33), f32(33)), {}),
     ("mul_mat", ops.mul_mat, (f32(16, 64), f32(64, 24)), {}),
@@ -35,6 +52,18 @@ CASES = [
     ("soft_max_back_two_warps", ops.soft_max_back, (f32(5, 640), ops.soft_max(f32(5, 640))), {}),
     ("soft_max_back_odd_rows", ops.soft_max_back, (f32(3, 7, 37), ops.soft_max(f32(3, 7, 37))), {}),
     ("soft_max_back_over_16384", ops.soft_max_back, (f32(2, 16400), ops.soft_max(f32(2, 16400))), {}),
+    # patch 0045: a block per row, online max and sum, float4 loads where the row's length is a multiple of 4
+    ("cross_entropy_loss", ops.cross_entropy_loss, (_ce_logits(7, 1000), _onehot(7, 1000)), {}),
+    ("cross_entropy_loss_odd_row", ops.cross_entropy_loss, (_ce_logits(5, 1001), _soft(5, 1001)), {}),
+    ("cross_entropy_loss_vocab_128256", ops.cross_entropy_loss, (_ce_logits(3, 128256), _onehot(3, 128256)), {}),
+    ("cross_entropy_loss_back", ops.cross_entropy_loss_back, (_G, _ce_logits(7, 1000), _onehot(7, 1000)), {}),
+    ("cross_entropy_loss_back_odd_row", ops.cross_entropy_loss_back, (_G, _ce_logits(5, 1001), _soft(5, 1001)), {}),
+    (
+        "cross_entropy_loss_back_vocab_128256",
+        ops.cross_entropy_loss_back,
+        (_G, _ce_logits(3, 128256), _onehot(3, 128256)),
+        {},
+    ),
     ("rope", ops.rope, (f32(5, 2, 32), np.arange(5, dtype=np.int32), 32), {"mode": "neox"}),
     ("rope_back", ops.rope_back, (f32(5, 2, 32), np.arange(5, dtype=np.int32), 32), {"mode": "neox"}),  # PR #24725
     ("im2col_kw3_ic512", ops.im2col, (f32(8, 512, 3), f32(1, 512, 300), 1, 1, 1), {}),  # PR #24220
@@ -61,9 +90,11 @@ _IDX = rng.integers(0, 700, 900).astype(np.int32)  # a 700-row table read 900 ti
 _PERM = rng.permutation(600).astype(np.int32)  # every row once, out of order (the last layer's inp_out_ids)
 _W = {name: f32(*shape) for name, shape in (("rows", (900, 48)), ("norm", (300, 64)), ("heads", (2, 12, 5, 16)))}
 _W["perm"] = f32(600, 40)
+_CE_Y = _soft(6, 1000)
 GRAD_CASES = [  # training's backward kernels (patch 0034): GET_ROWS_BACK (token_embd) and REPEAT_BACK (broadcasts)
     ("get_rows_back", lambda x: ops.sum(ops.mul(ops.get_rows(x, _IDX), _W["rows"])), f32(700, 48)),
     ("get_rows_back_distinct", lambda x: ops.sum(ops.mul(ops.get_rows(x, _PERM), _W["perm"])), f32(600, 40)),
+    ("cross_entropy_loss_grad", lambda x: ops.cross_entropy_loss(x, _CE_Y), f32(6, 1000)),
     ("repeat_back_rows", lambda x: ops.sum(ops.mul(ops.repeat(x, (300, 64)), _W["norm"])), f32(64)),
     ("repeat_back_heads", lambda x: ops.sum(ops.mul(ops.repeat(x, (2, 12, 5, 16)), _W["heads"])), f32(2, 3, 5, 16)),
 ]

@@ -174,6 +174,23 @@ def test_rope_random(n_tok, n_head, head_dim, n_dims, mode, sections, npos, ff, 
 
 
 @CFG
+@given(s=shapes, ls=shapes, ld=dtypes, gs=shapes)
+def test_cross_entropy_loss_random(s, ls, ld, gs):
+    """ggml_cross_entropy_loss(_back) assert one shape for logits and labels and a scalar gradient."""
+    a, y = arr(s, np.float32), arr(ls, ld, 1)
+
+    def finite_if_same_shape(out):
+        assert s == ls and ld == np.float32 and out.shape == () and out.dtype == np.float32
+
+    must_raise_or(lambda: ops.cross_entropy_loss(a, y), finite_if_same_shape)
+
+    def grad_shaped(out):
+        assert s == ls and np.prod(gs) == 1 and out.shape == s
+
+    must_raise_or(lambda: ops.cross_entropy_loss_back(arr(gs, np.float32), a, y), grad_shaped)
+
+
+@CFG
 @given(s=shapes, ms=shapes, md=dtypes, scale=st.floats(-2, 2), max_bias=st.sampled_from([0.0, 8.0, -1.0]))
 def test_soft_max_random(s, ms, md, scale, max_bias):
     a = arr(s, np.float32)

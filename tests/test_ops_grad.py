@@ -195,6 +195,17 @@ def test_rms_norm_back_seed_fix():
     np.testing.assert_allclose(g, want, atol=1e-6)
 
 
+def test_cross_entropy_loss_gradient_matches_finite_differences():
+    """The loss llama.cpp's training minimizes: its backward (CROSS_ENTROPY_LOSS_BACK) against finite
+    differences; the labels take no gradient (TypeError, not ggml's assert)."""
+    x = rnd(4, 9)
+    labels = np.eye(9, dtype=np.float32)[[1, 8, 0, 4]]
+    g = ops.grad(lambda a: ops.cross_entropy_loss(a, labels))(x)
+    np.testing.assert_allclose(g, fd_grad(lambda a: ops.cross_entropy_loss(a, labels), [x], 0), rtol=2e-2, atol=2e-3)
+    with pytest.raises(TypeError, match="no backward"):
+        ops.grad(lambda a, y: ops.cross_entropy_loss(a, y), argnums=1)(x, labels)
+
+
 def test_soft_max_back_seed_patch_through_ops():
     """patches/0001 through the public op (the allocation-level check is in test_patches.py)."""
     a, dy = rnd(3, 8), rnd(3, 8, seed=5)

@@ -178,8 +178,9 @@ static void check_backward(ggml_cgraph * gf) {
                 ok = (a->ne[2] == b->ne[2] && a->ne[3] == b->ne[3]) || (b->ne[3] == 1 && b->ne[2] % a->ne[2] == 0);
                 break;
             }
-            case GGML_OP_SOFT_MAX: ok = !src_needs[1]; break;  // no gradient for the mask
-            case GGML_OP_ROPE: ok = !src_needs[2]; break;      // nor for freq factors
+            case GGML_OP_SOFT_MAX: ok = !src_needs[1]; break;            // no gradient for the mask
+            case GGML_OP_CROSS_ENTROPY_LOSS: ok = !src_needs[1]; break;  // nor for the labels
+            case GGML_OP_ROPE: ok = !src_needs[2]; break;                // nor for freq factors
             case GGML_OP_UNARY: {
                 const ggml_unary_op u = ggml_get_unary_op(n);
                 ok = u == GGML_UNARY_OP_ABS || u == GGML_UNARY_OP_SGN || u == GGML_UNARY_OP_NEG ||

@@ -73,6 +73,11 @@ const std::unordered_map<std::string, OpDef> & table() {
         { "soft_max_ext_back",
           { 2, 0, 0, 2,
             [](const Args & a) { return ggml_soft_max_ext_back(a.ctx, a.s[0], a.s[1], a.fl(0), a.fl(1)); } } },
+        // cross-entropy (training's loss) and its gradient with respect to the logits
+        { "cross_entropy_loss",
+          { 2, 0, 0, 0, [](const Args & a) { return ggml_cross_entropy_loss(a.ctx, a.s[0], a.s[1]); } } },
+        { "cross_entropy_loss_back",
+          { 3, 0, 0, 0, [](const Args & a) { return ggml_cross_entropy_loss_back(a.ctx, a.s[0], a.s[1], a.s[2]); } } },
         // rope: ints n_dims, mode, n_ctx_orig;
         // floats freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow
         { "rope_ext",

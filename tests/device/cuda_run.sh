@@ -353,7 +353,7 @@ train42)
   t0=$SECONDS
   # the backward kernels of the training step on CUDA0 against the CPU (patch 0034) and finite differences
   [ -n "${LB_NO_KERNEL_TESTS:-}" ] || LLAMABIND_TEST_BACKEND=cuda LLAMABIND_REQUIRE_GPU=1 python3 -m pytest \
-    tests/test_ops_backends.py tests/test_ops_grad.py $PYTEST_ARGS -k "gradients or get_rows or repeat" 2>&1 \
+    tests/test_ops_backends.py tests/test_ops_grad.py $PYTEST_ARGS -k "${LB_KERNEL_K:-gradients or get_rows or repeat or soft_max or cross_entropy}" 2>&1 \
     | tee "$OUT/train42-kernel-tests.log" | tail -4
   # LB_MODES: pin, now (full fine-tunes), lora, qlora (LoRA r8 over the F32 copy or the Q4_0 original)
   python3 bench/train_profile.py --model $MODELS/llama-1b-f32.gguf --qmodel $MODELS/llama-1b-q4_0.gguf \

@@ -113,6 +113,51 @@ def soft_max_back(dy, y, scale: float = 1.0, *, backend: str | None = None):
     return apply(_soft_max_back, (dy, y), {"scale": as_float(scale, "scale")}, backend)
 
 
+def _cross_entropy_loss(g: Graph, logits: Tensor, labels: Tensor) -> Tensor:
+    for n, t in (("logits", logits), ("labels", labels)):
+        expect_dtype("cross_entropy_loss", n, t, (F32,), g.device)
+    expect(
+        logits.shape == labels.shape and logits.ndim >= 1,
+        f"cross_entropy_loss: logits {logits.shape} and labels {labels.shape} must have one shape (..., classes)",
+    )
+    return g.op("cross_entropy_loss", [logits, labels], shape=())
+
+
+def cross_entropy_loss(logits, labels, *, backend: str | None = None):
+    """Cross-entropy of ``softmax(logits)`` against ``labels``, averaged over the rows:
+    ``-sum(labels * log_softmax(logits)) / rows``, the softmax over the last axis (wraps
+    ggml_cross_entropy_loss, the loss llama.cpp's training minimizes).
+
+    logits, labels: float32 (..., classes), one shape; each row of labels a distribution over the
+    classes (one-hot for next-token training). Returns float32 of shape (). Differentiable with
+    respect to logits (:func:`cross_entropy_loss_back`); a gradient with respect to labels raises
+    TypeError. ValueError for mismatched shapes, TypeError for other dtypes."""
+    return apply(_cross_entropy_loss, (logits, labels), {}, backend)
+
+
+def _cross_entropy_loss_back(g: Graph, grad: Tensor, logits: Tensor, labels: Tensor) -> Tensor:
+    for n, t in (("grad", grad), ("logits", logits), ("labels", labels)):
+        expect_dtype("cross_entropy_loss_back", n, t, (F32,), g.device)
+    expect(
+        int(np.prod(grad.shape)) == 1,
+        f"cross_entropy_loss_back: grad must hold one value (the loss's gradient); got {grad.shape}",
+    )
+    expect(
+        logits.shape == labels.shape and logits.ndim >= 1,
+        f"cross_entropy_loss_back: logits {logits.shape} and labels {labels.shape} must have one shape (..., classes)",
+    )
+    return g.op("cross_entropy_loss_back", [grad, logits, labels], shape=logits.shape)
+
+
+def cross_entropy_loss_back(grad, logits, labels, *, backend: str | None = None):
+    """Gradient of :func:`cross_entropy_loss` with respect to the logits:
+    ``(softmax(logits) - labels) * grad / rows`` (wraps ggml_cross_entropy_loss_back).
+
+    grad: float32 holding one value (the loss's gradient, shape () or (1,)); logits, labels:
+    float32 (..., classes), one shape. Returns float32 of logits' shape."""
+    return apply(_cross_entropy_loss_back, (grad, logits, labels), {}, backend)
+
+
 # ---- rotary position embedding
 
 ROPE_MODES = {"normal": 0, "neox": 2, "mrope": 8, "vision": 24, "imrope": 40}
@@ -400,6 +445,8 @@ __all__ = [
     "group_norm",
     "soft_max",
     "soft_max_back",
+    "cross_entropy_loss",
+    "cross_entropy_loss_back",
     "rope",
     "rope_back",
     "flash_attn_ext",
