@@ -113,13 +113,17 @@ def soft_max_back(dy, y, scale: float = 1.0, *, backend: str | None = None):
     return apply(_soft_max_back, (dy, y), {"scale": as_float(scale, "scale")}, backend)
 
 
-def _cross_entropy_loss(g: Graph, logits: Tensor, labels: Tensor) -> Tensor:
+def _check_logits_labels(op: str, g: Graph, logits: Tensor, labels: Tensor) -> None:
     for n, t in (("logits", logits), ("labels", labels)):
-        expect_dtype("cross_entropy_loss", n, t, (F32,), g.device)
+        expect_dtype(op, n, t, (F32,), g.device)
     expect(
         logits.shape == labels.shape and logits.ndim >= 1,
-        f"cross_entropy_loss: logits {logits.shape} and labels {labels.shape} must have one shape (..., classes)",
+        f"{op}: logits {logits.shape} and labels {labels.shape} must have one shape (..., classes)",
     )
+
+
+def _cross_entropy_loss(g: Graph, logits: Tensor, labels: Tensor) -> Tensor:
+    _check_logits_labels("cross_entropy_loss", g, logits, labels)
     return g.op("cross_entropy_loss", [logits, labels], shape=())
 
 
@@ -136,16 +140,12 @@ def cross_entropy_loss(logits, labels, *, backend: str | None = None):
 
 
 def _cross_entropy_loss_back(g: Graph, grad: Tensor, logits: Tensor, labels: Tensor) -> Tensor:
-    for n, t in (("grad", grad), ("logits", logits), ("labels", labels)):
-        expect_dtype("cross_entropy_loss_back", n, t, (F32,), g.device)
+    expect_dtype("cross_entropy_loss_back", "grad", grad, (F32,), g.device)
     expect(
         int(np.prod(grad.shape)) == 1,
         f"cross_entropy_loss_back: grad must hold one value (the loss's gradient); got {grad.shape}",
     )
-    expect(
-        logits.shape == labels.shape and logits.ndim >= 1,
-        f"cross_entropy_loss_back: logits {logits.shape} and labels {labels.shape} must have one shape (..., classes)",
-    )
+    _check_logits_labels("cross_entropy_loss_back", g, logits, labels)
     return g.op("cross_entropy_loss_back", [grad, logits, labels], shape=logits.shape)
 
 
@@ -154,7 +154,8 @@ def cross_entropy_loss_back(grad, logits, labels, *, backend: str | None = None)
     ``(softmax(logits) - labels) * grad / rows`` (wraps ggml_cross_entropy_loss_back).
 
     grad: float32 holding one value (the loss's gradient, shape () or (1,)); logits, labels:
-    float32 (..., classes), one shape. Returns float32 of logits' shape."""
+    float32 (..., classes), one shape. Returns float32 of logits' shape. ValueError for a grad of
+    more than one value or mismatched shapes, TypeError for other dtypes."""
     return apply(_cross_entropy_loss_back, (grad, logits, labels), {}, backend)
 
 
