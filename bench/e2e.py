@@ -7,7 +7,9 @@ Greedy generation of n tokens (ignore_eos) after a fixed prompt, in one process 
 interleaved in alternating order, every context of n_ctx = prompt + n tokens (llama-bench's
 ``-p 0 -n n -d len(prompt)``: the same KV cells attended to; with a larger n_ctx than llama-bench's the
 decode reads more of the cache per token and looks slower than it is):
-- tg: llamabind's decode alone, one token at a time (what llama-bench's tg measures);
+- tg: llamabind's decode alone, one token at a time, by llama-bench's method (--reps runs from the
+  prompt's cache, the first right after the prompt; the mean of their t/s), and the first run's extra
+  time (the one-token graph rebuilt after the prompt's: what each generate pays once);
 - llama-bench tg (the same tree's tool, the decode-only limit) and llama-completion (upstream's own
   end-to-end loop: n / (total - prompt eval - load) of its common_perf_print);
 - llamabind's generation loop taken apart (decode, sample, detokenize, the rest: Python), with the
@@ -43,14 +45,29 @@ HERE = Path(__file__).resolve().parent
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. Once upon a time,"
 
 
-def tg_loop(ctx: llamabind.Context, first: list[int], n: int) -> float:
+def tg_loop(ctx: llamabind.Context, prompt: list[int], n: int, reps: int) -> dict:
+    """llama-bench's tg at depth len(prompt) (``-p 0 -n n -d depth -r reps``), call for call: the prompt
+    decoded untimed, then ``reps`` runs of n one-token decodes, each from the prompt's cache (llama-bench
+    restores the depth's saved state between its reps, nothing decoded in between; here the generated
+    tail is dropped with truncate). t/s as llama-bench's avg_ts: the mean of the reps' t/s.
+
+    Only the first rep follows the prompt's many-token graph: its first decode rebuilds the one-token
+    graph, and on CUDA runs it eagerly and captures a new CUDA graph on the next (ggml-cuda's warm-up
+    after a change). ``first_rep_extra_us`` is that rep's time over the later reps' mean: what every
+    ``generate`` pays once after its prompt, in llama-bench's first rep only."""
     ctx.clear()
-    ctx.decode(first)
-    tok = first[-1]
-    t0 = time.perf_counter()
-    for _ in range(n):
-        ctx.decode([tok])
-    return n / (time.perf_counter() - t0)
+    ctx.decode(prompt)
+    tok = prompt[-1]
+    rates = []
+    for i in range(reps):
+        if i:
+            ctx.truncate(len(prompt))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            ctx.decode([tok])
+        rates.append(n / (time.perf_counter() - t0))
+    later = statistics.mean(rates[1:]) if reps > 1 else rates[0]
+    return {"tps": statistics.mean(rates), "first_rep_extra_us": (n / rates[0] - n / later) * 1e6}
 
 
 def stepwise(model: llamabind.Model, ctx: llamabind.Context, prompt: list[int], n: int, on_device: bool) -> dict:
@@ -96,9 +113,9 @@ def generate_tps(model: llamabind.Model, ctx: llamabind.Context, n: int, on_devi
     return stream.result.timings.generated_tps, stream.result.tokens
 
 
-def llama_bench_tg(path: Path, n: int, depth: int, threads: int, ngl: int) -> float:
+def llama_bench_tg(path: Path, n: int, depth: int, threads: int, ngl: int, reps: int) -> float:
     exe = llamabind.tool_path("llama-bench")
-    cmd = [str(exe), "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(n), "-d", str(depth)]
+    cmd = [str(exe), "-m", str(path), "-t", str(threads), "-p", "0", "-n", str(n), "-d", str(depth), "-r", str(reps)]
     cmd += ["-ngl", str(ngl), "-o", "json"]
     p = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
     return json.loads(p.stdout)[0]["avg_ts"]
@@ -127,6 +144,7 @@ def main() -> int:
     ap.add_argument("--threads", "-t", type=int, default=2)
     ap.add_argument("--rounds", "-r", type=int, default=10, help="rounds, interleaved ABAB (default 10)")
     ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5, help="tg runs per round on both sides (llama-bench -r, default 5)")
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=99, help="99: all layers")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -145,9 +163,9 @@ def main() -> int:
 
     tokens = {}
     steps = [
-        lambda: add("tg (llama-bench)", llama_bench_tg(path, n, len(prompt), t, args.n_gpu_layers)),
+        lambda: add("tg (llama-bench)", llama_bench_tg(path, n, len(prompt), t, args.n_gpu_layers, args.reps)),
         lambda: add("e2e (llama-completion)", llama_completion(path, n, n_ctx + 1, t, args.n_gpu_layers)),
-        lambda: add("tg (llamabind decode)", tg_loop(ctx, prompt, n)),
+        lambda: add("tg (llamabind decode)", tg_loop(ctx, prompt, n, args.reps)),
         lambda: add("loop, CPU sampling", stepwise(model, ctx, prompt, n, False)),
         lambda: add("loop, backend sampling", stepwise(model, ctx, prompt, n, True)),
     ]
@@ -205,6 +223,8 @@ def main() -> int:
             f"| {k} | {v:.1f} | {st['median_ratio']:.3f} | {st['ratio_min']:.3f}-{st['ratio_max']:.3f} | "
             f"{100 * st['spread']:.1f}% | {cols} |"
         )
+    extra = statistics.median(x["first_rep_extra_us"] for x in res["tg (llamabind decode)"])
+    print(f"first tg run after the prompt, extra time over the later runs (median): {extra:.0f} us")
     same = tokens.get(False) == tokens.get(True)
     print(f"greedy tokens equal with CPU and backend sampling: {same}")
     out = {
@@ -219,12 +239,14 @@ def main() -> int:
             "threads": t,
             "n_gpu_layers": args.n_gpu_layers,
             "rounds": args.rounds,
+            "reps": args.reps,
         },
         "build_info": {k: v for k, v in llamabind.build_info().items() if k != "devices"},
         "devices": [d["description"] for d in llamabind.devices()],
         "median_tps": med,
         "ratio_to_llama_bench": stats,
         "per_token_us": parts,
+        "first_rep_extra_us": extra,
         "greedy_tokens_equal": same,
         "raw": res,
     }
