@@ -213,7 +213,7 @@ def _placement(model: Path, text: Path) -> tuple[list[tuple[str, str, str]], str
 @pytest.mark.parametrize("which", ["default", "tiny"])
 def test_qlora_runs_every_node_on_the_gpu(which, model_path, vendor_dir, tmp_path):
     """patches 0024 (CUDA) and 0026 (Vulkan): one QLoRA step fully offloaded places no node on the
-    CPU; patch 0033: nor the input embedding lookup (GET_ROWS of the frozen token_embd, which
+    CPU; patch 0045: nor the input embedding lookup (GET_ROWS of the frozen token_embd, which
     llama.cpp keeps in host memory by design, reads the tied output layer's copy or a copy on the
     output layer's device once training starts). "default": SmolLM2's Q4_1 file (token_embd and
     the tied output Q8_0); "tiny": a random-weight Q4_0 llama of bench/make_model.py's tiny shape,
