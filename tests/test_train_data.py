@@ -124,7 +124,16 @@ def _pydoc_chat(path, topics: list[str]) -> None:
 def test_cli_qlora_on_chat_jsonl_lowers_the_held_out_answer_loss(model_path, tmp_path):
     """`python -m llamabind finetune --data train.jsonl --valid valid.jsonl --lora-rank 8` over the
     Q4_1 model as it is (QLoRA): the validation loss (answer tokens only) after training is below
-    the one before, the adapter loads; a bad line fails before training, writing nothing."""
+    the one before, the adapter loads; a bad line fails before training, writing nothing.
+
+    One question, one answer (issue 55): `finetune --test` and `eval --adapter` print the same loss.
+    Both load the file alike (repack=False: on an AMX host a repacked Q4_1 takes AMX's kernels and
+    gave 3.1389 against 3.1359), the adapter is written and read as F32, both run 2 threads, and
+    ggml's CPU kernels compute each output element on one thread in a fixed order: the same logits,
+    the same float64 sum, the same printed digits. The base's loss by `eval` (float64 from the logits)
+    and finetune's "validation loss before" (ggml's F32 cross-entropy in the training graph) are two
+    summations of one model function: within 1e-4 relative, as test_evaluate_agrees_with_the_training_
+    paths_loss holds them on a window, plus 1e-4 for the two prints' rounding to 4 decimals."""
     import pydoc_data.topics
 
     topics = sorted(pydoc_data.topics.topics)
@@ -151,7 +160,8 @@ def test_cli_qlora_on_chat_jsonl_lowers_the_held_out_answer_loss(model_path, tmp
     print("eval: base", losses[0], "tuned", losses[1])
     assert losses[1] < losses[0] - 0.05, losses  # the tuned model beats the base on held-out answers
     test_loss = float(re.search(r"test loss ([\d.]+), perplexity", p.stdout).group(1))
-    assert abs(test_loss - losses[1]) < 1e-3, (test_loss, losses)  # --test: eval of the tuned adapter
+    assert test_loss == losses[1], (test_loss, losses)  # --test: eval of the tuned adapter, the same digits
+    assert abs(before - losses[0]) <= 1e-4 * before + 1e-4, (before, losses)  # the base, two summations
     (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "no answer"}]}\n')
     bad = subprocess.run([*cmd[:6], "--data", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "x.gguf")],
                          capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -32,7 +32,10 @@ def _eval(args) -> int:
 
     _check_inputs({"--data": args.data}, {"--adapter": args.adapter, "--chat-template-file": args.chat_template_file})
     template = Path(args.chat_template_file).read_text(encoding="utf-8") if args.chat_template_file else None
-    kw = dict(n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
+    # loaded as finetune loads it (repack=False: the GGUF's own layout and ggml's plain CPU kernels), so
+    # that eval's loss is the one finetune's validation and --test print for the same file and machine;
+    # repacked layouts (AMX, interleaved) take other kernels, other roundings (docs/finetune.md)
+    kw = dict(repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
     with Model(models.resolve(args.model), **kw) as m:
         data = train.read_data(args.data, m, chat_template=template, train_on_prompt=args.train_on_prompt)
         adapter = m.load_lora(args.adapter) if args.adapter else None
