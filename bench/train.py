@@ -64,10 +64,12 @@ def worker_llamabind(args) -> dict:
     times: list[float] = []
     kw = dict(n_threads=args.threads, n_gpu_layers=args.ngl, repack=False)
     with llamabind.Model(args.model, use_mmap=lora, **kw) as m:
+        flash = {"auto": None, "on": True, "off": False}[args.worker_flash]
         r = train.finetune(
             m, text, ctx_size=args.ctx, lr=LR_LORA if lora else LR_FULL, val_split=0.1, progress=False,
             n_threads=args.threads, lora_rank=RANK if lora else None, shuffle=False, batch_size=args.batch,
             iters=args.steps, on_step=lambda step, loss: times.append(time.perf_counter()),
+            precision=args.worker_precision, flash_attn=flash,
         )  # fmt: skip
     e = r.epochs[-1]
     tok_per_step = args.batch * args.ctx
@@ -208,20 +210,26 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a model name or a quantized GGUF")
     ap.add_argument("--size", default=None, help="a random-weight llama of this bench/make_model.py shape instead")
     ap.add_argument(
-        "--runners", default="full,lora,qlora,finetune", help="full, lora, lora-f16, lora-bf16, qlora, finetune"
+        "--runners",
+        default="full,lora,qlora,finetune",
+        help="full, lora, lora-f16, lora-bf16, qlora (the defaults: precision bf16, flash attention on a GPU), "
+        "full-f32, lora-f32, qlora-f32 (F32 products, composed attention), finetune",
     )
     ap.add_argument("--torch", default=None, help="python with torch + transformers (+ peft for the LoRA row)")
     ap.add_argument("--torch-device", default="cpu")
     ap.add_argument(
         "--torch-runs",
         default="f32",
-        help="f32, tf32, bf16 (full fine-tunes), lora (peft, f32), lora-tf32 (peft, tf32)",
+        help="f32, tf32, bf16 (full fine-tunes; bf16: autocast, SDPA's flash attention), lora (peft, f32), "
+        "lora-tf32, lora-bf16 (peft under bf16 autocast)",
     )
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=["full", "lora"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-ctx", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--worker-batch", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-precision", default="bf16", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-flash", default="auto", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         args.mode, args.ctx, args.batch = args.worker, args.worker_ctx, args.worker_batch
@@ -258,8 +266,10 @@ def main() -> int:
         doc = (ROOT / "vendor/llama.cpp/docs/build.md").read_text(encoding="utf-8")
         data.write_text((doc * (args.chars // len(doc) + 1))[: args.chars])
 
-        def ours(mode: str, model: Path, ctx: int, batch: int) -> dict:
+        def ours(mode: str, model: Path, ctx: int, batch: int, f32: bool = False) -> dict:
             cmd = [sys.executable, __file__, "--worker", mode, "--model", str(model), "--data", str(data)]
+            if f32:  # the F32 products and composed attention (before issue 56), for the same run's ratio
+                cmd += ["--worker-precision", "f32", "--worker-flash", "off"]
             cmd += ["--threads", str(args.threads), "--worker-ctx", str(ctx), "-ngl", str(args.ngl)]
             cmd += ["--worker-batch", str(batch)] + (["--steps", str(args.steps)] if args.steps else [])
             try:
@@ -284,10 +294,12 @@ def main() -> int:
                 base["lora-bf16"] = ("lora", half.get("lora-bf16"), f"LoRA r{RANK} (BF16 base)")
                 base["qlora"] = ("lora", quant, f"QLoRA r{RANK} ({qtype} base)")
                 for r in runners:
-                    if r in base:
-                        mode, path, what = base[r]
+                    f32_run = r.endswith("-f32")  # full-f32, lora-f32, qlora-f32: F32 products, no flash attention
+                    if r.removesuffix("-f32") in base:
+                        mode, path, what = base[r.removesuffix("-f32")]
+                        what += " f32, composed attention" if f32_run else ""
                         rows[f"llamabind {what}, ctx {ctx}, batch {b}"] = {
-                            **ours(mode, path, ctx, b),
+                            **ours(mode, path, ctx, b, f32_run),
                             "fpt": fpt[mode == "lora"],
                         }
             if args.torch:

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from train import GpuPeak  # noqa: E402 (bench/train.py: nvidia-smi's peak of a process)
 
 
 def flops_per_token(path: str, ctx: int) -> tuple[float, dict]:
@@ -60,6 +62,10 @@ def worker(args) -> dict:
     ctx, batch = args.ctx, args.batch
     pin = args.mode == "pin"
     lora = args.mode in ("lora", "qlora")
+    # "pin", "now": F32 products, composed attention (this tree before issue 56); "fa": F32 products with
+    # flash attention; "bf16", "lora", "qlora": the defaults (BF16 products, flash attention on a GPU)
+    f32 = args.mode in ("pin", "now", "fa")
+    flash = {"pin": False, "now": False, "fa": True}.get(args.mode)
     if pin:
         os.environ["LLAMA_GRAPH_REUSE_DISABLE"] = "1"  # read when the context is made: rebuild every eval
     rng = np.random.default_rng(0)
@@ -69,11 +75,12 @@ def worker(args) -> dict:
     with llamabind.Model(path, **kw_model) as m:
         wins = rng.integers(3, m.n_vocab, size=(batch, ctx + 1), dtype=np.int32)
         kw = dict(ctx_size=ctx, batch_size=batch, grad_accum=batch if pin else 1, lr=1e-4 if lora else 1e-5,
-                  embeddings=not pin, n_threads=args.threads)  # fmt: skip
+                  train_embeddings=not pin, n_threads=args.threads, precision="f32" if f32 else "bf16",
+                  flash_attn=flash)  # fmt: skip
         if lora:  # LoRA r8 on attn_q/attn_v (bench/train.py's), over the F32 model or the quantized one
             adapter = Path(tempfile.mkdtemp()) / "lora.gguf"
             train.lora_init(m, adapter, rank=8, alpha=16.0)
-            kw.update(params="lora", adapter=m.load_lora(adapter), embeddings=False)
+            kw.update(params="lora", adapter=m.load_lora(adapter), train_embeddings=False)
         with train.Trainer(m, **kw) as t:
             t.step(wins)  # warm-up: first allocation, cuBLAS handles
             s0 = t.stats()
@@ -86,7 +93,7 @@ def worker(args) -> dict:
         n = args.steps
         per_step = {k: (s1[k] - s0[k]) / n for k in s1}
         out.update(step_ms=1e3 * statistics.median(times), step_ms_all=[round(1e3 * x, 3) for x in times],
-                   per_step=per_step)  # fmt: skip
+                   per_step=per_step, memory=_memory(m, args, lora, flash is not False))  # fmt: skip
         if args.profile_steps:
             with train.Trainer(m, **kw, profile=True) as t:
                 t.step(wins)
@@ -103,13 +110,56 @@ def worker(args) -> dict:
     return out
 
 
+def _memory(m, args, lora: bool, flash: bool) -> dict:
+    """MiB by tensor kind, from the shapes: weights (the model's tensors), the trained tensors' F32
+    gradients and AdamW moments (m, v), and the attention matrices the composed attention keeps for
+    the backward pass (KQ and its softmax, F32, batch x n_head x ctx^2 per layer; none with flash
+    attention). The rest of the measured peak is the other activations and the CUDA context."""
+    import gguf
+
+    r = gguf.GGUFReader(args.model)
+    n_head = int(r.fields["llama.attention.head_count"].contents())
+    n_layer = int(r.fields["llama.block_count"].contents())
+    shapes = {t.name: [int(n) for n in t.shape] for t in r.tensors}
+    q, v = shapes["blk.0.attn_q.weight"], shapes["blk.0.attn_v.weight"]  # [n_in, n_out]
+    n_trained = 8 * n_layer * (q[0] + q[1] + v[0] + v[1]) if lora else m.n_params  # LoRA r8 on attn_q, attn_v
+    mib = 2**20
+    return dict(
+        weights=m.size / mib, gradients=4 * n_trained / mib, adamw_moments=8 * n_trained / mib,
+        attention_matrices=0.0 if flash else 2 * 4 * args.batch * n_head * args.ctx**2 * n_layer / mib,
+    )  # fmt: skip
+
+
+# The profile's ops by kind: the attention's own ops; the matrix products (with the composed attention, its
+# KQ and KQV products among them: the ops are timed by kind, not by node); the rest element-wise
+# and normalization; the optimizer phase apart.
+ATTENTION_OPS = ("FLASH_ATTN_EXT", "FLASH_ATTN_BACK", "SOFT_MAX", "SOFT_MAX_BACK")
+PRODUCT_OPS = ("MUL_MAT", "OUT_PROD")
+
+
+def kind_of(row: dict) -> str:
+    op = row["op"].split("(")[0].strip().upper()
+    if row["phase"] == "optimizer":
+        return "optimizer"
+    if op in ATTENTION_OPS:
+        return "attention"
+    if op in PRODUCT_OPS:
+        return "matrix products"
+    return "element-wise, norms, copies"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="1b", help="bench/make_model.py shape (ignored with --model)")
     ap.add_argument("--model", default=None, help="an F32 GGUF instead of a random-weight llama")
     ap.add_argument("--configs", default="256x8,2048x1", help="ctx x batch, comma-separated")
     ap.add_argument("--qmodel", default=None, help="the quantized GGUF of the qlora mode (with --model)")
-    ap.add_argument("--modes", default="pin,now", help="pin, now (full fine-tunes), lora (r8, F32 base), qlora")
+    ap.add_argument(
+        "--modes",
+        default="pin,now",
+        help="full fine-tunes: pin, now (F32 products, composed attention), fa (F32, flash attention), bf16 (the "
+        "defaults: BF16 products, flash attention); lora (r8, F32 base), qlora (the defaults)",
+    )
     ap.add_argument("-ngl", type=int, default=99)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
@@ -146,12 +196,16 @@ def main() -> int:
                        "--ctx", str(ctx),
                        "--batch", str(batch), "-ngl", str(args.ngl), "--threads", str(args.threads),
                        "--steps", str(args.steps), "--profile-steps", str(args.profile_steps)]  # fmt: skip
-                p = subprocess.run(cmd, capture_output=True, text=True)
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                gpu = GpuPeak(proc)
+                stdout, stderr = proc.communicate()
+                p = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
                 if p.returncode != 0:
                     print(f"{mode} {cfg} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
                     results.append(dict(mode=mode, ctx=ctx, batch=batch, error=p.stderr[-3000:]))
                     continue
                 r = json.loads(p.stdout.strip().splitlines()[-1])
+                r["memory"]["peak_gpu"] = gpu.peak_mb
                 tok_s = batch * ctx / (r["step_ms"] / 1e3)
                 if mode in ("lora", "qlora"):  # no weight gradients: 4 N + 8 L T d (bench/train.py's count)
                     f = 4 * shape["n_matmul_params"] + 8 * shape["n_layer"] * ctx * shape["n_embd"]
@@ -189,6 +243,13 @@ def _print(results: list[dict], args) -> None:
             phases[x["phase"]] = phases.get(x["phase"], 0.0) + x["ms"]
         print(f"\n{r['mode']} {r['ctx']}x{r['batch']}: profiled step {r['profiled_step_ms']:.1f} ms; "
               + ", ".join(f"{k} {v:.1f} ms" for k, v in phases.items()))  # fmt: skip
+        kinds: dict[str, float] = {}
+        for x in r["profile"]:
+            kinds[kind_of(x)] = kinds.get(kind_of(x), 0.0) + x["ms"]
+        r["by_kind_ms"] = kinds
+        print("by kind: " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
+        mem = r.get("memory", {})
+        print("memory MiB: " + ", ".join(f"{k} {v:,.0f}" for k, v in mem.items() if v is not None))
         print("| phase | op | ms per step | nodes |")
         print("|---|---|---|---|")
         for x in r["profile"][:14]:

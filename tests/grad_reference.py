@@ -50,6 +50,10 @@ FUNCS = {
         F.gelu(F.layer_norm(a["x"], a["x"].shape[-1:], eps=1e-5) * a["g"] + a["b"], approximate="tanh") @ a["w"]
     ),
     "cross_entropy": lambda a: F.cross_entropy(a["h"] @ a["wout"], a["labels"].long(), reduction="mean")[None],
+    # PyTorch's own attention (its float64 math backend on the CPU), causal, grouped-query heads
+    "flash_attention": lambda a: F.scaled_dot_product_attention(
+        a["q"], a["k"], a["v"], is_causal=True, scale=1 / math.sqrt(a["q"].shape[-1]), enable_gqa=True
+    ),
 }
 
 

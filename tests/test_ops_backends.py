@@ -109,6 +109,43 @@ def test_gpu_gradients_match_cpu(device, name, f, x):
 
 
 @pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize(
+    "b,h,hk,n,m,d,kv",
+    [
+        (1, 4, 4, 256, 256, 64, np.float32),  # one training window
+        (2, 8, 2, 300, 300, 128, np.float32),  # grouped-query heads, two sequences, a partial last tile
+        (1, 2, 1, 77, 200, 64, np.float16),  # F16 K/V, more keys than queries, rows of few keys
+    ],
+    ids=["window", "gqa-d128", "f16-ragged"],
+)
+def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv):
+    """Patch 0051: FLASH_ATTN_BACK on the device (CUDA: BF16 tensor-core operands, F32 accumulation)
+    against the CPU's F32 kernel (patch 0050), dq, dk and dv under a causal mask. NMSE limit 1e-4: BF16 rounds each operand to 8 significant bits (relative
+    error 2^-9); the sums of a few hundred such products keep the error of each output near
+    1e-3 relative, NMSE ~1e-5 (a wrong tile or index is O(1))."""
+    rng = np.random.default_rng(n + m + d)
+    q = rng.standard_normal((b, h, n, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, hk, m, d)).astype(kv) for _ in range(2))
+    mask = np.triu(np.full((n, m), -np.inf, np.float32), m - n + 1)
+    mask = mask.astype(np.float16)
+    w = rng.standard_normal((b, h, n, d)).astype(np.float32)
+
+    def loss(q, k, v):
+        return ops.sum(ops.mul(ops.flash_attn_ext(q, ops.cast(k, kv), ops.cast(v, kv), mask, scale=d**-0.5), w))
+
+    args = (q, k.astype(np.float32), v.astype(np.float32))
+    try:
+        got = ops.grad(loss, argnums=(0, 1, 2), backend=device)(*args)
+    except TypeError as err:  # no backward for this on the device: a clear error, never a crash
+        pytest.skip(str(err))
+    want = ops.grad(loss, argnums=(0, 1, 2), backend="cpu")(*args)
+    for name, g, r in zip("qkv", got, want):
+        e = ops.nmse(g, r)
+        print(f"d{name}: NMSE {e:.2e}")
+        assert e < 1e-4, f"d{name} on {device}: NMSE {e:.3g}"
+
+
+@pytest.mark.parametrize("device", GPUS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.int16, np.int32], ids=str)
 def test_gpu_concat_every_dtype(device, dtype):  # PR #24724, #24747
     a = rng.integers(-50, 50, (3, 4, 5)).astype(dtype)

@@ -230,3 +230,72 @@ def test_grad_errors_are_exceptions():
     y, f_vjp = ops.vjp(ops.silu, x)
     with pytest.raises(ValueError, match="cotangent"):
         f_vjp(np.zeros((2, 2), np.float32))
+
+
+def _attention_f64(q, k, v, mask, scale, softcap=0.0, max_bias=0.0):
+    """softmax(scale q k^T (softcapped) + slope_h mask) v in float64, written from ggml_flash_attn_ext's
+    definition: q (B, H, N, D), k/v (B, Hk, M, D), grouped-query heads h -> h // (H / Hk); ALiBi slopes
+    per head as ggml's (m0^(h+1) for the first 2^floor(log2 H) heads, then m1^(2(h - n) + 1))."""
+    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+    h, hk = q.shape[1], k.shape[1]
+    k, v = np.repeat(k, h // hk, axis=1), np.repeat(v, h // hk, axis=1)
+    s = q @ k.transpose(0, 1, 3, 2) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    n = 1 << int(np.floor(np.log2(h)))
+    m0, m1 = 2.0 ** (-max_bias / n), 2.0 ** (-max_bias / 2 / n)
+    slope = np.array([(m0 ** (i + 1) if i < n else m1 ** (2 * (i - n) + 1)) if max_bias else 1.0 for i in range(h)])
+    s = s + slope[None, :, None, None] * np.asarray(mask, np.float64)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def _fd64(f, xs, i, eps=1e-6):
+    """Central differences of a float64 function."""
+    x = xs[i].astype(np.float64)
+    g = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        for sgn in (1, -1):
+            args = [np.asarray(a, np.float64) for a in xs]
+            args[i] = x.copy()
+            args[i][idx] += sgn * eps
+            g[idx] += sgn * f(*args)
+    return g / (2 * eps)
+
+
+@pytest.mark.parametrize(
+    "b,h,hk,n,m,d,softcap,max_bias",
+    [
+        (2, 4, 2, 5, 7, 16, 0.0, 0.0),  # grouped-query heads, two sequences, a causal-like mask
+        (1, 3, 3, 9, 9, 8, 2.0, 0.0),  # softcap
+        (1, 4, 1, 6, 6, 8, 0.0, 1.5),  # ALiBi over one K/V head
+    ],
+)
+def test_flash_attn_ext_gradients_match_float64_and_finite_differences(b, h, hk, n, m, d, softcap, max_bias):
+    """patch 0050: ggml_flash_attn_ext's backward (ggml_flash_attn_ext_back, FlashAttention-2's
+    recomputation) for q, k and v: against central differences of the float64 attention above, to
+    float32's rounding (1e-4 of the largest entry); rows of -inf in the mask, GQA, softcap, ALiBi.
+    The gradient of a mask is refused (TypeError), not ggml's assert."""
+    rng = np.random.default_rng(n * m + d)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((b, h, n, d), (b, hk, m, d), (b, hk, m, d)))
+    mask = np.triu(np.full((n, m), -np.inf, np.float32), m - n + 1) + rng.normal(0, 0.3, (n, m))
+    mask = mask.astype(np.float16)
+    w = rng.standard_normal((b, h, n, d)).astype(np.float32)
+    scale = 0.4
+    kw = dict(scale=scale, logit_softcap=softcap, max_bias=max_bias)
+    try:
+        got = ops.grad(lambda q, k, v: ops.sum(ops.mul(ops.flash_attn_ext(q, k, v, mask, **kw), w)), argnums=(0, 1, 2))(
+            q, k, v
+        )
+    except TypeError as err:  # a device without this configuration's backward (the GPU test is test_ops_backends')
+        pytest.skip(str(err))
+
+    def loss(q, k, v):
+        return float((_attention_f64(q, k, v, mask, scale, softcap, max_bias) * w).sum())
+
+    for i, g in enumerate(got):
+        ref = _fd64(loss, [q, k, v], i)
+        err = np.abs(g - ref).max() / np.abs(ref).max()
+        assert g.shape == ref.shape and err < 1e-4, (i, err)
+    with pytest.raises(TypeError, match="no backward"):
+        ops.grad(lambda mk: ops.sum(ops.flash_attn_ext(q, k, v, ops.cast(mk, np.float16))))(mask.astype(np.float32))

@@ -199,13 +199,17 @@ def _window(f32_path, text) -> np.ndarray:
         return train.windows(v.tokenize(text[:3000], add_special=True), 256)[0]
 
 
-def _opt_steps(m, window, optimizer, lr, wd, steps, params="model", adapter=None, labels=None, grad_accum=1):
+def _opt_steps(
+    m, window, optimizer, lr, wd, steps, params="model", adapter=None, labels=None, grad_accum=1, flash_attn=None
+):
     """(loss before, [loss of each step]) of `steps` optimizer steps on one window (or, for a 2-D
     `window`, on a batch of windows: one graph, or `grad_accum` accumulated micro-batches) through
-    train.Trainer; `labels`: one window's masked labels (-1 = not counted)."""
+    train.Trainer; `labels`: one window's masked labels (-1 = not counted); `flash_attn`: the
+    TrainingArgs setting (None: the default, composed attention on the CPU)."""
     batch = window if window.ndim == 2 else window[None]
     lab = None if labels is None else np.broadcast_to(labels, (len(batch), labels.shape[-1]))
     kw = dict(ctx_size=256, batch_size=len(batch), grad_accum=grad_accum, optimizer=optimizer, lr=lr)
+    kw.update(flash_attn=flash_attn)
     with train.Trainer(m, **kw, weight_decay=wd, params=params, adapter=adapter, n_threads=2) as t:
         before = t.evaluate(batch, lab)[0]
         losses = [t.step(batch, lab)[0] for _ in range(steps)]
@@ -232,7 +236,9 @@ def test_steps_in_one_context_equal_steps_in_fresh_contexts(smollm2_f32_cut, tex
     np.testing.assert_allclose(one_context, fresh, rtol=1e-5)
 
 
-def _full_parity(f32_path, window, reference, tmp_path, n_steps, lr=1e-4, wd=0.01, labels=None, grad_accum=1):
+def _full_parity(
+    f32_path, window, reference, tmp_path, n_steps, lr=1e-4, wd=0.01, labels=None, grad_accum=1, flash_attn=None
+):
     """A full fine-tune of the F32 model on `window` (or a batch of windows) in llamabind and in
     PyTorch (tests/train_reference.py): (loss before, llamabind's AdamW step losses, the reference's
     result: loss, per-tensor gradient cosines from an SGD lr-1 step, AdamW losses and weight
@@ -240,7 +246,9 @@ def _full_parity(f32_path, window, reference, tmp_path, n_steps, lr=1e-4, wd=0.0
 
     def run(optimizer, lr, wd, steps, out):
         with llamabind.Model(f32_path, use_mmap=False, n_threads=2, repack=False) as m:
-            result = _opt_steps(m, window, optimizer, lr, wd, steps, labels=labels, grad_accum=grad_accum)
+            result = _opt_steps(
+                m, window, optimizer, lr, wd, steps, labels=labels, grad_accum=grad_accum, flash_attn=flash_attn
+            )
             m.save(out)
         return result
 
@@ -273,16 +281,23 @@ def test_matches_pytorch(smollm2_f32_cut, text, reference, tmp_path):
     assert max(rel.values()) <= 1e-4, rel
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2], ids=["one-graph", "accumulated"])
-def test_batched_step_matches_pytorch(grad_accum, smollm2_f32_cut, text, reference, tmp_path):
+@pytest.mark.parametrize(
+    "grad_accum,flash_attn", [(1, None), (2, None), (1, True)], ids=["one-graph", "accumulated", "flash-attention"]
+)
+def test_batched_step_matches_pytorch(grad_accum, flash_attn, smollm2_f32_cut, text, reference, tmp_path):
     """A step over a batch of 2 windows equals PyTorch's step on the batch's mean loss (the loss,
     every tensor's gradient (SGD lr 1) and the weights after 3 AdamW steps), whether the two windows
     run as two sequences of one graph (patch 0031: an attention stream per window) or as two
-    accumulated micro-batches (patch 0025: each loss scaled by 1/2)."""
+    accumulated micro-batches (patch 0025: each loss scaled by 1/2); and with flash attention
+    (patches 0050, 0052: FLASH_ATTN_EXT and its backward on the CPU, the two sequences as its
+    fourth axis, each under its causal mask) to the same tolerances: F32 throughout, only the
+    order of the sums differs."""
     f32_path = smollm2_f32_cut  # SmolLM2's first CUT_LAYERS blocks (conftest)
     with llamabind.Model(f32_path, vocab_only=True) as v:
         batch = train.windows(v.tokenize(text[:5000], add_special=True), 256)[[0, 2]]  # two windows, no overlap
-    loss0, adamw_losses, ref = _full_parity(f32_path, batch, reference, tmp_path, 3, grad_accum=grad_accum)
+    loss0, adamw_losses, ref = _full_parity(
+        f32_path, batch, reference, tmp_path, 3, grad_accum=grad_accum, flash_attn=flash_attn
+    )
     cos, rel = ref["grad_cosine"], ref["adamw_rel"]
     print(f"batch-2 loss: llamabind {loss0:.6f}, PyTorch {ref['loss']:.6f}")
     print("AdamW step losses:", [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw_losses, ref["adamw_losses"])])

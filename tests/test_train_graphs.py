@@ -152,7 +152,7 @@ def test_token_embd_is_trained(which, f32_path, untied_f32, wins, tmp_path):
 
     def step(embeddings: bool, out):
         with llamabind.Model(path, use_mmap=False, n_threads=2) as m:
-            with train.Trainer(m, optimizer="sgd", lr=1.0, embeddings=embeddings, n_threads=2) as t:
+            with train.Trainer(m, optimizer="sgd", lr=1.0, train_embeddings=embeddings, n_threads=2) as t:
                 t.step(w)
             m.save(out)
             return m.generate([1, 2, 3], max_tokens=4, temperature=0).tokens
@@ -185,3 +185,25 @@ def test_profile_splits_a_step_into_forward_backward_and_optimizer(untied_f32):
     assert by[("optimizer", "OPT_STEP_ADAMW")]["nodes"] == 21  # every trained tensor, token_embd included
     assert by[("forward", "SOFT_MAX")]["nodes"] == 2 and ("backward", "SOFT_MAX_BACK") in by  # one per layer
     assert all(r["ms"] >= 0 for r in rows)
+
+
+def test_flash_attention_trains_without_an_attention_matrix(untied_f32):
+    """Patches 0050 and 0052: with flash_attn=True the training graphs hold FLASH_ATTN_EXT (one per
+    layer) and its backward FLASH_ATTN_BACK, and no soft_max of KQ (the n_kv x n_tokens matrices the
+    composed attention keeps); the step's loss equals the composed attention's (F32 on the CPU: the
+    order of the sums differs, 1e-5 relative) and so does the gradient's effect: a second step's
+    loss equal to 1e-4 relative."""
+    w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
+    losses, ops_of = {}, {}
+    for flash in (True, False):
+        with llamabind.Model(untied_f32, use_mmap=False, n_threads=2) as m:
+            with train.Trainer(m, batch_size=2, n_threads=2, profile=True, flash_attn=flash, lr=1e-3) as t:
+                losses[flash] = [t.step(w)[0], t.step(w)[0]]
+                ops_of[flash] = {(r["phase"], r["op"]): r["nodes"] for r in t.profile()}
+    print(losses, sorted(k for k in ops_of[True] if k[0] != "optimizer"))
+    assert ops_of[True][("forward", "FLASH_ATTN_EXT")] == 2 * 2  # two layers, two steps
+    assert ops_of[True][("backward", "FLASH_ATTN_BACK")] == 2 * 2
+    assert not any(op.startswith("SOFT_MAX") for _, op in ops_of[True])
+    assert ("backward", "SOFT_MAX_BACK") in ops_of[False] and ("forward", "FLASH_ATTN_EXT") not in ops_of[False]
+    np.testing.assert_allclose(losses[True][0], losses[False][0], rtol=1e-5)
+    np.testing.assert_allclose(losses[True][1], losses[False][1], rtol=1e-4)

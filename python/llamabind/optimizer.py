@@ -20,7 +20,9 @@ class Optimizer:
     """ggml-opt's optimizer over a context made with ``training=True`` (wraps llama_opt_init; once per
     context). ``params``: ``"model"`` (every F32 weight; token_embd too unless ``embeddings`` is
     False, patch 0033) or ``"lora"`` (the A/B tensors of the adapters applied to the context).
-    ``grad_accum``: evals per optimizer step (their gradients averaged, patch 0025). Raises
+    ``grad_accum``: evals per optimizer step (their gradients averaged, patch 0025). ``precision``:
+    ``"bf16"`` lets the backend run the products of F32 tensors in BF16 with F32 accumulation
+    (llama_opt_params.prec_products, patch 0052), ``"f32"`` keeps F32. Raises
     ValueError/TypeError for bad arguments or a context that is not a training one."""
 
     def __init__(
@@ -32,12 +34,13 @@ class Optimizer:
         params: str = "model",
         grad_accum: int = 1,
         embeddings: bool = True,
+        precision: str = "f32",
     ):
         self.context = context
         self._native = context._llama_context
         _core.opt_init(
             self._native, optimizer, as_float(lr, "lr"), as_float(weight_decay, "weight_decay"), params,
-            as_int(grad_accum, "grad_accum", 1), bool(embeddings),
+            as_int(grad_accum, "grad_accum", 1), bool(embeddings), precision,
         )  # fmt: skip
 
     def eval(self, windows: np.ndarray, train: bool, labels: np.ndarray | None = None) -> None:

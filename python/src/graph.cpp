@@ -181,6 +181,9 @@ static void check_backward(ggml_cgraph * gf) {
             case GGML_OP_SOFT_MAX: ok = !src_needs[1]; break;            // no gradient for the mask
             case GGML_OP_CROSS_ENTROPY_LOSS: ok = !src_needs[1]; break;  // nor for the labels
             case GGML_OP_ROPE: ok = !src_needs[2]; break;                // nor for freq factors
+            case GGML_OP_FLASH_ATTN_EXT:  // ggml_flash_attn_ext_back: not for the mask, nor with sinks
+                ok = !src_needs[3] && n->src[4] == nullptr;
+                break;
             case GGML_OP_UNARY: {
                 const ggml_unary_op u = ggml_get_unary_op(n);
                 ok = u == GGML_UNARY_OP_ABS || u == GGML_UNARY_OP_SGN || u == GGML_UNARY_OP_NEG ||

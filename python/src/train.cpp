@@ -66,7 +66,8 @@ static bool profile_node(ggml_tensor * t, bool ask, void * ud) {
 }
 
 void training_context_params(llama_context_params & p, Context & c, bool profile) {
-    // upstream's finetune does the same: OUT_PROD has no f16 (KV cache), FLASH_ATTN_EXT no backward
+    // upstream's finetune does the same: F32 K/V (OUT_PROD had no F16 kernel); flash attention only when asked
+    // for (flash_attn 'on': patch 0052 keeps it where every layer's device has its backward pass, patch 0050)
     if (p.n_ubatch != p.n_ctx || p.n_batch != p.n_ctx)
         raise_value("a training context needs n_ctx == n_batch == n_ubatch (gradients do not flow through the KV "
                     "cache); got " +
@@ -80,7 +81,7 @@ void training_context_params(llama_context_params & p, Context & c, bool profile
     p.kv_unified = n_seq == 1;  // one KV stream per window: the attention stays within each (patch 0031)
     p.type_k = GGML_TYPE_F32;
     p.type_v = GGML_TYPE_F32;
-    p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    if (p.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_AUTO) p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     if (profile) {
         c.profile = std::make_shared<OpProfile>();
         p.cb_eval = profile_node;
@@ -111,7 +112,7 @@ static bool all_but_token_embd(const ggml_tensor * t, void *) {
 // stays frozen and may be quantized). llama_opt_init marks only model tensors, through param_filter;
 // the adapters' are flagged here (ggml_set_param) before it, which is all ggml's backward pass looks at.
 static void opt_init(Context & c, const std::string & optimizer, float lr, float wd, const std::string & params,
-                     int grad_accum, bool embeddings) {
+                     int grad_accum, bool embeddings, const std::string & precision) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (c.train) raise_value("opt_init was already called on this context (llama_opt_init runs once)");
@@ -133,6 +134,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     st->lr = lr;
     st->wd = wd;
     if (params != "model" && params != "lora") raise_value("params must be 'model' or 'lora'; got '" + params + "'");
+    if (precision != "f32" && precision != "bf16")
+        raise_value("precision must be 'bf16' or 'f32'; got '" + precision + "'");
     if (params == "lora") {
         if (c.loras.empty()) raise_value("params='lora' needs a LoRA adapter applied to the context (set_lora)");
         for (auto & [lora, scale] : c.loras) {
@@ -155,6 +158,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     p.get_opt_pars_ud = st.get();
     p.optimizer_type = st->optimizer;
     p.n_grad_accum = (uint32_t) grad_accum;  // patch 0025: ggml-opt's opt_period
+    // patch 0052: products of F32 tensors in BF16 where the backend can (ggml-cuda, patch 0051)
+    p.prec_products = precision == "bf16" ? GGML_PREC_BF16 : GGML_PREC_UNDEFINED;
     {
         nb::gil_scoped_release release;
         llama_opt_init(ctx, c.owner->get(), p);
@@ -444,10 +449,13 @@ static void quantize_model(const std::string & src, const std::string & dst, int
 void register_train(nb::module_ & m) {
     m.def("opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
           nb::arg("params") = "model", nb::arg("grad_accum") = 1, nb::arg("embeddings") = true,
+          nb::arg("precision") = "f32",
           "llama_opt_init on a training context, ggml-opt's AdamW or SGD. params 'model': every F32 weight "
           "(llama_opt_param_filter_all; token_embd unless embeddings is false, patch 0033); 'lora': only the A/B "
           "tensors of the adapters applied to the context. grad_accum: opt_steps per optimizer step (their "
-          "gradients averaged; llama_opt_params.n_grad_accum, patch 0025).");
+          "gradients averaged; llama_opt_params.n_grad_accum, patch 0025). precision 'bf16': products of F32 "
+          "tensors in BF16 with F32 accumulation where the backend has them (llama_opt_params.prec_products, "
+          "patch 0052); 'f32': F32.");
     m.def("lora_write", &lora_write, nb::arg("path"), nb::arg("arch"), nb::arg("alpha"), nb::arg("tensors"),
           "Write a LoRA adapter GGUF: [(name, float32 (rows, cols))], names ending .lora_a / .lora_b.");
     m.def("lora_save", &lora_save, nb::arg("adapter"), nb::arg("path"),

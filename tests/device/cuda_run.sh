@@ -58,7 +58,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: fa56, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -365,6 +365,30 @@ train42)
     --configs ${LB_PROFILE_135M:-256x8} -ngl 99 --modes ${LB_MODES:-pin,now} --threads 8 --steps 5 --profile-steps 2 \
     --out "$OUT/train-profile-135m.json" 2>&1 | tee "$OUT/train-profile-135m.txt" | tail -40
   echo "kernel tests and profiles in $((SECONDS - t0)) s"
+  ;;
+fa56)
+  # issue 56, first call (LB_NO_TOOLS=1): the build with the flash-attention kernels, random-weight 1B llamas
+  # (Q4_0 and F32) in /tmp/lb-models, then the new kernels on CUDA0: FLASH_ATTN_BACK against the CPU (patch
+  # 0051), the gradient compositions (PyTorch float64 where a reference Python is given), the BF16 products
+  # (patch 0051) through the QLoRA/out_prod tests
+  cp .device/tokenizer.gguf /tmp/
+  mkdir -p $MODELS
+  [ -f $MODELS/llama-1b-f32.gguf ] || { python3 bench/make_model.py --size 1b --type q4_0 -o $MODELS/llama-1b-q4_0.gguf \
+    --tokenizer-from /tmp/tokenizer.gguf 2>&1 | tail -1; python3 -c "from llamabind import train; \
+    train.to_f32('$MODELS/llama-1b-q4_0.gguf', '$MODELS/llama-1b-f32.gguf')"; }
+  t0=$SECONDS
+  LLAMABIND_TEST_BACKEND=cuda LLAMABIND_REQUIRE_GPU=1 python3 -m pytest tests/test_ops_backends.py tests/test_ops_grad.py \
+    tests/test_qlora.py $PYTEST_ARGS -k "${LB_KERNEL_K:-flash or gradients or out_prod or many_columns}" 2>&1 \
+    | tee "$OUT/fa56-kernel-tests.log" | tail -12
+  echo "kernel tests in $((SECONDS - t0)) s"
+  ;;
+fa56profile)
+  # issue 56: the 1B step's breakdown (bench/train_profile.py) before (F32 products, composed attention: "now")
+  # and after (the defaults: BF16 products, flash attention: "bf16"), LB_PROFILE_1B configs, in one run
+  python3 bench/train_profile.py --model $MODELS/llama-1b-f32.gguf --qmodel $MODELS/llama-1b-q4_0.gguf \
+    --configs ${LB_PROFILE_1B:-2048x4,4096x1} -ngl 99 --modes ${LB_MODES:-now,bf16} --threads 8 --steps 4 \
+    --profile-steps ${LB_PROFILE_STEPS:-1} --peak 989.5 --out "$OUT/train-profile-1b.json" 2>&1 \
+    | tee "$OUT/train-profile-1b.txt" | tail -80
   ;;
 train42b)
   join_model

@@ -72,6 +72,22 @@ def _checkpoints(args, out):
     return None, None
 
 
+def _training_args(args, ckpt_dir):
+    """The command line's train.TrainingArgs, checked."""
+    from .. import train
+
+    flash = {"auto": None, "on": True, "off": False}[args.flash_attn]
+    return train.TrainingArgs.of(
+        ctx_size=args.ctx_size, epochs=args.epochs, iters=args.iters, lr=args.lr, optimizer=args.optimizer,
+        weight_decay=args.weight_decay, val_split=args.val_split, batch_size=args.batch, grad_accum=args.grad_accum,
+        train_embeddings=not args.freeze_embeddings, seed=args.seed, n_threads=args.threads,
+        progress=not args.no_progress, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        lora_targets=tuple(args.lora_targets.split(",")), lr_schedule=args.lr_schedule, warmup=args.warmup,
+        min_lr=args.min_lr, steps_per_eval=args.steps_per_eval, steps_per_report=args.steps_per_report, log=args.log,
+        checkpoint_dir=ckpt_dir, save_every=args.save_every, precision=args.precision, flash_attn=flash,
+    )  # fmt: skip
+
+
 def _finetune(args) -> int:
     import os
     import tempfile
@@ -95,6 +111,7 @@ def _finetune(args) -> int:
     src = models.resolve(args.model)
     lora = args.lora_rank is not None
     ckpt_dir, resume = _checkpoints(args, out)
+    settings = _training_args(args, ckpt_dir)  # checked now: a bad setting fails before the model loads
     if resume is not None:
         print(f"resuming from {resume}", file=sys.stderr)
         if not lora:  # a full fine-tune continues from the checkpoint's weights
@@ -115,36 +132,7 @@ def _finetune(args) -> int:
             test = train.read_data(args.test, m, **read) if args.test else None
             if not isinstance(data, str):
                 print(f"{len(data)} examples from {args.data}", file=sys.stderr)
-            res = train.finetune(
-                m,
-                data,
-                valid=valid,
-                ctx_size=args.ctx_size,
-                epochs=args.epochs,
-                iters=args.iters,
-                lr=args.lr,
-                optimizer=args.optimizer,
-                weight_decay=args.weight_decay,
-                val_split=args.val_split,
-                batch_size=args.batch,
-                grad_accum=args.grad_accum,
-                train_embeddings=not args.freeze_embeddings,
-                seed=args.seed,
-                n_threads=args.threads,
-                progress=not args.no_progress,
-                lora_rank=args.lora_rank,
-                lora_alpha=args.lora_alpha,
-                lora_targets=args.lora_targets.split(","),
-                lr_schedule=args.lr_schedule,
-                warmup=args.warmup,
-                min_lr=args.min_lr,
-                steps_per_eval=args.steps_per_eval,
-                steps_per_report=args.steps_per_report,
-                log=args.log,
-                checkpoint_dir=ckpt_dir,
-                save_every=args.save_every,
-                resume=resume,
-            )
+            res = train.finetune(m, data, settings, valid=valid, resume=resume)
             print(f"validation loss before: {res.val_loss_before:.4f}")
             print(f"{res.steps} optimizer steps of {args.batch} window(s) of {args.ctx_size} tokens")
             for e in res.epochs:
@@ -211,6 +199,21 @@ def add_parsers(sub) -> None:
         "--freeze-embeddings", action="store_true", help="full fine-tune: leave token_embd (and a tied output) as is"
     )
     f.add_argument("--seed", "-s", type=int, default=0, help="shuffling seed")
+    f.add_argument(
+        "--precision",
+        choices=["bf16", "f32"],
+        default="bf16",
+        help="products of F32 weights: bf16 (BF16 with F32 accumulation where the backend has it: CUDA from "
+        "Ampere on; F32 elsewhere) or f32 (default: bf16)",
+    )
+    f.add_argument(
+        "--flash-attn",
+        "-fa",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="flash attention in training, with its backward pass: auto (on when the model runs on a GPU), on, "
+        "off (default: auto)",
+    )
     f.add_argument("--threads", type=int, default=None)
     f.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
     f.add_argument("--no-progress", action="store_true", help="no tqdm bar")

@@ -20,6 +20,11 @@ as one graph, one sequence each, and the graphs are built once and kept while th
 fine-tune trains every weight, token_embd included (with a tied output matrix, as PyTorch does).
 The model's weights change in place: generate with it afterwards, or save it.
 
+A run's settings are one :class:`TrainingArgs` (its fields may also be given as keyword
+arguments): ``finetune(model, text, TrainingArgs(lr=1e-4, batch_size=8))``. Products of F32 weights
+run in BF16 with F32 accumulation where the backend has that (``precision="bf16"``, the default:
+CUDA from Ampere on), attention through flash attention and its backward pass on GPUs.
+
 :class:`Trainer` is the native side of a run (the training context and the optimizer) for loops
 of your own: ``Trainer(model, ctx_size=256, batch_size=8).step(windows)``.
 
@@ -34,6 +39,7 @@ weights that may be quantized (QLoRA: the Q4_1 SmolLM2 as is); the trained adapt
     >>> r.adapter.save("smol-lora.gguf")
 """
 
+from .args import PRECISIONS, TrainingArgs
 from .checkpoint import latest_checkpoint
 from .data import Example, chat_example, example_windows, from_dataset, load_dataset, load_jsonl, read_data, windows
 from .evaluate import EvalResult, evaluate
@@ -45,12 +51,14 @@ from .trainer import Trainer
 
 __all__ = [
     "LORA_TARGETS",
+    "PRECISIONS",
     "SCHEDULES",
     "EpochStats",
     "EvalResult",
     "Example",
     "TrainResult",
     "Trainer",
+    "TrainingArgs",
     "chat_example",
     "evaluate",
     "example_windows",

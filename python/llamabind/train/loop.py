@@ -16,12 +16,12 @@ from typing import IO, Any
 
 import numpy as np
 
-from .._validate import as_float, as_int, expect, one_of
 from ..model import LoraAdapter, Model
+from .args import TrainingArgs
 from .checkpoint import check_matches, load_state, restore_optimizer, save_checkpoint
 from .data import Example, example_windows, from_dataset, is_dataset, windows
 from .lora import lora_init
-from .schedule import check_schedule, lr_at
+from .schedule import lr_at
 from .trainer import Trainer, check_model
 
 __all__ = ["EpochStats", "TrainResult", "finetune"]
@@ -64,78 +64,33 @@ class TrainResult:
 def finetune(
     model: Model,
     data: str | Sequence[int] | Sequence[Example],
+    args: TrainingArgs | None = None,
     *,
     valid: str | Sequence[int] | Sequence[Example] | None = None,
-    ctx_size: int = 256,
-    epochs: int = 1,
-    iters: int | None = None,
-    lr: float = 1e-5,
-    optimizer: str = "adamw",
-    weight_decay: float = 0.0,
-    val_split: float = 0.1,
-    batch_size: int = 1,
-    grad_accum: int = 1,
-    train_embeddings: bool = True,
-    seed: int = 0,
-    shuffle: bool = True,
-    n_threads: int | None = None,
-    progress: bool = True,
     on_step: Callable[[int, float], Any] | None = None,
-    lora_rank: int | None = None,
-    lora_alpha: float | None = None,
-    lora_targets: Sequence[str] = ("attn_q", "attn_v"),
-    lr_schedule: str = "constant",
-    warmup: int = 0,
-    min_lr: float = 0.0,
-    steps_per_eval: int | None = None,
-    steps_per_report: int | None = None,
-    log: str | os.PathLike | None = None,
-    checkpoint_dir: str | os.PathLike | None = None,
-    save_every: int | None = None,
     resume: str | os.PathLike | None = None,
+    **settings: Any,
 ) -> TrainResult:
     """Fine-tune ``model`` on ``data``: every weight (F32, loaded with use_mmap=False), or with
     ``lora_rank`` a new LoRA adapter over the frozen model (any weight type; repack=False).
 
     Args:
-        data: text (tokenized with the model's tokenizer, BOS added; sliding windows), token ids,
-            shape (n,), any integer dtype, each in [0, n_vocab), a list of :class:`Example`
-            (e.g. from :func:`load_jsonl`: one per window, cut or padded, the loss on their
-            counted tokens only), or a 🤗 ``Dataset``/``IterableDataset`` with a ``text``,
-            ``prompt``/``completion`` or ``messages`` column (:func:`from_dataset`).
+        data: text (tokenized with the model's tokenizer, BOS added; windows of ``ctx_size + 1``
+            tokens every ``ctx_size // 2``), token ids, shape (n,), any integer dtype, each in
+            [0, n_vocab), a list of :class:`Example` (e.g. from :func:`load_jsonl`: one per window,
+            cut or padded, the loss on their counted tokens only), or a 🤗 ``Dataset``/``IterableDataset``
+            with a ``text``, ``prompt``/``completion`` or ``messages`` column (:func:`from_dataset`).
+        args: the run's settings, a :class:`~llamabind.train.TrainingArgs` (ctx_size, batch_size,
+            lr, schedule, LoRA rank/alpha/targets, precision, flash attention, checkpoints, ...);
+            its fields may be given as keyword arguments instead or on top (``settings``). An
+            epoch's last batch is filled up with windows from the start of its order, so every train
+            window counts at least once per epoch. A LoRA adapter is made by :func:`lora_init` with
+            ``seed`` and returned as ``result.adapter``. Checkpoints (the adapter or the model,
+            AdamW's moments and step counter, the run's position) go to
+            ``checkpoint_dir/step-NNNNNNN/`` every ``save_every`` steps, at the end, and when Ctrl-C
+            stops the run; all are kept (a full fine-tune's is 3x the F32 model's size).
         valid: held-out data of the same kinds for the validation loss, instead of ``val_split``.
-        ctx_size: tokens per window (a multiple of 256: llama.cpp pads each sequence to 256).
-        epochs: passes over the train windows (shuffled each epoch with ``seed`` unless
-            ``shuffle`` is False: then in order, as llama-finetune).
-        iters: optimizer steps in all (mlx-lm's ``--iters``), instead of ``epochs``: as many
-            passes as they need, the last one cut short.
-        lr, optimizer, weight_decay: ggml-opt's ``"adamw"`` (beta1 0.9, beta2 0.999) or ``"sgd"``.
-        val_split: fraction of the windows (the last ones) held out for the validation loss;
-            0 for none.
-        batch_size: windows per optimizer step: the step follows the mean loss over the batch's
-            positions (PyTorch's batch mean). The windows of a micro-batch run as one graph, one
-            sequence each (patch 0031). An epoch's last batch is filled up with windows from the
-            start of its order, so every train window counts at least once per epoch.
-        grad_accum: micro-batches per step (batch_size = micro-batch x grad_accum; gradient
-            accumulation, patch 0025), for batches whose graph does not fit in memory.
-        train_embeddings: a full fine-tune trains token_embd too (and a tied output matrix with
-            it, as PyTorch does; patch 0033); False freezes it.
-        progress: a tqdm bar with the loss and tokens/s.
         on_step: called as on_step(step, loss) after each optimizer step.
-        lora_rank, lora_alpha, lora_targets: train a LoRA adapter of this rank (alpha default
-            2 * rank) on these matrices of every layer (see :data:`LORA_TARGETS`), made by
-            :func:`lora_init` with ``seed``; returned as ``result.adapter``.
-        lr_schedule, warmup, min_lr: ``"constant"``, ``"cosine"`` or ``"linear"`` decay from lr
-            towards min_lr over the run, after ``warmup`` steps of linear warmup
-            (:func:`lr_at`); set before each step (ggml-opt reads it per step).
-        steps_per_eval: also validate every N steps (``result.evals``: (step, loss)).
-        steps_per_report: print a line every N steps to stderr: step, loss, lr, tokens/s, ETA.
-        log: a JSONL file, one object per step (step, epoch, loss, lr, tokens, tokens_per_s,
-            seconds) and per validation (step, val_loss, val_accuracy).
-        checkpoint_dir, save_every: write a checkpoint (:mod:`llamabind.train.checkpoint`: the
-            adapter or the model, AdamW's moments and step counter, the run's position) to
-            ``checkpoint_dir/step-NNNNNNN/`` every ``save_every`` steps, at the end, and when
-            Ctrl-C stops the run. All are kept (a full fine-tune's is 3x the F32 model's size).
         resume: a checkpoint (or a checkpoint_dir: its newest) to continue from, to the same
             weights as the uninterrupted run: same data, ctx_size, batch_size, seed, shuffle,
             optimizer, embeddings and LoRA rank/alpha/targets (ValueError naming what differs);
@@ -146,72 +101,48 @@ def finetune(
     Returns a :class:`TrainResult`. Ctrl-C stops between steps and returns what was trained
     (``interrupted``: True); the model stays usable.
 
-    Raises TypeError/ValueError for bad arguments (rank <= 0, an unknown target, batch_size
-    outside [1, 65536], grad_accum not dividing it, iters < 1), data shorter than one window, a
-    full fine-tune of a model that is not F32 or is memory-mapped; FloatingPointError naming the
-    step if the loss becomes NaN/inf.
+    Raises TypeError/ValueError for bad settings (:meth:`TrainingArgs.checked`: naming the field),
+    data shorter than one window, a full fine-tune of a model that is not F32 or is memory-mapped;
+    FloatingPointError naming the step if the loss becomes NaN/inf.
     """
-    lora = lora_rank is not None
-    check_model(model, lora)
-    ctx_size = as_int(ctx_size, "ctx_size", 256)
-    expect(ctx_size % 256 == 0, f"ctx_size must be a multiple of 256 (llama.cpp pads n_ctx to 256); got {ctx_size}")
-    epochs = as_int(epochs, "epochs", 1)
-    iters = None if iters is None else as_int(iters, "iters", 1)
-    lr = as_float(lr, "lr")
-    expect(lr > 0, f"lr must be > 0; got {lr}")
-    one_of(optimizer, "optimizer", ("adamw", "sgd"))
-    val_split = as_float(val_split, "val_split", 0.0, 0.9)
-    batch_size = as_int(batch_size, "batch_size", 1, 65536)
-    grad_accum = as_int(grad_accum, "grad_accum", 1, 65536)
-    expect(batch_size % grad_accum == 0, f"grad_accum ({grad_accum}) must divide batch_size ({batch_size})")
-    warmup, min_lr = check_schedule(lr_schedule, warmup, lr, min_lr)
-    eval_every = None if steps_per_eval is None else as_int(steps_per_eval, "steps_per_eval", 1)
-    report_every = None if steps_per_report is None else as_int(steps_per_report, "steps_per_report", 1)
-    save_every = None if save_every is None else as_int(save_every, "save_every", 1)
-    expect(save_every is None or checkpoint_dir is not None, "save_every needs a checkpoint_dir")
-    train_set, val_set = _split(model, data, valid, ctx_size, val_split)
+    a = TrainingArgs.of(args, **settings)
+    check_model(model, a.lora)
+    train_set, val_set = _split(model, data, valid, a.ctx_size, a.val_split)
     n_train = len(train_set[0])
-    n_batches = -(-n_train // batch_size)
-    if iters is not None:
-        epochs = -(-iters // n_batches)
-    total = iters if iters is not None else epochs * n_batches
-    rank = None if not lora else as_int(lora_rank, "lora_rank", 1)
-    alpha = None if rank is None else as_float(2.0 * rank if lora_alpha is None else lora_alpha, "lora_alpha")
+    n_batches = -(-n_train // a.batch_size)
+    epochs = a.epochs if a.iters is None else -(-a.iters // n_batches)
+    total = a.iters if a.iters is not None else epochs * n_batches
     run_id = dict(
-        kind="lora" if lora else "full", ctx_size=ctx_size, n_train=n_train, batch_size=batch_size, seed=seed,
-        shuffle=bool(shuffle), optimizer=optimizer, embeddings=bool(train_embeddings) and not lora,
-        lora=None if rank is None else dict(rank=rank, alpha=alpha, targets=list(lora_targets)),
+        kind="lora" if a.lora else "full", ctx_size=a.ctx_size, n_train=n_train, batch_size=a.batch_size,
+        seed=a.seed, shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
+        lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
     )  # fmt: skip
     resumed = None if resume is None else load_state(resume)
     if resumed is not None:
         check_matches(resumed[1], run_id, resumed[0])
-        if not lora and Path(model.path).resolve() != (resumed[0] / "model.gguf").resolve():
+        if not a.lora and Path(model.path).resolve() != (resumed[0] / "model.gguf").resolve():
             raise ValueError(
                 f"resuming a full fine-tune: load the model from the checkpoint, "
                 f"Model({str(resumed[0] / 'model.gguf')!r}, use_mmap=False); got {model.path}"
             )
     result = TrainResult()
-    if lora:
+    if a.lora:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "lora-init.gguf")
             if resumed is None:
-                assert rank is not None and alpha is not None
-                lora_init(model, path, rank, alpha, lora_targets, seed)
+                assert a.lora_rank is not None and a.lora_alpha is not None
+                lora_init(model, path, a.lora_rank, a.lora_alpha, a.lora_targets, a.seed)
             result.adapter = model.load_lora(path if resumed is None else resumed[0] / "adapter.gguf")
-    trainer = Trainer(
-        model, ctx_size=ctx_size, batch_size=batch_size, grad_accum=grad_accum, optimizer=optimizer, lr=lr,
-        weight_decay=weight_decay, params="lora" if lora else "model", adapter=result.adapter,
-        embeddings=train_embeddings, n_threads=n_threads,
-    )  # fmt: skip
+    trainer = Trainer(model, a, params="lora" if a.lora else "model", adapter=result.adapter)
     run = _Run(
-        trainer=trainer, train=train_set, val=val_set, total=total, epochs=epochs, progress=progress,
-        on_step=on_step, lr=lambda step: lr_at(step, total, lr, lr_schedule, warmup, min_lr),
-        eval_every=eval_every, report_every=report_every, save_every=save_every, result=result,
-        checkpoint_dir=checkpoint_dir, run_id=run_id,
+        trainer=trainer, train=train_set, val=val_set, total=total, epochs=epochs, progress=a.progress,
+        on_step=on_step, lr=lambda step: lr_at(step, total, a.lr, a.lr_schedule, a.warmup, a.min_lr),
+        eval_every=a.steps_per_eval, report_every=a.steps_per_report, save_every=a.save_every, result=result,
+        checkpoint_dir=a.checkpoint_dir, run_id=run_id,
     )  # fmt: skip
     try:
-        if log is not None:
-            run.log = open(log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
+        if a.log is not None:
+            run.log = open(a.log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
         result.val_loss_before = trainer.evaluate(*val_set)[0]
         if resumed is not None:
             if not len(val_set[0]):  # ggml-opt allocates AdamW's moments with its first graph
@@ -221,7 +152,7 @@ def finetune(
             result.losses = [float(x) for x in resumed[1]["losses"]]
         run.t_start = time.perf_counter()  # tokens/s and the ETA count this run's training steps from here
         run.first_step = result.steps
-        for epoch, batches in iterate_batches(n_train, batch_size, epochs, seed, shuffle, result.steps, iters):
+        for epoch, batches in iterate_batches(n_train, a.batch_size, epochs, a.seed, a.shuffle, result.steps, a.iters):
             stats = _epoch(run, batches, epoch)
             if stats is not None:
                 result.epochs.append(stats)

@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from .._validate import as_int, expect, one_of
+from .._validate import expect, one_of
 from ..context import Context
 from ..model import LoraAdapter, Model
 from ..optimizer import Optimizer
+from .args import TrainingArgs
 
 __all__ = ["Trainer"]
 
@@ -51,15 +52,13 @@ class Trainer:
     Args:
         model: the :class:`Model`. Full fine-tuning (``params="model"``) needs F32 weights loaded
             with use_mmap=False; with ``params="lora"`` the model stays frozen.
-        ctx_size: tokens per window, a multiple of 256.
-        batch_size: windows per optimizer step.
-        grad_accum: micro-batches per optimizer step; divides batch_size.
-        optimizer, lr, weight_decay: ggml-opt's ``"adamw"`` (betas 0.9, 0.999, eps 1e-8) or ``"sgd"``.
+        args: a :class:`~llamabind.train.TrainingArgs`; its fields may also be given as keyword
+            arguments (``settings``). The Trainer reads ctx_size, batch_size, grad_accum, optimizer,
+            lr, weight_decay, train_embeddings (with params="model": token_embd too, and a tied
+            output matrix with it; patch 0033), precision, flash_attn and n_threads; the loop's
+            fields are :func:`~llamabind.train.finetune`'s.
         params: ``"model"`` (every F32 weight) or ``"lora"`` (the A/B tensors of ``adapter``).
         adapter: the LoRA adapter to train (params="lora"), applied at scale 1.
-        embeddings: with params="model", train token_embd too (a tied output matrix with it, as
-            PyTorch does; patch 0033). False freezes it.
-        n_threads: CPU threads (None: the default).
         profile: time every node of the training graphs (:meth:`profile`; slows each step down).
 
     Raises TypeError/ValueError for bad arguments (naming them) and for a model training cannot use
@@ -71,48 +70,34 @@ class Trainer:
     def __init__(
         self,
         model: Model,
+        args: TrainingArgs | None = None,
         *,
-        ctx_size: int = 256,
-        batch_size: int = 1,
-        grad_accum: int = 1,
-        optimizer: str = "adamw",
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
         params: str = "model",
         adapter: LoraAdapter | None = None,
-        embeddings: bool = True,
-        n_threads: int | None = None,
         profile: bool = False,
+        **settings: Any,
     ):
-        self.ctx_size = as_int(ctx_size, "ctx_size", 256)
-        expect(
-            self.ctx_size % 256 == 0,
-            f"ctx_size must be a multiple of 256 (llama.cpp pads n_ctx to 256); got {ctx_size}",
-        )
-        self.batch_size = as_int(batch_size, "batch_size", 1, 65536)
-        self.grad_accum = as_int(grad_accum, "grad_accum", 1, 65536)
-        expect(
-            self.batch_size % self.grad_accum == 0,
-            f"grad_accum ({grad_accum}) must divide batch_size ({batch_size}): batch = micro-batch x accumulation",
-        )
+        a = self.args = TrainingArgs.of(args, **settings)
+        self.ctx_size, self.batch_size, self.grad_accum = a.ctx_size, a.batch_size, a.grad_accum
         self.micro_batch = self.batch_size // self.grad_accum
-        expect(
-            self.micro_batch <= 256,
-            f"batch_size // grad_accum (windows in one graph) must be <= 256; got {self.micro_batch}",
-        )
-        one_of(optimizer, "optimizer", ("adamw", "sgd"))
         one_of(params, "params", ("model", "lora"))
         check_model(model, params == "lora")
         expect((adapter is not None) == (params == "lora"), "params='lora' takes an adapter, params='model' none")
         n = self.ctx_size * self.micro_batch
+        # flash attention (patch 0050): by default where the output layer runs on a GPU; llama.cpp turns it
+        # off where a layer's device has no backward pass for it (patch 0052)
+        flash = a.flash_attn if a.flash_attn is not None else bool(model.output_offloaded)
         self.context = Context(
             model, n_ctx=n, n_batch=n, n_ubatch=n, n_seq_max=self.micro_batch, kv_unified=self.micro_batch == 1,
-            n_threads=n_threads, training=True, training_profile=bool(profile),
+            n_threads=a.n_threads, training=True, training_profile=bool(profile), flash_attn="on" if flash else "off",
         )  # fmt: skip
         try:
             if adapter is not None:
                 self.context.set_lora(adapter, 1.0)
-            self.optimizer = Optimizer(self.context, optimizer, lr, weight_decay, params, self.grad_accum, embeddings)
+            self.optimizer = Optimizer(
+                self.context, a.optimizer, a.lr, a.weight_decay, params, self.grad_accum, a.train_embeddings,
+                a.precision,
+            )  # fmt: skip
         except BaseException:
             self.context.close()
             raise

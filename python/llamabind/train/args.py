@@ -1,0 +1,183 @@
+"""A fine-tuning run's settings in one documented dataclass, :class:`TrainingArgs` (mlx-lm's
+TrainingArgs, TRL's SFTConfig): shared by :func:`~llamabind.train.finetune`,
+:class:`~llamabind.train.Trainer` and ``python -m llamabind finetune``, and checked in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._validate import as_float, as_int, expect, one_of
+from .schedule import check_schedule
+
+__all__ = ["PRECISIONS", "TrainingArgs"]
+
+PRECISIONS = ("bf16", "f32")
+"""Values of :attr:`TrainingArgs.precision`."""
+
+
+def _opt_int(value: Any, name: str, lo: int) -> int | None:
+    return None if value is None else as_int(value, name, lo)
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {type(value).__name__} {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class TrainingArgs:
+    """The settings of a fine-tuning run. Every field has a default; :meth:`replace` (or
+    ``dataclasses.replace``) makes a variant, and the functions that take one also take its fields as
+    keyword arguments (``finetune(model, data, lr=1e-4)`` is ``finetune(model, data,
+    TrainingArgs(lr=1e-4))``). :meth:`checked` validates them (TypeError/ValueError naming the field).
+
+    Attributes:
+        ctx_size: tokens per window, a multiple of 256 (llama.cpp pads each sequence to 256).
+        batch_size: windows per optimizer step; the step follows the mean loss over the batch's
+            counted positions (PyTorch's batch mean). A micro-batch's windows run as one graph, one
+            sequence each (patch 0031).
+        grad_accum: micro-batches per step (batch_size = micro-batch x grad_accum; patch 0025), for
+            batches whose graph does not fit in memory.
+        epochs: passes over the train windows (shuffled each epoch with ``seed`` unless ``shuffle``
+            is False).
+        iters: optimizer steps in all (mlx-lm's ``--iters``), instead of ``epochs``.
+        lr: the learning rate (> 0); the peak of ``lr_schedule``.
+        optimizer: ggml-opt's ``"adamw"`` (betas 0.9, 0.999, eps 1e-8, torch.optim.AdamW's) or ``"sgd"``.
+        weight_decay: decoupled weight decay, in [0, 1].
+        lr_schedule: ``"constant"``, ``"cosine"`` or ``"linear"`` decay from lr towards ``min_lr``
+            over the run, after ``warmup`` steps of linear warmup (:func:`~llamabind.train.lr_at`).
+        warmup: steps of linear warmup.
+        min_lr: where cosine/linear decay heads, in [0, lr).
+        val_split: the fraction of windows (the last ones) held out for validation, in [0, 0.9].
+        seed: shuffling and LoRA initialization seed.
+        shuffle: shuffle the windows each epoch (False: in order, as llama-finetune).
+        train_embeddings: a full fine-tune trains token_embd too (with a tied output matrix, as
+            PyTorch; patch 0033); False freezes it.
+        lora_rank: train a LoRA adapter of this rank over the frozen model (None: every weight).
+        lora_alpha: LoRA alpha (default 2 x rank): the adapter's product is scaled by alpha / rank.
+        lora_targets: the matrices of every layer LoRA adapts (:data:`~llamabind.train.LORA_TARGETS`).
+        precision: ``"bf16"`` (default): products of F32 weights and activations in BF16 with F32
+            accumulation, forward and backward, where the backend has them (CUDA from Ampere on,
+            patches 0051-0052), the F32 weights and AdamW's moments staying the master copy, as
+            PyTorch's bf16 autocast; elsewhere (the CPU, Vulkan) F32. ``"f32"``: F32 products (on
+            NVIDIA GPUs cuBLAS runs them in TF32, ggml-cuda's math mode).
+        flash_attn: attention through ggml_flash_attn_ext and its backward pass (patch 0050; on CUDA
+            0051): no n_ctx x n_ctx matrix per head in memory. None (default): on when the model's
+            output layer is on a GPU, off on the CPU; True asks for it anywhere (llama.cpp turns it
+            off, with a log line, where a layer's device has no backward pass); False: composed
+            attention (KQ, soft_max, KQV).
+        steps_per_eval: also validate every N steps.
+        steps_per_report: print step, loss, lr, tokens/s and ETA to stderr every N steps.
+        log: a JSONL file, one object per step and per validation.
+        checkpoint_dir: where checkpoints go (``step-NNNNNNN/``).
+        save_every: write a checkpoint every N steps (and at the end, and on Ctrl-C); needs checkpoint_dir.
+        n_threads: CPU threads (None: the default).
+        progress: a tqdm bar with the loss and tokens/s.
+    """
+
+    ctx_size: int = 256
+    batch_size: int = 1
+    grad_accum: int = 1
+    epochs: int = 1
+    iters: int | None = None
+    lr: float = 1e-5
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    warmup: int = 0
+    min_lr: float = 0.0
+    val_split: float = 0.1
+    seed: int = 0
+    shuffle: bool = True
+    train_embeddings: bool = True
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_targets: Sequence[str] = field(default=("attn_q", "attn_v"))
+    precision: str = "bf16"
+    flash_attn: bool | None = None
+    steps_per_eval: int | None = None
+    steps_per_report: int | None = None
+    log: str | os.PathLike | None = None
+    checkpoint_dir: str | os.PathLike | None = None
+    save_every: int | None = None
+    n_threads: int | None = None
+    progress: bool = True
+
+    @classmethod
+    def of(cls, args: TrainingArgs | None = None, **settings: Any) -> TrainingArgs:
+        """``args`` (default: the defaults) with ``settings`` replaced, checked. TypeError names a
+        setting that is not a field; see :meth:`checked` for the rest."""
+        if args is not None and not isinstance(args, TrainingArgs):
+            raise TypeError(f"args must be a train.TrainingArgs; got {type(args).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(settings) - names)
+        if unknown:
+            raise TypeError(f"unknown training setting(s) {', '.join(unknown)}: see train.TrainingArgs")
+        return dataclasses.replace(args if args is not None else cls(), **settings).checked()
+
+    def replace(self, **settings: Any) -> TrainingArgs:
+        """A copy with ``settings`` replaced, checked."""
+        return TrainingArgs.of(self, **settings)
+
+    @property
+    def lora(self) -> bool:
+        """Whether the run trains a LoRA adapter (``lora_rank`` set)."""
+        return self.lora_rank is not None
+
+    def checked(self) -> TrainingArgs:
+        """The same settings, normalized (lora_alpha filled in, lora_targets a tuple); TypeError for a
+        value of the wrong type, ValueError out of range, each naming its field."""
+        ctx_size = as_int(self.ctx_size, "ctx_size", 256)
+        expect(ctx_size % 256 == 0, f"ctx_size must be a multiple of 256 (llama.cpp pads n_ctx to 256); got {ctx_size}")
+        batch_size = as_int(self.batch_size, "batch_size", 1, 65536)
+        grad_accum = as_int(self.grad_accum, "grad_accum", 1, 65536)
+        expect(batch_size % grad_accum == 0, f"grad_accum ({grad_accum}) must divide batch_size ({batch_size})")
+        expect(
+            batch_size // grad_accum <= 256,
+            f"batch_size // grad_accum (windows in one graph) must be <= 256; got {batch_size // grad_accum}",
+        )
+        lr = as_float(self.lr, "lr")
+        expect(lr > 0, f"lr must be > 0; got {lr}")
+        warmup, min_lr = check_schedule(self.lr_schedule, self.warmup, lr, self.min_lr)
+        rank = _opt_int(self.lora_rank, "lora_rank", 1)
+        alpha = None
+        if rank is not None:
+            alpha = as_float(2.0 * rank if self.lora_alpha is None else self.lora_alpha, "lora_alpha")
+        targets = self.lora_targets
+        if isinstance(targets, str) or not all(isinstance(t, str) for t in targets):
+            raise TypeError(f"lora_targets must be a sequence of matrix names, e.g. ('attn_q', 'attn_v'); got {targets!r}")
+        save_every = _opt_int(self.save_every, "save_every", 1)
+        expect(save_every is None or self.checkpoint_dir is not None, "save_every needs a checkpoint_dir")
+        if self.flash_attn is not None:
+            _bool(self.flash_attn, "flash_attn")
+        return dataclasses.replace(
+            self,
+            ctx_size=ctx_size,
+            batch_size=batch_size,
+            grad_accum=grad_accum,
+            epochs=as_int(self.epochs, "epochs", 1),
+            iters=_opt_int(self.iters, "iters", 1),
+            lr=lr,
+            optimizer=one_of(self.optimizer, "optimizer", ("adamw", "sgd")),
+            weight_decay=as_float(self.weight_decay, "weight_decay", 0.0, 1.0),
+            warmup=warmup,
+            min_lr=min_lr,
+            val_split=as_float(self.val_split, "val_split", 0.0, 0.9),
+            seed=as_int(self.seed, "seed", 0),
+            shuffle=_bool(self.shuffle, "shuffle"),
+            train_embeddings=_bool(self.train_embeddings, "train_embeddings"),
+            lora_rank=rank,
+            lora_alpha=alpha,
+            lora_targets=tuple(targets),
+            precision=one_of(self.precision, "precision", PRECISIONS),
+            steps_per_eval=_opt_int(self.steps_per_eval, "steps_per_eval", 1),
+            steps_per_report=_opt_int(self.steps_per_report, "steps_per_report", 1),
+            save_every=save_every,
+            n_threads=_opt_int(self.n_threads, "n_threads", 1),
+            progress=_bool(self.progress, "progress"),
+        )
