@@ -242,7 +242,8 @@ def _lavapipe_runs(vulkan_env: dict, model_path: Path, tmp: Path) -> dict:
     runs = {}
     try:
         for name, (proc, out, err) in procs.items():
-            proc.wait(timeout=1800)
+            # the sample: minutes; the full sweep (every case on lavapipe's LLVM-compiled pipelines): over an hour
+            proc.wait(timeout=7200 if full else 1800)
             out.seek(0)
             err.seek(0)
             runs[name] = (proc.returncode, out.read(), err.read())
