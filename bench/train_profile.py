@@ -113,8 +113,10 @@ def worker(args) -> dict:
 def _memory(m, args, lora: bool, flash: bool) -> dict:
     """MiB by tensor kind, from the shapes: weights (the model's tensors), the trained tensors' F32
     gradients and AdamW moments (m, v), and the attention matrices the composed attention keeps for
-    the backward pass (KQ and its softmax, F32, batch x n_head x ctx^2 per layer; none with flash
-    attention). The rest of the measured peak is the other activations and the CUDA context."""
+    the backward pass (its softmax, F32, batch x n_head x ctx^2 per layer; none with flash
+    attention; KQ itself is not needed by the backward pass once its softmax is computed: the softmax
+    output is what SOFT_MAX_BACK reads). The rest of the measured peak is the other activations, the
+    graph's transient buffers and the CUDA context."""
     import gguf
 
     r = gguf.GGUFReader(args.model)
@@ -126,7 +128,7 @@ def _memory(m, args, lora: bool, flash: bool) -> dict:
     mib = 2**20
     return dict(
         weights=m.size / mib, gradients=4 * n_trained / mib, adamw_moments=8 * n_trained / mib,
-        attention_matrices=0.0 if flash else 2 * 4 * args.batch * n_head * args.ctx**2 * n_layer / mib,
+        attention_matrices=0.0 if flash else 4 * args.batch * n_head * args.ctx**2 * n_layer / mib,
     )  # fmt: skip
 
 
