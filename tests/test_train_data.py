@@ -305,3 +305,41 @@ def train_adapter(m):
     d = Path(tempfile.mkdtemp())
     train.lora_init(m, d / "z.gguf", 2, 4.0, ["attn_q"])
     return m.load_lora(d / "z.gguf")
+
+
+def test_bad_settings_and_rows_are_refused_before_training(model_path, tmp_path):
+    """Issue 60: settings of the wrong type or meaning, and rows that would train on garbage, are
+    errors naming the setting, the row or the field, raised before the first step (nothing trains):
+    TrainingArgs's checks (a truthy string for a bool, a float seed, a str of targets, alpha 0, an empty
+    or file checkpoint_dir), a batch larger than the data, steps_per_eval without validation data, and
+    conversations with an empty answer, an unknown role, or two formats in one row."""
+    text = "The quick brown fox jumps over the lazy dog. " * 300
+    (tmp_path / "a-file").write_text("x")
+    bad_settings = [
+        (TypeError, "train_embeddings must be True or False", dict(train_embeddings="false")),
+        (TypeError, "seed must be an int", dict(seed=1.5)),
+        (TypeError, "lora_targets must be a sequence", dict(lora_rank=4, lora_targets="attn_q")),
+        (ValueError, "lora_alpha must be > 0", dict(lora_rank=4, lora_alpha=0)),
+        (ValueError, "checkpoint_dir must name a directory", dict(checkpoint_dir="")),
+        (ValueError, "is a file, not a directory", dict(checkpoint_dir=tmp_path / "a-file")),
+        (ValueError, "batch_size 64 is larger than the", dict(batch_size=64)),
+        (ValueError, "steps_per_eval needs validation windows", dict(val_split=0.0, steps_per_eval=1)),
+        (TypeError, "unknown training setting", dict(learning_rate=1e-3)),
+    ]
+    rows = [
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}, "has no content"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}, "has no content"),
+        ({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "a"}]}, "has no content"),
+        ({"messages": [{"role": "banana", "content": "x"}, {"role": "assistant", "content": "a"}]}, "role must be"),
+        ({"text": "t", "messages": [{"role": "assistant", "content": "a"}]}, "'text' and 'messages'"),
+    ]
+    with llamabind.Model(model_path, repack=False, n_threads=2) as m:
+        for err, match, kw in bad_settings:
+            with pytest.raises(err, match=match):
+                train.finetune(m, text, lora_rank=kw.pop("lora_rank", 8), iters=1, progress=False, **kw)
+        for k, (row, match) in enumerate(rows):
+            path = tmp_path / f"bad{k}.jsonl"
+            path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                                     {"role": "assistant", "content": "a"}]}) + "\n" + json.dumps(row))
+            with pytest.raises(ValueError, match=f"bad{k}.jsonl:2: .*{match}"):
+                train.read_data(path, m)

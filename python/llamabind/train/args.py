@@ -29,6 +29,15 @@ def _bool(value: Any, name: str) -> bool:
     return value
 
 
+def _check_dir(path: Any, name: str) -> None:
+    """ValueError for a directory that cannot be one: empty, or an existing file (found now, not at the
+    first checkpoint after the training)."""
+    if path is None or not isinstance(path, (str, os.PathLike)):
+        return
+    expect(str(path).strip() != "", f"{name} must name a directory; got an empty string")
+    expect(not os.path.isfile(path), f"{name} {str(path)!r} is a file, not a directory")
+
+
 @dataclass(frozen=True)
 class TrainingArgs:
     """The settings of a fine-tuning run. Every field has a default; :meth:`replace` (or
@@ -146,13 +155,21 @@ class TrainingArgs:
         warmup, min_lr = check_schedule(self.lr_schedule, self.warmup, lr, self.min_lr)
         rank = _opt_int(self.lora_rank, "lora_rank", 1)
         alpha = None
-        if rank is not None:
+        if rank is not None:  # > 0: llama.cpp reads an alpha of 0 as "scale 1", not as no adapter
             alpha = as_float(2.0 * rank if self.lora_alpha is None else self.lora_alpha, "lora_alpha")
+            expect(alpha > 0, f"lora_alpha must be > 0 (the adapter's scale is alpha / rank); got {alpha}")
         targets = self.lora_targets
         if isinstance(targets, str) or not all(isinstance(t, str) for t in targets):
-            raise TypeError(f"lora_targets must be a sequence of matrix names, e.g. ('attn_q', 'attn_v'); got {targets!r}")
+            raise TypeError(
+                f"lora_targets must be a sequence of matrix names, e.g. ('attn_q', 'attn_v'); got {targets!r}"
+            )
         save_every = _opt_int(self.save_every, "save_every", 1)
         expect(save_every is None or self.checkpoint_dir is not None, "save_every needs a checkpoint_dir")
+        _check_dir(self.checkpoint_dir, "checkpoint_dir")
+        for name in ("log", "checkpoint_dir"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise TypeError(f"{name} must be a path; got {type(v).__name__}")
         if self.flash_attn is not None:
             _bool(self.flash_attn, "flash_attn")
         return dataclasses.replace(

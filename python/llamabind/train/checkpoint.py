@@ -77,6 +77,15 @@ def load_state(path: str | os.PathLike) -> tuple[Path, dict]:
         raise ValueError(f"{ckpt / STATE}: not a readable checkpoint state ({err})") from None
     if not isinstance(state, dict) or state.get("version") != VERSION:
         raise ValueError(f"{ckpt / STATE}: not a llamabind checkpoint of version {VERSION}")
+    step, total, losses = state.get("step"), state.get("total"), state.get("losses")
+    if not (
+        isinstance(step, int) and isinstance(total, int) and isinstance(losses, list) and 1 <= step <= total
+        and len(losses) == step
+    ):  # fmt: skip
+        raise ValueError(
+            f"{ckpt / STATE}: step {step!r} of {total!r} with {len(losses) if isinstance(losses, list) else '?'} "
+            "losses is not a checkpoint's position (1 <= step <= total, one loss per step)"
+        )
     weights = ckpt / ("model.gguf" if state.get("kind") == "full" else "adapter.gguf")
     for f in (weights, ckpt / OPTIMIZER):
         if not f.is_file():

@@ -143,13 +143,20 @@ def _example(model, obj: dict, where: str, templates, train_on_prompt: bool) -> 
             raise ValueError(f"{where}: field {name!r} must be a {kind.__name__}; got {type(v).__name__}")
         return v
 
-    if "messages" in obj:
+    formats = [f for f in ("text", "prompt", "messages") if obj.get(f) is not None]  # a dataset's None: absent
+    if len(formats) > 1:
+        raise ValueError(f"{where}: one example takes one format; this one has {' and '.join(map(repr, formats))}")
+    if obj.get("messages") is not None:
         msgs = field("messages", list)
         for k, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ValueError(f"{where}: messages[{k}] must be an object with a 'role' (str)")
+            if m["role"] not in ROLES:
+                raise ValueError(f"{where}: messages[{k}].role must be one of {', '.join(ROLES)}; got {m['role']!r}")
             if m.get("content") is not None and not isinstance(m["content"], (str, list)):
                 raise ValueError(f"{where}: messages[{k}].content must be a str or a list of parts")
+            if m.get("content") is None and not m.get("tool_calls"):  # an empty answer would be trained
+                raise ValueError(f"{where}: messages[{k}] ({m['role']}) has no content")
         tools = obj.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise ValueError(f"{where}: field 'tools' must be a list")
@@ -157,7 +164,7 @@ def _example(model, obj: dict, where: str, templates, train_on_prompt: bool) -> 
             return chat_example(model, msgs, tools=tools, templates=templates, train_on_prompt=train_on_prompt)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from None
-    if "prompt" in obj or "completion" in obj:
+    if obj.get("prompt") is not None or obj.get("completion") is not None:
         prompt, completion = field("prompt", str), field("completion", str)
         if templates is not None or model.chat_template() is not None:
             msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
@@ -168,7 +175,7 @@ def _example(model, obj: dict, where: str, templates, train_on_prompt: bool) -> 
         p = model.tokenize(prompt, add_special=True, parse_special=False)
         c = model.tokenize(completion, add_special=False, parse_special=False)
         return Example(np.asarray(p + c, np.int32), np.asarray([train_on_prompt] * len(p) + [True] * len(c), bool))
-    if "text" in obj:
+    if obj.get("text") is not None:
         return _text_example(model, field("text", str))
     raise ValueError(f"{where}: a line needs 'text', 'prompt' and 'completion', or 'messages'; got {sorted(obj)}")
 
@@ -207,6 +214,9 @@ def _examples(p: Path, text: str, model: Model, chat_template: str | None, train
 
 
 FORMATS = "a 'text' column, 'prompt' and 'completion' columns, or a 'messages' column (the JSONL formats)"
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The roles a training conversation's messages may take (OpenAI's, which chat templates render)."""
 
 
 def is_dataset(obj) -> bool:

@@ -109,6 +109,16 @@ def finetune(
     check_model(model, a.lora)
     train_set, val_set = _split(model, data, valid, a.ctx_size, a.val_split)
     n_train = len(train_set[0])
+    if a.batch_size > n_train:  # as mlx-lm: each step would repeat the windows to fill the batch
+        raise ValueError(
+            f"batch_size {a.batch_size} is larger than the {n_train} training window(s): give more data or a "
+            "smaller batch_size"
+        )
+    if a.steps_per_eval is not None and not len(val_set[0]):
+        raise ValueError(
+            "steps_per_eval needs validation windows: give valid= or a val_split that holds some back "
+            f"(val_split={a.val_split} left none of {n_train})"
+        )
     n_batches = -(-n_train // a.batch_size)
     epochs = a.epochs if a.iters is None else -(-a.iters // n_batches)
     total = a.iters if a.iters is not None else epochs * n_batches
@@ -120,6 +130,11 @@ def finetune(
     resumed = None if resume is None else load_state(resume)
     if resumed is not None:
         check_matches(resumed[1], run_id, resumed[0])
+        if int(resumed[1]["step"]) >= total:
+            raise ValueError(
+                f"{resumed[0]} is at step {resumed[1]['step']}; this run has {total} steps in all: nothing to "
+                "resume (give a larger iters or more epochs)"
+            )
         if not a.lora and Path(model.path).resolve() != (resumed[0] / "model.gguf").resolve():
             raise ValueError(
                 f"resuming a full fine-tune: load the model from the checkpoint, "
