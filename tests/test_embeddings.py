@@ -59,6 +59,26 @@ def minilm(vendor_dir, reference_python, tmp_path_factory):
     return work / "all-minilm-l6-v2.f32.gguf", np.load(work / "reference.npy")
 
 
+def test_an_embedding_model_is_not_trained(minilm):
+    """Issue 60: a LoRA or a full fine-tune of the BERT embedding model crashed the process (SIGSEGV in
+    the first step); now a ValueError saying why, before any llama.cpp call (in a subprocess, which
+    could crash)."""
+    gguf, _ = minilm
+    code = f"""
+import llamabind
+from llamabind import train
+for kw, mkw in ((dict(lora_rank=4), dict()), (dict(), dict(use_mmap=False))):
+    with llamabind.Model({str(gguf)!r}, **mkw) as m:
+        try:
+            train.finetune(m, "a sentence to train on. " * 200, iters=1, progress=False, **kw)
+        except ValueError as err:
+            print("refused:", err)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.count("refused:") == 2 and "causal language models" in p.stdout, p.stdout
+
+
 def test_minilm_matches_sentence_transformers(minilm):
     gguf, ref = minilm
     with llamabind.Model(gguf) as m:

@@ -529,3 +529,29 @@ def test_finetune_notebook_executes():
     after = re.search(r"after: (.*)", outputs).group(1)
     assert before != after and "fused:" in outputs, outputs
     assert "checkpoints: ['step-0000006', 'step-0000012']" in outputs, outputs
+
+
+def test_a_graph_too_large_for_memory_is_an_error(model_path):
+    """Patch 0053 (issue 60): a LoRA over SmolLM2 at ctx_size 16384 on the CPU needs ~300 GB for its
+    training graph (the composed attention's softmax of 30 layers): ggml-opt's failed allocation
+    was not checked and the first step aborted the process (SIGABRT, "tensor buffer not set"); now
+    finetune raises LlamaError naming the memory and the ways out, in a subprocess that then exits
+    normally. The model stays usable (a generation after the error)."""
+    from conftest import run_python
+
+    code = f"""
+import llamabind
+from llamabind import train
+with llamabind.Model({str(model_path)!r}, repack=False, n_threads=2) as m:
+    ids = list(range(10, 16395))
+    try:
+        train.finetune(m, ids, lora_rank=4, ctx_size=16384, val_split=0.0, iters=1, progress=False, n_threads=2)
+    except llamabind.LlamaError as err:
+        print("LlamaError:", err)
+    print("after:", len(m.generate("The capital of France is", max_tokens=2, temperature=0).tokens))
+"""
+    r = run_python(code, timeout=600)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-2000:]}"
+    # the step's graph (patch 0053), or on a host with less memory the context's own reservation before it
+    assert "LlamaError:" in r.stdout and "after: 2" in r.stdout, r.stdout[-2000:]
+    assert "out of memory" in r.stdout or "failed to allocate" in r.stdout, r.stdout[-2000:]

@@ -71,6 +71,31 @@ def test_finetune_takes_a_dataset(model):
     assert r.steps == 2 and np.isfinite(r.losses).all() and np.isfinite(r.epochs[-1].val_loss)
 
 
+def test_a_stream_is_read_for_the_steps_it_trains(model):
+    """Issue 60: an endless IterableDataset (from_generator) with iters=2 reads the rows of 2 steps
+    and its held-out share, and trains; without iters it is refused (its length is not known), and
+    nothing is read; a streamed valid is read for its first rows."""
+    read = []
+
+    def endless():
+        i = 0
+        while True:
+            read.append(i)
+            yield CHATS[i % len(CHATS)]
+            i += 1
+
+    stream = datasets.IterableDataset.from_generator(endless)
+    r = train.finetune(model, stream, lora_rank=4, iters=2, batch_size=2, val_split=0.25, progress=False)
+    assert r.steps == 2 and np.isfinite(r.losses).all()
+    assert len(read) < 20, len(read)  # ceil(2 * 2 / 0.75) + 1 = 7 rows, and the generator's lookahead
+    read.clear()
+    with pytest.raises(ValueError, match="streaming dataset .* give iters"):
+        train.finetune(model, stream, lora_rank=4, progress=False)
+    assert not read
+    r = train.finetune(model, datasets.Dataset.from_list(CHATS), valid=stream, lora_rank=4, iters=1, progress=False)
+    assert np.isfinite(r.epochs[-1].val_loss)
+
+
 def test_bad_datasets_are_clear_errors(model, tmp_path):
     with pytest.raises(ValueError, match=r"columns \['question', 'answer'\].*'messages' column"):
         train.from_dataset(datasets.Dataset.from_list([{"question": "q", "answer": "a"}]), model)

@@ -160,10 +160,16 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     p.n_grad_accum = (uint32_t) grad_accum;  // patch 0025: ggml-opt's opt_period
     // patch 0052: products of F32 tensors in BF16 where the backend can (ggml-cuda, patch 0051)
     p.prec_products = precision == "bf16" ? GGML_PREC_BF16 : GGML_PREC_UNDEFINED;
+    std::string failed;  // e.g. the training graph's reservation (out of memory)
     {
         nb::gil_scoped_release release;
-        llama_opt_init(ctx, c.owner->get(), p);
+        try {
+            llama_opt_init(ctx, c.owner->get(), p);
+        } catch (const std::exception & err) {
+            failed = err.what();
+        }
     }
+    if (!failed.empty()) throw LlamaError(failed);
     c.train = st;
 }
 
@@ -218,11 +224,17 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
     TrainState & st = *c.train;
     ggml_opt_result_reset(st.result_step);
     if (c.profile) c.profile->phase = 0;
+    std::string failed;  // llama.cpp's error (patch 0053: a graph that cannot be allocated) after the dataset is freed
     {
         nb::gil_scoped_release release;
-        llama_opt_epoch(ctx, ds, st.result_step, st.result_step, train ? 1 : 0, nullptr, nullptr);
+        try {
+            llama_opt_epoch(ctx, ds, st.result_step, st.result_step, train ? 1 : 0, nullptr, nullptr);
+        } catch (const std::exception & err) {
+            failed = err.what();
+        }
     }
     ggml_opt_dataset_free(ds);
+    if (!failed.empty()) throw LlamaError(failed);
     c.has_logits = false;
     int64_t rows = 0;
     double loss = NAN, acc = NAN;

@@ -8,6 +8,7 @@ unless ``train_on_prompt``)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -177,6 +178,9 @@ def _example(model, obj: dict, where: str, templates, train_on_prompt: bool) -> 
         return Example(np.asarray(p + c, np.int32), np.asarray([train_on_prompt] * len(p) + [True] * len(c), bool))
     if obj.get("text") is not None:
         return _text_example(model, field("text", str))
+    for name, kind in (("messages", list), ("prompt", str), ("completion", str), ("text", str)):
+        if name in obj:  # present but None
+            field(name, kind)
     raise ValueError(f"{where}: a line needs 'text', 'prompt' and 'completion', or 'messages'; got {sorted(obj)}")
 
 
@@ -232,14 +236,26 @@ def _require_datasets():
     return datasets
 
 
+def is_stream(ds) -> bool:
+    """Whether a 🤗 dataset is a stream (an ``IterableDataset``: no length, maybe endless)."""
+    return is_dataset(ds) and not hasattr(ds, "__len__")
+
+
 def from_dataset(
-    ds, model: Model, *, chat_template: str | None = None, train_on_prompt: bool = False, name: str = "the dataset"
+    ds,
+    model: Model,
+    *,
+    chat_template: str | None = None,
+    train_on_prompt: bool = False,
+    name: str = "the dataset",
+    limit: int | None = None,
 ) -> list[Example]:
-    """Every row of a 🤗 ``Dataset`` or ``IterableDataset`` as an :class:`Example`, the format told
-    by its columns as :func:`load_jsonl` tells a line's by its keys (``text``; ``prompt`` and
-    ``completion``; ``messages`` with optional ``tools``), the loss on the same tokens. Every row is
-    read and checked before anything is returned. Raises ValueError naming the columns and the
-    formats (no known column), the row and column (a value of the wrong type), or an empty split."""
+    """Every row of a 🤗 ``Dataset`` or ``IterableDataset`` (its first ``limit`` rows if given: a
+    stream may be endless) as an :class:`Example`, the format told by its columns as
+    :func:`load_jsonl` tells a line's by its keys (``text``; ``prompt`` and ``completion``;
+    ``messages`` with optional ``tools``), the loss on the same tokens. The rows are read and checked
+    before anything is returned. Raises ValueError naming the columns and the formats (no known
+    column), the row and column (a value of the wrong type), or an empty split."""
     cols = list(ds.column_names or []) if getattr(ds, "column_names", None) is not None else None
     rows: Iterable = ds
     if cols is None:  # an IterableDataset whose features are not resolved: the first row tells
@@ -253,6 +269,8 @@ def from_dataset(
     if not known:
         raise ValueError(f"{name} has the columns {cols}; fine-tuning takes {FORMATS}")
     templates = model.chat_templates(chat_template) if chat_template is not None else None
+    if limit is not None:
+        rows = itertools.islice(rows, as_int(limit, "limit", 1))
     out = [
         _example(model, dict(row), f"{name}, row {i}", templates, bool(train_on_prompt)) for i, row in enumerate(rows)
     ]

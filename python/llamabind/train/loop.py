@@ -19,7 +19,7 @@ import numpy as np
 from ..model import LoraAdapter, Model
 from .args import TrainingArgs
 from .checkpoint import check_matches, load_state, restore_optimizer, save_checkpoint
-from .data import Example, example_windows, from_dataset, is_dataset, windows
+from .data import Example, example_windows, from_dataset, is_dataset, is_stream, windows
 from .lora import lora_init
 from .schedule import lr_at
 from .trainer import Trainer, check_model
@@ -90,6 +90,8 @@ def finetune(
             ``checkpoint_dir/step-NNNNNNN/`` every ``save_every`` steps, at the end, and when Ctrl-C
             stops the run; all are kept (a full fine-tune's is 3x the F32 model's size).
         valid: held-out data of the same kinds for the validation loss, instead of ``val_split``.
+            A streamed dataset (an ``IterableDataset``) as data is read for ``iters`` steps (required)
+            and its held-out share; as valid, for its first 25 batches (mlx-lm's ``--val-batches``).
         on_step: called as on_step(step, loss) after each optimizer step.
         resume: a checkpoint (or a checkpoint_dir: its newest) to continue from, to the same
             weights as the uninterrupted run: same data, ctx_size, batch_size, seed, shuffle,
@@ -107,7 +109,7 @@ def finetune(
     """
     a = TrainingArgs.of(args, **settings)
     check_model(model, a.lora)
-    train_set, val_set = _split(model, data, valid, a.ctx_size, a.val_split)
+    train_set, val_set = _split(model, data, valid, a)
     n_train = len(train_set[0])
     if a.batch_size > n_train:  # as mlx-lm: each step would repeat the windows to fill the batch
         raise ValueError(
@@ -330,22 +332,39 @@ def _take(windows: Windows, idx) -> Windows:
     return w[idx], None if lab is None else lab[idx]
 
 
-def _split(model: Model, data, valid, ctx_size: int, val_split: float) -> tuple[Windows, Windows]:
-    """(train windows, validation windows): ``valid``'s, or the last ``val_split`` of ``data``'s."""
-    win, lab = _windows(model, data, ctx_size, "data")
+# the batches of a streamed validation set read (a stream may be endless), as mlx-lm's --val-batches
+VALID_STREAM_BATCHES = 25
+
+
+def _split(model: Model, data, valid, a: TrainingArgs) -> tuple[Windows, Windows]:
+    """(train windows, validation windows): ``valid``'s, or the last ``val_split`` of ``data``'s. A
+    stream (an ``IterableDataset``, maybe endless) is read for ``iters`` steps and its held-out share
+    (without ``iters``: ValueError); a streamed ``valid`` for its first VALID_STREAM_BATCHES batches."""
+    limit = None
+    if is_stream(data):
+        if a.iters is None:
+            raise ValueError(
+                "data is a streaming dataset (an IterableDataset: its length is not known, it may be endless): "
+                "give iters, the optimizer steps to train, and its rows are read for those steps"
+            )
+        limit = math.ceil(a.iters * a.batch_size / (1.0 - (0.0 if valid is not None else a.val_split))) + 1
+    win, lab = _windows(model, data, a.ctx_size, "data", limit)
     if valid is not None:
-        return (win, lab), _windows(model, valid, ctx_size, "valid")
-    n_train = int(len(win) * (1.0 - val_split))  # as llama-finetune's idata_split
+        valid_rows = VALID_STREAM_BATCHES * a.batch_size if is_stream(valid) else None
+        return (win, lab), _windows(model, valid, a.ctx_size, "valid", valid_rows)
+    n_train = int(len(win) * (1.0 - a.val_split))  # as llama-finetune's idata_split
     if n_train < 1:
-        raise ValueError(f"{len(win)} window(s) leave none to train on with val_split={val_split}")
+        raise ValueError(f"{len(win)} window(s) leave none to train on with val_split={a.val_split}")
     return _take((win, lab), slice(0, n_train)), _take((win, lab), slice(n_train, None))
 
 
-def _windows(model: Model, data, ctx_size: int, what: str) -> tuple[np.ndarray, np.ndarray | None]:
+def _windows(
+    model: Model, data, ctx_size: int, what: str, limit: int | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
     """(windows (n, ctx_size + 1), labels (n, ctx_size) or None) of text, token ids, examples or a
-    🤗 dataset (its rows as examples: :func:`~llamabind.train.from_dataset`)."""
+    🤗 dataset (its rows, the first ``limit`` if given, as examples: :func:`~llamabind.train.from_dataset`)."""
     if is_dataset(data):
-        data = from_dataset(data, model, name=f"{what} (a dataset)")
+        data = from_dataset(data, model, name=f"{what} (a dataset)", limit=limit)
     if isinstance(data, str):
         return windows(np.asarray(model.tokenize(data, add_special=True), dtype=np.int64), ctx_size), None
     if isinstance(data, Sequence) and len(data) and all(isinstance(e, Example) for e in data):

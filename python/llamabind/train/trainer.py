@@ -18,12 +18,20 @@ __all__ = ["Trainer"]
 
 
 def check_model(model: Model, lora: bool) -> None:
-    """What training needs of ``model``: for LoRA (``lora``) over a quantized model, weights in the
+    """What training needs of ``model``: a causal language model (an encoder such as BERT is refused:
+    its first step crashed in llama.cpp); for LoRA (``lora``) over a quantized model, weights in the
     GGUF's layout (repack=False); for a full fine-tune, F32 weights loaded with use_mmap=False.
     Raises TypeError (not a Model) or ValueError naming the fix; before any llama.cpp call (the
     backward pass over a repacked weight would abort in ggml's scheduler: no backend runs it)."""
     if not isinstance(model, Model):
         raise TypeError(f"model must be a llamabind.Model; got {type(model).__name__}")
+    meta = model.metadata
+    arch = meta.get("general.architecture", "?")
+    if meta.get(f"{arch}.attention.causal") is False:  # an encoder (BERT and kin): next-token training means nothing
+        raise ValueError(
+            f"fine-tuning trains causal language models (next-token prediction); this {arch} model attends in both "
+            "directions (an embedding or reranking model): llama.cpp has no training for it"
+        )
     all_f32 = model.size == 4 * model.n_params
     if lora:
         if not all_f32 and model.repack:
