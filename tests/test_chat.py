@@ -294,7 +294,7 @@ def test_unknown_sampling_argument(model):
 def test_chat_cli_repl(model_path):
     """python -m llamabind chat: an interactive loop with history, /exit ends it."""
     p = subprocess.run(
-        [sys.executable, "-m", "llamabind", "chat", "-m", str(model_path), "-t", "0", "-n", "8", "--no-progress"],
+        [sys.executable, "-m", "llamabind", "chat", "-m", str(model_path), "--temp", "0", "-n", "8", "--no-progress"],
         input="Hi\nWhat did I just say?\n/exit\n",
         capture_output=True,
         text=True,
@@ -329,7 +329,7 @@ def _pty_chat(model_path, keys: list[bytes], env: dict) -> str:
     import select
     import time
 
-    cmd = [sys.executable, "-m", "llamabind", "chat", "-m", str(model_path), "-t", "0", "-n", "6", "--no-progress"]
+    cmd = [sys.executable, "-m", "llamabind", "chat", "-m", str(model_path), "--temp", "0", "-n", "6", "--no-progress"]
     pid, fd = pty.fork()
     if pid == 0:  # the child: the REPL on the pty
         os.execvpe(cmd[0], cmd, env)
@@ -375,10 +375,35 @@ def test_chat_repl_in_a_terminal(model_path, tmp_path):
     models_dir = Path(llamabind.models.cache_dir()) / "models"
     if models_dir.exists():  # the model stays where it is: the cache here holds only the history
         (tmp_path / "models").symlink_to(models_dir)
-    out = _pty_chat(model_path, [b"/help\r", b"/frobnicate\r", b"abc\x1b[DX\r", b"/exit\r"], env)
+    keys = [b"/help\r", b"/frobnicate\r", b"/system Be brief.\r", b"abc\x1b[DX\r", b"/reset\r", b"\x04"]
+    out = _pty_chat(model_path, keys, env)
     assert "n_ctx" in out and "/help for commands" in out, out
     assert "/reset" in out and "/system TEXT" in out, out  # the help text
     assert "unknown command /frobnicate" in out, out
+    assert "[system prompt set (" in out and "[conversation cleared, the system prompt kept]" in out, out
     assert "generated: " in out and "tokens/s" in out, out  # the speed line of the reply
+    assert out.rstrip(" ").endswith("> \r\n"), repr(out[-40:])  # Ctrl-D ended the prompt's line
     history = (tmp_path / "chat_history").read_text()
     assert "abXc" in history and "\x1b" not in history, history
+
+
+def test_two_chats_at_once_keep_each_others_history(tmp_path, monkeypatch):
+    """Issue 59: each chat appends its own lines to the history file when it ends; rewriting the file
+    with its whole in-memory history, the second chat to end dropped the lines the first had saved
+    meanwhile (last writer wins). Here: a chat reads the file, another chat's line is appended while
+    this one runs, this one ends: the file holds the old line, the other's and this one's."""
+    readline = pytest.importorskip("readline")
+    from llamabind.cli import run
+
+    monkeypatch.setenv("LLAMABIND_CACHE", str(tmp_path))
+    path = tmp_path / "chat_history"
+    path.write_text("an old line\n")
+    readline.clear_history()
+    assert run._line_editing() == str(path)
+    readline.add_history("this chat's line")
+    with open(path, "a") as f:  # the other chat ended first
+        f.write("the other chat's line\n")
+    run._save_history(str(path))
+    lines = path.read_text().splitlines()
+    assert lines == ["an old line", "the other chat's line", "this chat's line"], lines
+    readline.clear_history()

@@ -62,7 +62,20 @@ def test_cli_split_options_reach_the_model(model_path):
 
     def gen(*extra):
         return subprocess.run(
-            [sys.executable, "-m", "llamabind", "generate", "Hi", "-n", "2", "-t", "0", "-m", str(model_path), *extra],
+            [
+                sys.executable,
+                "-m",
+                "llamabind",
+                "generate",
+                "Hi",
+                "-n",
+                "2",
+                "--temp",
+                "0",
+                "-m",
+                str(model_path),
+                *extra,
+            ],
             capture_output=True,
             text=True,
             timeout=120,
@@ -131,3 +144,61 @@ def test_model_facts(model):
     assert md["llama.context_length"] == 8192
     assert len(md["tokenizer.ggml.tokens"]) == model.n_vocab
     assert model.chat_template() == md["tokenizer.chat_template"]
+
+
+def _all_parsers() -> dict:
+    """Every subcommand's argparse parser, rpc-server's included."""
+    import argparse
+
+    from llamabind import cli, rpc
+
+    sub = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {**{n: p for n, p in sub.choices.items() if n != "rpc-server"}, "rpc-server": rpc.parser()}
+
+
+def test_one_vocabulary_across_the_subcommands():
+    """Issue 59: a flag means one thing in every subcommand that has it (the same destination: -t was
+    the temperature in generate/chat and the thread count in serve); every option says what it does;
+    llama.cpp's spellings: -t/--threads, -c/--ctx-size, -n/--n-predict, --temp, --lora and
+    --lora-scaled wherever a model is loaded, -m/--model everywhere a model is given."""
+    import argparse
+
+    parsers = _all_parsers()
+    dests: dict[str, set] = {}
+    for name, p in parsers.items():
+        for act in p._actions:
+            if not act.option_strings or isinstance(act, argparse._HelpAction) or act.help == argparse.SUPPRESS:
+                continue
+            assert act.help, f"{name} {act.option_strings[0]} has no help text"
+            for opt in act.option_strings:
+                dests.setdefault(opt, set()).add(act.dest)
+    clashes = {opt: sorted(d) for opt, d in dests.items() if len(d) > 1}
+    assert not clashes, clashes
+
+    def dest(cmd, opt):
+        return next(a.dest for a in parsers[cmd]._actions if opt in a.option_strings)
+
+    for cmd in ("generate", "chat", "serve", "finetune", "eval", "fuse", "rpc-server"):
+        assert dest(cmd, "-t") == "threads", cmd
+    for cmd in ("generate", "chat", "serve", "finetune", "eval"):
+        assert dest(cmd, "-c") == dest(cmd, "--ctx-size") == "n_ctx", cmd
+        assert dest(cmd, "-m") == "model", cmd
+    for cmd in ("generate", "chat", "serve", "eval"):
+        assert dest(cmd, "--lora") == "lora" and dest(cmd, "--lora-scaled") == "lora_scaled", cmd
+    for cmd in ("generate", "chat"):
+        assert dest(cmd, "-n") == dest(cmd, "--n-predict") == dest(cmd, "--max-tokens") == "max_tokens"
+        assert dest(cmd, "--temp") == "temperature" and dest(cmd, "--min-p") == "min_p"
+    assert dest("chat", "--system-prompt") == "system" and dest("chat", "--chat-template-file")
+
+
+def test_version_and_a_bare_command():
+    """--version names the package, the pin and the patch count; a bare `python -m llamabind` lists the
+    commands (it answered "the following arguments are required: cmd")."""
+    from llamabind import build_info
+
+    v = subprocess.run([sys.executable, "-m", "llamabind", "--version"], capture_output=True, text=True, timeout=120)
+    assert v.returncode == 0, v.stderr
+    n = len(build_info()["patches"])
+    assert v.stdout.startswith("llamabind ") and "b11312" in v.stdout and f"{n} patches" in v.stdout, v.stdout
+    bare = subprocess.run([sys.executable, "-m", "llamabind"], capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 0 and "generate" in bare.stdout and "finetune" in bare.stdout, bare.stdout + bare.stderr

@@ -526,7 +526,7 @@ def test_langchain_human_message_with_an_image(mm_srv):
 def test_cli_chat_with_image_and_generate_with_audio(model_path, mmproj):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     base = [sys.executable, "-m", "llamabind"]
-    common = ["-m", str(model_path), "--mmproj", str(mmproj["omni"]), "-t", "0", "-n", "8", "--n-ctx", "2048"]
+    common = ["-m", str(model_path), "--mmproj", str(mmproj["omni"]), "--temp", "0", "-n", "8", "--n-ctx", "2048"]
     r = subprocess.run(
         base + ["chat", *common],
         input=f"/image {IMAGE}\nWhat is in the picture?\n",

@@ -97,7 +97,7 @@ def test_wheel_installs_into_a_fresh_venv_and_generates(tmp_path, model_path):
     run_env = outside_env()
     run_env["LLAMABIND_CACHE"] = str(model_path.parent.parent.parent)  # the model already fetched
     g = subprocess.run(
-        [str(py), "-m", "llamabind", "generate", "The capital of France is", "-t", "0", "-n", "8"],
+        [str(py), "-m", "llamabind", "generate", "The capital of France is", "--temp", "0", "-n", "8"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -220,6 +220,38 @@ def test_tokenize_detokenize(srv, model):
     assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["content"] == "Hello world"
 
 
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(temperature=1e308), "temperature"),
+        (dict(top_p=-3), "top_p"),
+        (dict(extra_body={"top_k": -10}), "top_k"),
+        (dict(extra_body={"min_p": 7}), "min_p"),
+        (dict(logprobs=True, top_logprobs=1000000), "top_logprobs"),
+        (dict(extra_body={"n_probs": -1}), "n_probs"),
+        (dict(presence_penalty=5), "presence_penalty"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_out_of_range_sampling_fields_are_400s_naming_the_field(client, srv, kw, field):
+    """Issue 59: llama-server answered 200 to these (temperature 1e308, top_p -3, ...); through the
+    openai client each is a 400 (BadRequestError) whose message names the field and its range."""
+    with pytest.raises(openai.BadRequestError, match=f"'{field}' must be"):
+        _chat(client, srv, "Hi", max_tokens=2, **kw)
+
+
+def test_detokenize_refuses_ids_outside_the_vocabulary(srv):
+    """Issue 59: /detokenize with ids -5 and 10**9 answered 400 with llama.cpp's raw C++ message
+    (vector::_M_range_check ...); now the 400 names the id, its position and the vocabulary's range."""
+    for bad, pos in (([1, -5], 1), ([10**9], 0), ([1, "x"], 1)):
+        r = httpx.post(srv.url + "/detokenize", json={"tokens": bad})
+        assert r.status_code == 400, r.text
+        msg = _error(r)["message"]
+        assert (
+            f"'tokens'[{pos}] must be a token id in [0, {srv.context.n_vocab})" in msg and "_M_range_check" not in msg
+        )
+
+
 def test_metrics_are_prometheus_text(srv, client):
     _chat(client, srv, "Hi", max_tokens=2)
     text = httpx.get(srv.url + "/metrics").text

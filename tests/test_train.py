@@ -383,8 +383,10 @@ def test_validation_between_accumulated_windows_does_not_move_the_step(smollm2_f
 
 def test_lora_over_the_quantized_model(model_path, text, tmp_path):
     """QLoRA: a rank-8 adapter on attn_q/attn_v over the Q4_1 model as it is. The held-out loss
-    falls; the saved adapter loads in llamabind and in upstream's llama-completion (--lora) with
-    the same greedy text."""
+    falls; the saved adapter loads in llamabind, in `python -m llamabind generate --lora` and in
+    upstream's llama-completion (--lora) with the same greedy text. All three keep the GGUF's layout
+    (repack=False, --no-repack, -nr): on an AMX host repacked Q4_1 weights take other kernels, whose
+    rounding may change a greedy token (issue 55)."""
     with llamabind.Model(model_path, repack=False, n_threads=2) as m:
         r = train.finetune(m, text[:7000], lora_rank=8, lr=1e-3, val_split=0.25, progress=False)
         (e,) = r.epochs
@@ -399,9 +401,14 @@ def test_lora_over_the_quantized_model(model_path, text, tmp_path):
         assert tuned != base
     exe = require_tool("llama-completion")
     cmd = [str(exe), "-m", str(model_path), "--lora", str(out), "-p", PROMPT, "-n", "16", "--temp", "0", "-no-cnv"]
-    p = subprocess.run([*cmd, "-t", "2"], capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    p = subprocess.run([*cmd, "-t", "2", "-nr"], capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stderr.decode(errors="replace")[-2000:]
     assert tuned.strip() in p.stdout.decode(errors="replace"), (p.stdout, tuned)
+    cli = [sys.executable, "-m", "llamabind", "generate", PROMPT, "-m", str(model_path), "--lora", str(out)]
+    g = subprocess.run([*cli, "--temp", "0", "-n", "16", "-t", "2", "-c", "256", "--no-repack"], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert g.returncode == 0, g.stderr[-2000:]
+    assert g.stdout.startswith(tuned), (g.stdout, tuned)
     with llamabind.Model(model_path, n_threads=2) as m, pytest.raises(ValueError, match="repack=False"):
         train.finetune(m, text, lora_rank=8, progress=False)
     with llamabind.Model(model_path, repack=False, n_threads=2) as m:

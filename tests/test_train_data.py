@@ -339,7 +339,10 @@ def test_bad_settings_and_rows_are_refused_before_training(model_path, tmp_path)
                 train.finetune(m, text, lora_rank=kw.pop("lora_rank", 8), iters=1, progress=False, **kw)
         for k, (row, match) in enumerate(rows):
             path = tmp_path / f"bad{k}.jsonl"
-            path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
-                                                     {"role": "assistant", "content": "a"}]}) + "\n" + json.dumps(row))
+            path.write_text(
+                json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+                + "\n"
+                + json.dumps(row)
+            )
             with pytest.raises(ValueError, match=f"bad{k}.jsonl:2: .*{match}"):
                 train.read_data(path, m)

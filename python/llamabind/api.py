@@ -43,6 +43,11 @@ class Model(model.Model):
     loads a :class:`~llamabind.projector.Projector` (``mmproj_use_gpu``, ``image_min_tokens``,
     ``image_max_tokens`` are its parameters), after which :meth:`chat` takes image and audio
     content parts; or call :meth:`load_mmproj` later.
+
+    LoRA adapters: ``lora`` (paths, scale 1, or (path, scale) pairs: llama.cpp's ``--lora`` and
+    ``--lora-scaled``) are loaded with the model (:meth:`load_lora`) and applied to every context
+    it makes, the one :meth:`generate` and :meth:`chat` use included. Raises FileNotFoundError,
+    ValueError (not an adapter of this model), TypeError (not a path or pair).
     """
     )
 
@@ -54,17 +59,29 @@ class Model(model.Model):
         mmproj_use_gpu: bool = True,
         image_min_tokens: int | None = None,
         image_max_tokens: int | None = None,
+        lora: Sequence[str | os.PathLike | tuple[str | os.PathLike, float]] | None = None,
         **params: Any,
     ):
         super().__init__(path, **params)
-        if mmproj is not None:
-            try:
+        self.loras: list[tuple[model.LoraAdapter, float]] = []
+        """The adapters of ``lora``, loaded, with their scales: applied to every context made."""
+        try:
+            for spec in lora or ():
+                p, scale = spec if isinstance(spec, tuple) else (spec, 1.0)
+                if (
+                    not isinstance(p, (str, os.PathLike))
+                    or isinstance(scale, bool)
+                    or not isinstance(scale, (int, float))
+                ):
+                    raise TypeError(f"lora: a path or a (path, scale) pair; got {spec!r}")
+                self.loras.append((self.load_lora(p), float(scale)))
+            if mmproj is not None:
                 self.load_mmproj(
                     mmproj, use_gpu=mmproj_use_gpu, image_min_tokens=image_min_tokens, image_max_tokens=image_max_tokens
                 )
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     def load_mmproj(self, path: str | os.PathLike, **params: Any) -> Projector:
         """Load a multimodal projector (mmproj GGUF) for this model, replacing one loaded before;
@@ -79,10 +96,13 @@ class Model(model.Model):
         return multimodal.projector_of(self)
 
     def context(self, **params: Any) -> Context:
-        """A new :class:`Context` on this model; ``params`` (n_ctx, n_batch, n_ubatch, n_threads,
-        n_seq_max, kv_unified, embeddings, pooling, op_offload, type_k, type_v, flash_attn)
-        override :attr:`context_params`."""
-        return Context(self, **{**self.context_params, **params})
+        """A new :class:`Context` on this model, with the model's ``lora`` adapters applied; ``params``
+        (n_ctx, n_batch, n_ubatch, n_threads, n_seq_max, kv_unified, embeddings, pooling, op_offload,
+        type_k, type_v, flash_attn) override :attr:`context_params`."""
+        ctx = Context(self, **{**self.context_params, **params})
+        for adapter, scale in self.loras:
+            ctx.set_lora(adapter, scale)
+        return ctx
 
     def _default_context(self) -> Context:
         ctx = self.attachments.get(_DEFAULT_CONTEXT)

@@ -157,10 +157,9 @@ def serve(
     raise OSError(f"the RPC server on {endpoint} did not accept connections within {timeout} s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m llamabind rpc-server``: serve until killed (Ctrl-C)."""
+def parser():
+    """The rpc-server command's argparse parser."""
     import argparse
-    import signal
 
     ap = argparse.ArgumentParser(
         prog="python -m llamabind rpc-server",
@@ -176,9 +175,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="device to serve (repeatable; default: the GPUs, else CPU); see `python -m llamabind info`",
     )
-    ap.add_argument("--cache-dir", "-c", default=None, help="keep received tensors here by hash (faster reloads)")
+    # (no -c: it is every other command's --ctx-size)
+    ap.add_argument("--cache-dir", default=None, help="keep received tensors here by hash (faster reloads)")
     ap.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
     ap.add_argument("--quiet-warning", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m llamabind rpc-server``: serve until killed (Ctrl-C)."""
+    import signal
+
+    ap = parser()
     args = ap.parse_args(argv)
     try:
         endpoint = _join(args.host, args.port)

@@ -62,7 +62,49 @@ def _authorized(headers: Any, api_key: str) -> bool:
     return hmac.compare_digest(given.encode(), api_key.encode())
 
 
-def _prepare(path: str, body: bytes, model_names: frozenset[str], model_id: str) -> tuple[bytes, Any]:
+# sampling fields a request may carry, as llama-server reads them, and the range each must be in: a value
+# outside it is a 400 naming the field (llama-server took temperature 1e308, top_p -3, min_p 7 and answered)
+_REAL_FIELDS = {
+    "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "typical_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0), "repeat_penalty": (0.0, 100.0),
+    "dynatemp_range": (0.0, 100.0), "xtc_probability": (0.0, 1.0), "xtc_threshold": (0.0, 1.0),
+}  # fmt: skip
+_INT_FIELDS = {"top_k": (0, None), "top_logprobs": (0, 20), "n_probs": (0, 100), "repeat_last_n": (-1, None)}
+
+
+def _field_error(data: dict) -> str | None:
+    """What is wrong with a request's sampling fields (None: nothing), and with /detokenize's ids."""
+    for key, (lo, hi) in _REAL_FIELDS.items():
+        v = data.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi):
+            return f"'{key}' must be a number in [{lo:g}, {hi:g}]; got {v!r}"
+    for key, (lo, hi) in _INT_FIELDS.items():
+        v = data.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            return f"'{key}' must be an integer in [{lo}, {'...' if hi is None else hi}]; got {v!r}"
+    return None
+
+
+def _token_error(data: dict, n_vocab: int | None) -> str | None:
+    """/detokenize: 'tokens' must be token ids of this vocabulary (llama.cpp answered a raw C++ range error)."""
+    ids = data.get("tokens")
+    if not isinstance(ids, list):
+        return "'tokens' must be an array of token ids"
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (n_vocab is not None and t >= n_vocab):
+            return (
+                f"'tokens'[{i}] must be a token id in [0, {n_vocab if n_vocab is not None else 'n_vocab'}); got {t!r}"
+            )
+    return None
+
+
+def _prepare(
+    path: str, body: bytes, model_names: frozenset[str], model_id: str, n_vocab: int | None = None
+) -> tuple[bytes, Any]:
     """(body, None) to hand to llama.cpp, or (b"", an error response): the body must be a JSON
     object, name a model this server has (OpenAI routes), ask for at least one token, and a named
     tool_choice becomes that one tool, required (llama-server reads tool_choice as a string only)."""
@@ -87,6 +129,9 @@ def _prepare(path: str, body: bytes, model_names: frozenset[str], model_id: str)
         v = data.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             return b"", _error(400, f"'{key}' must be an integer >= 1; got {v!r}")
+    problem = _token_error(data, n_vocab) if path == "/detokenize" else _field_error(data)
+    if problem is not None:
+        return b"", _error(400, problem)
     if isinstance(data.get("tool_choice"), dict):
         try:
             data["tools"], data["tool_choice"] = tool_choice(data.get("tools"), data["tool_choice"])
@@ -145,7 +190,7 @@ def create_app(core: ServerContext, *, api_key: str | None = None, max_body: int
                 if n > max_body:
                     return _error(413, f"the request body is larger than {max_body} bytes")
                 chunks.append(c)
-            body, err = _prepare(path, b"".join(chunks), core.model_names, core.model_id)
+            body, err = _prepare(path, b"".join(chunks), core.model_names, core.model_id, core.n_vocab)
             if err is not None:
                 return err
             # the work; GETs (health, metrics, slots, models) are always answered

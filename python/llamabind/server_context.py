@@ -174,6 +174,8 @@ class ServerContext:
         self.model_id: str = first["id"]
         self.model_names = frozenset([first["id"], *first.get("aliases", []), path.name, path.stem, str(path)])
         self.n_parallel: int = core.n_parallel
+        #: the vocabulary's size (token ids are in [0, n_vocab)), as /v1/models reports it
+        self.n_vocab: int | None = first.get("meta", {}).get("n_vocab")
 
     def request(
         self, method: str, path: str, body: bytes = b"", query: Mapping[str, str] | None = None

@@ -20,13 +20,10 @@ def main(argv=None) -> int:
 
         return rpc.main(argv[1:])
 
-    ap = argparse.ArgumentParser(prog="python -m llamabind", description="llamabind: llama.cpp from Python")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    run.add_parsers(sub)
-    tune.add_parsers(sub)
-    serve.add_parsers(sub)
-    convert.add_parsers(sub)
-    sub.add_parser("rpc-server", help="serve this host's devices over ggml RPC (see rpc-server --help)")
+    ap = parser()
+    if not argv:  # a bare `python -m llamabind`: what there is to run
+        ap.print_help()
+        return 0
     args = ap.parse_args(argv)
     try:
         common.resolve_hf(args)
@@ -34,3 +31,38 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, OSError, ImportError) as e:  # FileNotFoundError, ConnectionError too
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def version() -> str:
+    """``--version``: the package, the pinned llama.cpp and the patch series."""
+    from ..build import build_info
+
+    info = build_info()
+    return (
+        f"llamabind {info['version']} (llama.cpp {info['upstream_release']}, commit {info['upstream_commit'][:12]}, "
+        f"{len(info['patches'])} patches)"
+    )
+
+
+class _Version(argparse.Action):
+    """--version, computed when asked for (it imports the extension)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version())
+        parser.exit()
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser, every subcommand's but rpc-server's (:func:`llamabind.rpc.parser`)."""
+    ap = argparse.ArgumentParser(prog="python -m llamabind", description="llamabind: llama.cpp from Python")
+    ap.add_argument("--version", action=_Version, help="the package, the pinned llama.cpp and its patches")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    run.add_parsers(sub)
+    tune.add_parsers(sub)
+    serve.add_parsers(sub)
+    convert.add_parsers(sub)
+    sub.add_parser("rpc-server", help="serve this host's devices over ggml RPC (see rpc-server --help)")
+    return ap

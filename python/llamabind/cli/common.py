@@ -1,4 +1,5 @@
-"""What several commands share: the model's Hugging Face spelling."""
+"""What several commands share, in llama.cpp's spellings: the model (-m, -hf), -c/--ctx-size, -t/--threads,
+--lora/--lora-scaled."""
 
 from __future__ import annotations
 
@@ -43,3 +44,45 @@ def resolve_hf(args: argparse.Namespace) -> None:
         if hasattr(args, "mmproj") and args.mmproj is None and not getattr(args, "no_mmproj", False):
             proj = hub.download_mmproj(spec.partition(":")[0])
             args.mmproj = str(proj) if proj is not None else None
+
+
+def add_model(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    """``-m/--model``: a model name or a GGUF path."""
+    from .. import models
+
+    p.add_argument("--model", "-m", default=models.DEFAULT, help=help or "model name or GGUF path")
+
+
+def add_ctx_size(p: argparse.ArgumentParser, default: int | None, help: str = "context size in tokens") -> None:
+    """``-c/--ctx-size`` (``--n-ctx`` too, the Python argument's name): n_ctx."""
+    p.add_argument("--ctx-size", "-c", "--n-ctx", dest="n_ctx", type=int, default=default, help=help)
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    """``-t/--threads``: CPU threads."""
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: the cores there are)")
+
+
+def add_lora(p: argparse.ArgumentParser) -> None:
+    """``--lora FILE`` (repeatable, scale 1) and ``--lora-scaled FILE SCALE`` (repeatable): LoRA adapters
+    applied to the model (llama.cpp's flags)."""
+    p.add_argument("--lora", action="append", default=None, metavar="FILE", help="apply this LoRA adapter (repeatable)")
+    p.add_argument(
+        "--lora-scaled",
+        action="append",
+        nargs=2,
+        default=None,
+        metavar=("FILE", "SCALE"),
+        help="apply this LoRA adapter at SCALE (repeatable)",
+    )
+
+
+def lora_specs(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """[(path, scale)] of --lora and --lora-scaled; ValueError for a scale that is no number."""
+    out = [(f, 1.0) for f in getattr(args, "lora", None) or []]
+    for f, scale in getattr(args, "lora_scaled", None) or []:
+        try:
+            out.append((f, float(scale)))
+        except ValueError:
+            raise ValueError(f"--lora-scaled {f} {scale}: SCALE must be a number") from None
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ..convert import OUTTYPES
@@ -11,7 +12,7 @@ def _convert(args) -> int:
     from ..convert import convert_hf
 
     try:
-        out = convert_hf(args.hf_dir, args.outfile, outtype=args.outtype, python=args.python)
+        out = convert_hf(args.hf_dir, args.output, outtype=args.outtype, python=args.python)
     except RuntimeError as e:  # the converter's own failure, its last lines included
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -21,10 +22,14 @@ def _convert(args) -> int:
 
 def add_parsers(sub) -> None:
     """The convert subcommand."""
-    c = sub.add_parser("convert", help="a Hugging Face model directory (safetensors) to GGUF (convert_hf_to_gguf.py)")
+    c = sub.add_parser(
+        "convert",
+        help="a Hugging Face model directory (safetensors) to GGUF (convert_hf_to_gguf.py)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     c.add_argument("hf_dir", metavar="HF_DIR", help="config.json, the weights and the tokenizer files")
-    c.add_argument("--outfile", "-o", required=True, metavar="OUT.gguf")
-    c.add_argument("--outtype", choices=OUTTYPES, default="f16", help="weight type (default f16)")
+    c.add_argument("--outfile", "-o", dest="output", required=True, metavar="OUT.gguf", help="the GGUF to write")
+    c.add_argument("--outtype", choices=OUTTYPES, default="f16", help="weight type")
     c.add_argument(
         "--python", default=None, metavar="PY", help="run the converter with this interpreter (it needs torch etc.)"
     )

@@ -10,7 +10,7 @@ import sys
 from .. import models
 from ..generation import Stream
 from ..projector import MEDIA_MARKER
-from .common import add_hf, add_image_tokens
+from .common import add_ctx_size, add_hf, add_image_tokens, add_lora, add_model, add_threads, lora_specs
 
 DEFAULT_PROMPT = "The three most useful things to know about the Python programming language are"
 
@@ -18,8 +18,9 @@ DEFAULT_PROMPT = "The three most useful things to know about the Python programm
 def _model_kwargs(args) -> dict:
     """The Model(...) arguments the generate and chat commands share."""
     kw = dict(
-        n_ctx=args.n_ctx, n_threads=args.threads, rpc=args.rpc, n_gpu_layers=args.n_gpu_layers, repack=args.repack
-    )
+        n_ctx=args.n_ctx, n_threads=args.threads, rpc=args.rpc, n_gpu_layers=args.n_gpu_layers, repack=args.repack,
+        lora=lora_specs(args),
+    )  # fmt: skip
     if args.split_mode is not None:
         kw["split_mode"] = args.split_mode
     if args.tensor_split is not None:
@@ -43,6 +44,7 @@ def _generation_kwargs(args) -> dict:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         seed=args.seed,
         stream=True,
     )
@@ -95,29 +97,49 @@ CHAT_HELP = """commands:
 anything else is sent to the model; arrow keys edit the line and browse the history"""
 
 
+HISTORY_LINES = 1000  # kept in the chat's history file
+
+
+def history_path() -> str:
+    """The chat's history file: ``chat_history`` in the llamabind cache ($LLAMABIND_CACHE)."""
+    return str(models.cache_dir() / "chat_history")
+
+
+_history_start = 0  # readline's history length after the file was read: this session's lines follow
+
+
 def _line_editing() -> str | None:
     """readline's line editing and a history file for an interactive chat (llama-cli's users expect
     both: without readline, input() echoes the arrow keys' escape codes). Returns the history file."""
+    global _history_start
     try:
         import readline
     except ImportError:  # e.g. Windows without pyreadline
         return None
-    path = str(models.cache_dir() / "chat_history")
+    path = history_path()
     try:
         readline.read_history_file(path)
     except OSError:
         pass
-    readline.set_history_length(1000)
+    _history_start = readline.get_current_history_length()
     return path
 
 
 def _save_history(path: str | None) -> None:
+    """Append this session's lines to the history file (two chats at once each add theirs: rewriting the
+    whole file, the last to leave dropped the other's), then keep its last HISTORY_LINES lines."""
     if path is None:
         return
     import readline
 
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        if not os.path.exists(path):
+            open(path, "a").close()
+        readline.append_history_file(readline.get_current_history_length() - _history_start, path)
+        readline.clear_history()
+        readline.read_history_file(path)  # everyone's lines, then the file cut to the newest
+        readline.set_history_length(HISTORY_LINES)
         readline.write_history_file(path)
     except OSError as err:
         print(f"[could not write the history file {path}: {err.strerror}]", file=sys.stderr)
@@ -131,20 +153,28 @@ def _chat(args) -> int:
     from ..api import Model
 
     interactive = sys.stdin.isatty()
+    template = None
+    if args.chat_template_file is not None:
+        with open(args.chat_template_file, encoding="utf-8") as f:  # OSError: a clear error, before the model loads
+            template = f.read()
     with Model(args.model, progress=args.progress and interactive, **_model_kwargs(args)) as m:
         name = args.model if args.model in models.KNOWN else os.path.basename(str(m.path))
         history_file = None
         if interactive:
             history_file = _line_editing()
             n_ctx = m.context_params["n_ctx"]
-            print(f"[{name} | {m.description} | n_ctx {n_ctx} | /help for commands, /exit to leave]", file=sys.stderr)
+            loras = "".join(f" | LoRA {os.path.basename(str(a.path))} x{sc:g}" for a, sc in m.loras)
+            print(f"[{name} | {m.description} | n_ctx {n_ctx}{loras} | /help for commands, /exit to leave]",
+                  file=sys.stderr)  # fmt: skip
         history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         pending = _media_parts(args.image, args.audio)  # media for the next user turn
         try:
             while True:
                 try:
                     line = input("> " if interactive else "")
-                except EOFError:
+                except EOFError:  # Ctrl-D: end the prompt's line, so the shell's next one starts clean
+                    if interactive:
+                        print(file=sys.stderr)
                     break
                 except KeyboardInterrupt:
                     print()
@@ -156,10 +186,13 @@ def _chat(args) -> int:
                     print(CHAT_HELP, file=sys.stderr)
                     continue
                 if cmd == "/reset":
-                    history = history[:1] if args.system else []
+                    system = [h for h in history[:1] if h["role"] == "system"]
+                    history = system
+                    print("[conversation cleared" + (", the system prompt kept]" if system else "]"), file=sys.stderr)
                     continue
                 if cmd.startswith("/system "):
                     history = [{"role": "system", "content": cmd[8:]}] + [h for h in history if h["role"] != "system"]
+                    print(f"[system prompt set ({len(cmd[8:])} characters)]", file=sys.stderr)
                     continue
                 if cmd.startswith(("/image ", "/audio ")):
                     kind, path = cmd[1:6], cmd[7:].strip()
@@ -180,7 +213,7 @@ def _chat(args) -> int:
                 history.append({"role": "user", "content": content})
                 pending = []
                 try:
-                    stream = m.chat(history, **_generation_kwargs(args))
+                    stream = m.chat(history, template=template, **_generation_kwargs(args))
                     assert isinstance(stream, Stream)
                     for piece in stream:
                         sys.stdout.write(piece)
@@ -226,16 +259,21 @@ def _info(args) -> int:
 
 
 def _model_and_sampling(p, max_tokens: int) -> None:
-    """The model, offload and sampling options generate and chat share."""
-    p.add_argument("--model", "-m", default=models.DEFAULT, help=f"model name or GGUF path (default {models.DEFAULT})")
+    """The model, offload and sampling options generate and chat share (llama.cpp's spellings)."""
+    add_model(p)
     add_hf(p, mmproj=True)
-    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens)
-    p.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", "-s", type=int, default=None)
-    p.add_argument("--n-ctx", type=int, default=4096)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--n-predict", "-n", "--max-tokens", dest="max_tokens", type=int, default=max_tokens,
+        help="tokens to generate at most",
+    )  # fmt: skip
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: the smallest set of this mass")
+    p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below this fraction of the likeliest's")
+    p.add_argument("--seed", "-s", type=int, default=None, help="sampling seed (default: a random one)")
+    add_ctx_size(p, 4096)
+    add_threads(p)
+    add_lora(p)
     p.add_argument(
         "--rpc",
         action="append",
@@ -274,16 +312,27 @@ def _model_and_sampling(p, max_tokens: int) -> None:
 
 def add_parsers(sub) -> None:
     """The generate, chat and info subcommands."""
-    g = sub.add_parser("generate", help="stream a continuation of PROMPT")
+    g = sub.add_parser(
+        "generate", help="stream a continuation of PROMPT", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     g.add_argument("prompt", nargs="?", help="the prompt (default: a short example prompt)")
     _model_and_sampling(g, 128)
     g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     g.set_defaults(fn=_generate)
-    c = sub.add_parser("chat", help="interactive chat with the model's chat template (history kept)")
+    c = sub.add_parser(
+        "chat", help="interactive chat with the model's chat template (history kept)",
+        description="An interactive chat; /help lists its commands. In a terminal, readline edits the line and "
+        f"keeps a history of your lines in {history_path()} (the last {HISTORY_LINES}; $LLAMABIND_CACHE moves it).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
     _model_and_sampling(c, 512)
-    c.add_argument("--system", default=None, help="system message (default: the template's)")
+    c.add_argument(
+        "--system-prompt", "-sys", "--system", dest="system", default=None,
+        help="system message (default: the template's)",
+    )  # fmt: skip
+    c.add_argument("--chat-template-file", default=None, help="a jinja chat template instead of the GGUF's")
     c.add_argument("--no-progress", dest="progress", action="store_false", help="no loading progress bar")
     c.set_defaults(fn=_chat)
-    i = sub.add_parser("info", help="print build_info()")
-    i.add_argument("--json", action="store_true")
+    i = sub.add_parser("info", help="print build_info()", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    i.add_argument("--json", action="store_true", help="as JSON")
     i.set_defaults(fn=_info)

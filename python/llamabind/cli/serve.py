@@ -7,7 +7,7 @@ import sys
 
 from .. import models
 from ..context import KV_CACHE_TYPES
-from .common import add_hf, add_image_tokens
+from .common import add_ctx_size, add_hf, add_image_tokens, add_lora, add_threads, lora_specs
 
 
 def _serve(args) -> int:
@@ -24,7 +24,7 @@ def _serve(args) -> int:
         host=args.host,
         port=args.port,
         parallel=args.parallel,
-        ctx_size=args.ctx_size,
+        ctx_size=args.n_ctx,
         api_key=args.api_key,
         embedding=args.embedding,
         pooling=args.pooling,
@@ -36,7 +36,7 @@ def _serve(args) -> int:
         alias=args.alias,
         chat_template=template,
         flash_attn=args.flash_attn,
-        lora=[(p, 1.0) for p in args.lora or []],
+        lora=lora_specs(args),
         max_body=args.max_body,
         max_pending=args.max_pending,
         access_log=args.verbose,
@@ -72,20 +72,22 @@ def _serve(args) -> int:
 def add_parsers(sub) -> None:
     """The serve subcommand."""
     s = sub.add_parser(
-        "serve", help="an OpenAI-compatible HTTP server with continuous batching (llama.cpp's server core)"
+        "serve",
+        help="an OpenAI-compatible HTTP server with continuous batching (llama.cpp's server core)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    s.add_argument("model_pos", nargs="?", metavar="MODEL", help=f"model name or GGUF path (default {models.DEFAULT})")
-    s.add_argument("--model", "-m", default=models.DEFAULT, help=argparse.SUPPRESS)
+    s.add_argument("model_pos", nargs="?", metavar="MODEL", help="the model, as -m gives it")
+    s.add_argument("--model", "-m", default=models.DEFAULT, help="model name or GGUF path")
     add_hf(s, mmproj=True)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port, printed)")
     s.add_argument("--parallel", "-np", type=int, default=4, help="slots decoded together (default 4)")
-    s.add_argument("--ctx-size", "-c", type=int, default=None, help="KV cache tokens shared by the slots")
+    add_ctx_size(s, None, "KV cache tokens shared by the slots (default: the model's n_ctx_train)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or X-Api-Key)")
     s.add_argument("--embedding", action="store_true", help="serve /v1/embeddings (an embedding model)")
     s.add_argument("--pooling", choices=["mean", "cls", "last", "rank"], default=None, help="embedding pooling")
     s.add_argument("--n-gpu-layers", "-ngl", type=int, default=None, help="layers to offload (default: all that fit)")
-    s.add_argument("--threads", "-t", type=int, default=None)
+    add_threads(s)
     s.add_argument("--batch-size", "-b", type=int, default=None, help="logical batch size (n_batch)")
     s.add_argument("--ubatch-size", "-ub", type=int, default=None, help="physical batch size (n_ubatch)")
     s.add_argument(
@@ -93,7 +95,9 @@ def add_parsers(sub) -> None:
     )
     s.add_argument("--alias", default=None, help="the model id clients send (default: the model's name)")
     s.add_argument("--chat-template-file", default=None, help="a jinja chat template replacing the model's")
-    s.add_argument("--flash-attn", "-fa", choices=["on", "off", "auto"], default=None)
+    s.add_argument(
+        "--flash-attn", "-fa", choices=["on", "off", "auto"], default=None, help="flash attention (default: auto)"
+    )
     kv = sorted(KV_CACHE_TYPES)
     s.add_argument("--cache-type-k", "-ctk", choices=kv, default=None, help="KV cache type for K (default f16)")
     s.add_argument("--cache-type-v", "-ctv", choices=kv, default=None, help="KV cache type for V (quantized: -fa)")
@@ -105,7 +109,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--model-draft", "-md", default=None, metavar="GGUF", help="a draft model: speculative decoding")
     s.add_argument("--draft-max", type=int, default=None, help="tokens drafted per step (default 3)")
     s.add_argument("--draft-min", type=int, default=None, help="fewest drafted tokens used (default 0)")
-    s.add_argument("--lora", action="append", default=None, metavar="GGUF", help="apply this LoRA adapter")
+    add_lora(s)
     s.add_argument("--max-body", type=int, default=16 * 2**20, help="request body limit in bytes (413 beyond)")
     s.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503 (default 256)")
     s.add_argument("--verbose", "-v", action="store_true", help="log each request (uvicorn's access log)")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from .. import models
-from .common import add_hf
+from .common import add_ctx_size, add_hf, add_lora, add_model, add_threads, lora_specs
 
 DATASET_ID = r"[\w.-]+/[\w.-]+(:[\w.-]+)?"  # a Hub dataset id, org/name[:split]
 
@@ -30,7 +31,9 @@ def _eval(args) -> int:
     from .. import train
     from ..api import Model
 
-    _check_inputs({"--data": args.data}, {"--adapter": args.adapter, "--chat-template-file": args.chat_template_file})
+    loras = lora_specs(args)
+    _check_inputs({"--data": args.data}, {"--chat-template-file": args.chat_template_file})
+    _check_inputs({}, {f"--lora {p}": p for p, _ in loras})
     template = Path(args.chat_template_file).read_text(encoding="utf-8") if args.chat_template_file else None
     # loaded as finetune loads it (repack=False: the GGUF's own layout and ggml's plain CPU kernels), so
     # that eval's loss is the one finetune's validation and --test print for the same file and machine;
@@ -38,8 +41,8 @@ def _eval(args) -> int:
     kw = dict(repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
     with Model(models.resolve(args.model), **kw) as m:
         data = train.read_data(args.data, m, chat_template=template, train_on_prompt=args.train_on_prompt)
-        adapter = m.load_lora(args.adapter) if args.adapter else None
-        r = train.evaluate(m, data, ctx_size=args.ctx_size, adapter=adapter, n_threads=args.threads)
+        adapters = [(m.load_lora(p), scale) for p, scale in loras]
+        r = train.evaluate(m, data, ctx_size=args.n_ctx, adapter=adapters, n_threads=args.threads)
     print(f"loss {r.loss:.4f}, perplexity {r.perplexity:.3f} over {r.tokens} tokens in {r.windows} windows")
     return 0
 
@@ -47,7 +50,7 @@ def _eval(args) -> int:
 def _fuse(args) -> int:
     from .. import train
 
-    out = train.fuse(args.model, args.adapter, args.output, scale=args.scale, quantize_to=args.quantize,
+    out = train.fuse(args.model, args.lora, args.output, scale=args.scale, quantize_to=args.quantize,
                      n_threads=args.threads)  # fmt: skip
     print(f"wrote {out}" + (f" ({args.quantize})" if args.quantize else ""))
     return 0
@@ -78,10 +81,10 @@ def _training_args(args, ckpt_dir):
 
     flash = {"auto": None, "on": True, "off": False}[args.flash_attn]
     return train.TrainingArgs.of(
-        ctx_size=args.ctx_size, epochs=args.epochs, iters=args.iters, lr=args.lr, optimizer=args.optimizer,
+        ctx_size=args.n_ctx, epochs=args.epochs, iters=args.iters, lr=args.lr, optimizer=args.optimizer,
         weight_decay=args.weight_decay, val_split=args.val_split, batch_size=args.batch, grad_accum=args.grad_accum,
         train_embeddings=not args.freeze_embeddings, seed=args.seed, n_threads=args.threads,
-        progress=not args.no_progress, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        progress=args.progress, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(args.lora_targets.split(",")), lr_schedule=args.lr_schedule, warmup=args.warmup,
         min_lr=args.min_lr, steps_per_eval=args.steps_per_eval, steps_per_report=args.steps_per_report, log=args.log,
         checkpoint_dir=ckpt_dir, save_every=args.save_every, precision=args.precision, flash_attn=flash,
@@ -134,7 +137,7 @@ def _finetune(args) -> int:
                 print(f"{len(data)} examples from {args.data}", file=sys.stderr)
             res = train.finetune(m, data, settings, valid=valid, resume=resume)
             print(f"validation loss before: {res.val_loss_before:.4f}")
-            print(f"{res.steps} optimizer steps of {args.batch} window(s) of {args.ctx_size} tokens")
+            print(f"{res.steps} optimizer steps of {args.batch} window(s) of {args.n_ctx} tokens")
             for e in res.epochs:
                 print(
                     f"epoch {e.epoch}: train loss {e.train_loss:.4f}, validation loss {e.val_loss:.4f}, "
@@ -147,7 +150,7 @@ def _finetune(args) -> int:
             else:
                 m.save(out)
             if test is not None:  # mlx-lm's --test: the tuned model on held-out data, after training
-                t = train.evaluate(m, test, ctx_size=args.ctx_size, adapter=res.adapter, n_threads=args.threads)
+                t = train.evaluate(m, test, ctx_size=args.n_ctx, adapter=res.adapter, n_threads=args.threads)
                 print(f"test loss {t.loss:.4f}, perplexity {t.perplexity:.3f} over {t.tokens} tokens")
     print(f"wrote {out}" + (" (a LoRA adapter: load it with --lora / Model.load_lora)" if lora else ""))
     return 0
@@ -156,11 +159,11 @@ def _finetune(args) -> int:
 def add_parsers(sub) -> None:
     """The finetune, eval and fuse subcommands."""
     f = sub.add_parser(
-        "finetune", help="fine-tune a GGUF model (full, or LoRA) on JSONL examples or text (llama_opt_*)"
+        "finetune",
+        help="fine-tune a GGUF model (full, or LoRA) on JSONL examples or text (llama_opt_*)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    f.add_argument(
-        "--model", "-m", default=models.DEFAULT, help="model name or GGUF path (full: converted to F32 if needed)"
-    )
+    add_model(f, "model name or GGUF path (full fine-tunes: converted to F32 if needed)")
     add_hf(f)
     f.add_argument(
         "--data",
@@ -178,20 +181,22 @@ def add_parsers(sub) -> None:
     f.add_argument(
         "--lora-targets", default="attn_q,attn_v", help="comma-separated matrices (attn_q,attn_k,attn_v,...)"
     )
-    f.add_argument("--epochs", type=int, default=1)
+    f.add_argument("--epochs", type=int, default=1, help="passes over the training windows")
     f.add_argument("--iters", type=int, default=None, help="optimizer steps in all (instead of --epochs)")
     f.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
-    f.add_argument("--lr-schedule", choices=["constant", "cosine", "linear"], default="constant")
+    f.add_argument(
+        "--lr-schedule", choices=["constant", "cosine", "linear"], default="constant", help="the learning rate's decay"
+    )
     f.add_argument("--warmup", type=int, default=0, help="steps of linear warmup (default 0)")
     f.add_argument("--min-lr", type=float, default=0.0, help="where cosine/linear decay heads (default 0)")
     f.add_argument("--steps-per-eval", type=int, default=None, help="validate every N steps too")
     f.add_argument("--steps-per-report", type=int, default=None, help="print loss, lr, tokens/s, ETA every N steps")
     f.add_argument("--log", default=None, help="JSONL file: one line per step and per validation")
-    f.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    f.add_argument("--weight-decay", type=float, default=0.0)
-    f.add_argument("--ctx-size", "-c", type=int, default=256, help="tokens per window, a multiple of 256")
+    f.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="ggml-opt's optimizer")
+    f.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay, in [0, 1]")
+    add_ctx_size(f, 256, "tokens per window, a multiple of 256")
     f.add_argument("--val-split", type=float, default=0.1, help="fraction of windows held out (default 0.1)")
-    f.add_argument("--batch", "-b", type=int, default=1, help="windows per optimizer step, run as one graph")
+    f.add_argument("--batch", type=int, default=1, help="windows per optimizer step, run as one graph")
     f.add_argument(
         "--grad-accum", type=int, default=1, help="micro-batches per step (gradient accumulation; divides --batch)"
     )
@@ -214,9 +219,9 @@ def add_parsers(sub) -> None:
         help="flash attention in training, with its backward pass: auto (on when the model runs on a GPU), on, "
         "off (default: auto)",
     )
-    f.add_argument("--threads", type=int, default=None)
+    add_threads(f)
     f.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
-    f.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    f.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
     f.add_argument("--save-every", type=int, default=None, help="write a checkpoint every N steps (and at the end)")
     f.add_argument(
         "--checkpoint-dir", default=None, help="where checkpoints go (default: OUTPUT's name + '-checkpoints')"
@@ -225,23 +230,32 @@ def add_parsers(sub) -> None:
         "--resume", default=None, metavar="CHECKPOINT", help="continue from a checkpoint (or a directory's newest)"
     )
     f.set_defaults(fn=_finetune)
-    ev = sub.add_parser("eval", help="loss and perplexity on JSONL examples or text (the finetune masking rules)")
-    ev.add_argument("--model", "-m", default=models.DEFAULT, help="model name or GGUF path")
+    ev = sub.add_parser(
+        "eval",
+        help="loss and perplexity on JSONL examples or text (the finetune masking rules)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_model(ev)
     add_hf(ev)
-    ev.add_argument("--adapter", default=None, help="a LoRA adapter GGUF to apply (scale 1)")
+    add_lora(ev)
+    ev.add_argument("--adapter", action="append", dest="lora", metavar="FILE", help="the same as --lora")
     ev.add_argument("--data", required=True, help="as finetune --data: JSONL, a text file, or a 🤗 dataset")
-    ev.add_argument("--ctx-size", "-c", type=int, default=256, help="tokens per window")
+    add_ctx_size(ev, 256, "tokens per window")
     ev.add_argument("--train-on-prompt", action="store_true", help="count every token, not only the answers")
     ev.add_argument("--chat-template-file", default=None, help="jinja chat template instead of the GGUF's")
-    ev.add_argument("--threads", type=int, default=None)
+    add_threads(ev)
     ev.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
     ev.set_defaults(fn=_eval)
-    fu = sub.add_parser("fuse", help="merge a LoRA adapter into its base model: one GGUF")
-    fu.add_argument("--model", "-m", default=models.DEFAULT, help="the base model (name or GGUF path)")
+    fu = sub.add_parser(
+        "fuse",
+        help="merge a LoRA adapter into its base model: one GGUF",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_model(fu, "the base model (name or GGUF path)")
     add_hf(fu)
-    fu.add_argument("--adapter", required=True, help="the LoRA adapter GGUF (from finetune --lora-rank)")
+    fu.add_argument("--lora", "--adapter", dest="lora", required=True, metavar="FILE", help="the LoRA adapter to merge")
     fu.add_argument("--output", "-o", required=True, help="the fused GGUF")
-    fu.add_argument("--scale", type=float, default=1.0, help="the adapter's scale (default 1)")
+    fu.add_argument("--scale", type=float, default=1.0, help="the adapter's scale")
     fu.add_argument("--quantize", default=None, help="requantize the result: F16, Q8_0, Q4_0, Q4_1, ...")
-    fu.add_argument("--threads", type=int, default=None)
+    add_threads(fu)
     fu.set_defaults(fn=_fuse)

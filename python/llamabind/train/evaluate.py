@@ -55,11 +55,12 @@ def evaluate(
     data: str | Sequence[Example],
     *,
     ctx_size: int = 256,
-    adapter: LoraAdapter | None = None,
+    adapter: LoraAdapter | Sequence[tuple[LoraAdapter, float]] | None = None,
     scale: float = 1.0,
     n_threads: int | None = None,
 ) -> EvalResult:
-    """Loss and perplexity of ``model`` (with ``adapter`` applied at ``scale``) on ``data``: text
+    """Loss and perplexity of ``model`` (with ``adapter`` applied at ``scale``, or several adapters
+    as (adapter, scale) pairs) on ``data``: text
     or examples (:func:`read_data`), windows of at most ``ctx_size + 1`` tokens as in training.
     The logits come from llama_decode (:meth:`Context.eval`, float32 (n, n_vocab) per window); the
     loss is in nats per counted token, the perplexity its exp. Runs in a context with a training
@@ -78,8 +79,9 @@ def evaluate(
     # a training context's parameters (F32 KV cache, no flash attention): the numbers fine-tuning's
     # validation loss is computed with
     with Context(model, n_ctx=ctx_size, n_batch=ctx_size, n_ubatch=ctx_size, n_threads=n_threads, training=True) as ctx:
-        if adapter is not None:
-            ctx.set_lora(adapter, scale)
+        pairs = [(adapter, scale)] if isinstance(adapter, LoraAdapter) else list(adapter or [])
+        for a, sc in pairs:
+            ctx.set_lora(a, as_float(sc, "scale"))
         for tokens, labels in pieces:
             ctx.clear()
             logits = ctx.eval(tokens[:-1].tolist()).astype(np.float64)
