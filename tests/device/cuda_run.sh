@@ -44,6 +44,11 @@
 # qlora:  (carry .device-b after build) issue 27: tests/test_qlora.py on CUDA0, the gradient-accumulation
 #         test, bench/train.py on the GPU with PyTorch beside it (SmolLM2); qlora1b: the 1B shape;
 #         ctx: SmolLM2 training at ctx 512-4096.
+# fa56:   (carry .device; LB_NO_TOOLS=1: the build with the flash-attention kernels, no tools) issue 56: random-weight
+#         1B llamas in /tmp/lb-models, then the new kernels on CUDA0 (FLASH_ATTN_BACK against the CPU, the
+#         gradient compositions, out_prod and the BF16 GEMM of quantized weights).
+# fa56profile: (after fa56) bench/train_profile.py on the 1B: LB_MODES (default now,bf16: F32 products with composed
+#         attention, and the defaults: BF16 products, flash attention) at LB_PROFILE_1B (default 2048x4,4096x1).
 # train42: (carry .device) issue 42: the build, random-weight 1B and 135M llamas (Q4_0 and F32 copies in
 #         /tmp/lb-models), then bench/train_profile.py: a step's breakdown (build, alloc, inputs, compute;
 #         forward/backward/optimizer ops) for the pin's way (a window per graph, rebuilt every window) and
