@@ -190,11 +190,18 @@ def test_the_tensor_reader_agrees_with_gguf(tiny_q8, tiny_f32):
 
 def test_a_resume_with_nothing_left_or_a_bogus_position_is_refused(tiny_f32, text, tmp_path):
     """Issue 60: resuming a checkpoint at step 2 with iters=2 would train nothing and return: refused,
-    naming the step; a state.json whose step is 10**9 (beyond its run's total, its losses) is refused
-    when it is read, before any training."""
+    naming the step; a truncated optimizer.npz is a ValueError naming it (numpy's BadZipFile before); a
+    state.json whose step is 10**9 (beyond its run's total, its losses) is refused when it is read,
+    before any training."""
     _run("lora", tiny_f32, text, None, val_split=0, checkpoint_dir=tmp_path / "ck", iters=2)
     with pytest.raises(ValueError, match="at step 2; this run has 2 steps"):
         _run("lora", tiny_f32, text, None, val_split=0, resume=tmp_path / "ck", iters=2)
+    npz = tmp_path / "ck" / "step-0000002" / "optimizer.npz"
+    whole = npz.read_bytes()
+    npz.write_bytes(whole[: len(whole) // 2])  # truncated: BadZipFile from numpy before
+    with pytest.raises(ValueError, match="optimizer.npz: not the optimizer state of this checkpoint"):
+        _run("lora", tiny_f32, text, None, val_split=0, resume=tmp_path / "ck", iters=4)
+    npz.write_bytes(whole)
     state_path = tmp_path / "ck" / "step-0000002" / "state.json"
     state = json.loads(state_path.read_text())
     state_path.write_text(json.dumps({**state, "step": 10**9}))

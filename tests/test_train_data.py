@@ -346,3 +346,29 @@ def test_bad_settings_and_rows_are_refused_before_training(model_path, tmp_path)
             )
             with pytest.raises(ValueError, match=f"bad{k}.jsonl:2: .*{match}"):
                 train.read_data(path, m)
+
+
+def test_what_is_not_training_data_says_so(model_path, tmp_path):
+    """Issue 60: messages that name the argument and what was expected: a .jsonl path or a Hub id given to
+    finetune as a str (it trained on the name's few tokens), an empty valid, a DatasetDict, Example
+    tokens and mask of different lengths, a file that is not UTF-8, a Trainer used after close()."""
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "x.bin").write_bytes(b"\x00\xff\xfe" * 100)
+    with llamabind.Model(model_path, repack=False, n_threads=2) as m:
+        for name in (str(tmp_path / "d.jsonl"), "HuggingFaceH4/no_robots"):
+            with pytest.raises(ValueError, match=r"names a file or a Hub dataset.*train.read_data"):
+                train.finetune(m, name, lora_rank=4, progress=False)
+        with pytest.raises(ValueError, match="valid is empty"):
+            train.finetune(m, "word " * 2000, valid=[], lora_rank=4, progress=False)
+        with pytest.raises(ValueError, match="shape of tokens"):
+            train.Example(np.arange(5), np.ones(4, bool))
+        with pytest.raises(ValueError, match="x.bin: not UTF-8 text"):
+            train.read_data(tmp_path / "x.bin", m)
+        datasets = pytest.importorskip("datasets")
+        dd = datasets.DatasetDict(train=datasets.Dataset.from_list([{"text": "x"}]))
+        with pytest.raises(ValueError, match=r"DatasetDict of splits \['train'\]: give one split"):
+            train.finetune(m, dd, lora_rank=4, progress=False)
+        t = train.Trainer(m, params="lora", adapter=train_adapter(m), n_threads=2)
+        t.close()
+        with pytest.raises(ValueError, match="Trainer is closed"):
+            t.step(np.zeros((1, 257), np.int32))

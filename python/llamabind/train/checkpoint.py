@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,9 @@ def check_matches(state: dict, run: dict, ckpt: Path) -> None:
 def restore_optimizer(trainer: Trainer, ckpt: Path, state: dict) -> None:
     """Put the checkpoint's AdamW moments and step counter into ``trainer``'s optimizer (after its
     first step or evaluation, which allocates them)."""
-    with np.load(ckpt / OPTIMIZER) as z:
-        params = [(n, z[f"m{i}"], z[f"v{i}"]) for i, n in enumerate(state["params"])]
+    try:
+        with np.load(ckpt / OPTIMIZER) as z:
+            params = [(n, z[f"m{i}"], z[f"v{i}"]) for i, n in enumerate(state["params"])]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:  # truncated, overwritten
+        raise ValueError(f"{ckpt / OPTIMIZER}: not the optimizer state of this checkpoint ({err})") from None
     trainer.set_state(state["iter"], params)

@@ -34,6 +34,14 @@ class Example:
     tokens: np.ndarray
     counted: np.ndarray
 
+    def __post_init__(self) -> None:
+        t, c = np.asarray(self.tokens), np.asarray(self.counted)
+        if t.ndim != 1 or not np.issubdtype(t.dtype, np.integer):
+            raise TypeError(f"Example.tokens must be a 1-D integer array; got {t.dtype} {t.shape}")
+        if c.shape != t.shape:
+            raise ValueError(f"Example.counted must have the shape of tokens {t.shape}; got {c.shape}")
+        self.tokens, self.counted = t.astype(np.int32, copy=False), c.astype(bool, copy=False)
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -224,8 +232,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def is_dataset(obj) -> bool:
-    """Whether ``obj`` is a 🤗 datasets Dataset or IterableDataset (told without importing datasets)."""
-    return type(obj).__module__.split(".")[0] == "datasets" and hasattr(obj, "features")
+    """Whether ``obj`` is a 🤗 datasets Dataset or IterableDataset (told without importing datasets); a
+    DatasetDict counts too (from_dataset then asks for one of its splits)."""
+    return type(obj).__module__.split(".")[0] == "datasets" and (hasattr(obj, "features") or isinstance(obj, dict))
 
 
 def _require_datasets():
@@ -256,6 +265,8 @@ def from_dataset(
     ``messages`` with optional ``tools``), the loss on the same tokens. The rows are read and checked
     before anything is returned. Raises ValueError naming the columns and the formats (no known
     column), the row and column (a value of the wrong type), or an empty split."""
+    if type(ds).__name__ in ("DatasetDict", "IterableDatasetDict"):
+        raise ValueError(f"{name} is a {type(ds).__name__} of splits {sorted(ds)}: give one split, e.g. ds['train']")
     cols = list(ds.column_names or []) if getattr(ds, "column_names", None) is not None else None
     rows: Iterable = ds
     if cols is None:  # an IterableDataset whose features are not resolved: the first row tells
@@ -291,6 +302,15 @@ def load_dataset(spec: str):
     offline mode apply). Raises ImportError without the datasets package, FileNotFoundError for
     what is none of these, ValueError for a missing split."""
     datasets = _require_datasets()
+    try:
+        return _load_dataset(datasets, spec)
+    except (FileNotFoundError, ValueError, ImportError):
+        raise
+    except Exception as err:  # noqa: BLE001 (datasets' own exceptions, named in the message)
+        raise _dataset_error(spec, err) from None
+
+
+def _load_dataset(datasets, spec: str):
     p = Path(spec)
     if p.is_dir():
         if (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists() or (p / "state.json").exists():
@@ -327,7 +347,12 @@ def read_data(
         return from_dataset(path, model, chat_template=chat_template, train_on_prompt=train_on_prompt)
     p = Path(path)
     if p.is_file() and p.suffix not in (".parquet", ".csv", ".arrow"):
-        text = p.read_text(encoding="utf-8")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"{p}: not UTF-8 text, JSONL or a dataset file (parquet, csv, json, arrow): byte {e.start} is not UTF-8"
+            ) from None
         first = next((ln for ln in text.splitlines() if ln.strip()), "")
         if not first:
             raise ValueError(f"{p}: the file is empty")
@@ -338,3 +363,9 @@ def read_data(
     return from_dataset(
         load_dataset(str(path)), model, chat_template=chat_template, train_on_prompt=train_on_prompt, name=str(path)
     )
+
+
+def _dataset_error(spec: str, err: Exception) -> ValueError:
+    """A clear error for what 🤗 datasets raised reading ``spec`` (an empty saved folder: IndexError; bytes
+    that are no CSV: DatasetGenerationError; ...)."""
+    return ValueError(f"{spec}: could not be read as a dataset ({type(err).__name__}: {err})")

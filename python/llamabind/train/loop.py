@@ -358,6 +358,24 @@ def _split(model: Model, data, valid, a: TrainingArgs) -> tuple[Windows, Windows
     return _take((win, lab), slice(0, n_train)), _take((win, lab), slice(n_train, None))
 
 
+def _check_not_a_name(text: str, what: str) -> None:
+    """A short one-line str that names a file or looks like a Hub dataset id is not training text: it
+    trained on its own few tokens ("the data has 10 tokens ..."). ValueError pointing at read_data."""
+    if len(text) > 512 or "\n" in text or " " in text.strip():
+        return
+    import re
+
+    try:
+        exists = Path(text).exists()
+    except (OSError, ValueError):  # not a path at all (a NUL byte, too long)
+        exists = False
+    if exists or re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?", text):
+        raise ValueError(
+            f"{what} is the string {text!r}, which names a file or a Hub dataset: finetune trains on a str as text; "
+            f"read it first: train.read_data({text!r}, model)"
+        )
+
+
 def _windows(
     model: Model, data, ctx_size: int, what: str, limit: int | None = None
 ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -366,7 +384,10 @@ def _windows(
     if is_dataset(data):
         data = from_dataset(data, model, name=f"{what} (a dataset)", limit=limit)
     if isinstance(data, str):
+        _check_not_a_name(data, what)
         return windows(np.asarray(model.tokenize(data, add_special=True), dtype=np.int64), ctx_size), None
+    if isinstance(data, Sequence) and not len(data):
+        raise ValueError(f"{what} is empty: no text, token ids or examples to make windows of")
     if isinstance(data, Sequence) and len(data) and all(isinstance(e, Example) for e in data):
         eos = model.token_eos if model.token_eos is not None and model.token_eos >= 0 else 0
         win, lab, _ = example_windows(data, ctx_size, eos)

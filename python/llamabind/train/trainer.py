@@ -132,6 +132,7 @@ class Trainer:
         Returns (mean loss per labelled token in nats, next-token accuracy, labelled tokens),
         token-weighted over the micro-batches. Raises TypeError/ValueError for other shapes, ids
         outside [0, n_vocab), or a micro-batch whose labels are all -1."""
+        self._check_open()
         w, lab = self._check(windows, labels, self.batch_size)
         m = self.micro_batch
         if lab is not None:  # before any micro-batch runs: a refused one would leave a step half-accumulated
@@ -149,6 +150,7 @@ class Trainer:
         """Forward passes only over any number of windows (shapes as :meth:`step`): (mean loss per
         labelled token, accuracy, labelled tokens), token-weighted; NaN, NaN, 0 for none. A last
         micro-batch short of windows is filled with copies whose labels are all -1 (not counted)."""
+        self._check_open()
         w, lab = self._check(windows, labels, None)
         if not len(w):
             return float("nan"), float("nan"), 0
@@ -194,6 +196,10 @@ class Trainer:
         compute plus a launch and a synchronization each."""
         rows = [dict(phase=p, op=op, ms=ms, nodes=n) for p, op, ms, n in self.optimizer.profile()]
         return sorted(rows, key=lambda r: -r["ms"])
+
+    def _check_open(self) -> None:
+        if self.context.closed:
+            raise ValueError("this Trainer is closed: make a new one (its training context was freed)")
 
     def _check(self, windows, labels, rows: int | None) -> tuple[np.ndarray, np.ndarray | None]:
         w = np.asarray(windows)
