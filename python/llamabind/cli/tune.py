@@ -158,6 +158,11 @@ def _finetune(args) -> int:
 
 def add_parsers(sub) -> None:
     """The finetune, eval and fuse subcommands."""
+    _finetune_parser(sub)
+    _eval_and_fuse_parsers(sub)
+
+
+def _finetune_parser(sub) -> None:
     f = sub.add_parser(
         "finetune",
         help="fine-tune a GGUF model (full, or LoRA) on JSONL examples or text (llama_opt_*)",
@@ -230,6 +235,9 @@ def add_parsers(sub) -> None:
         "--resume", default=None, metavar="CHECKPOINT", help="continue from a checkpoint (or a directory's newest)"
     )
     f.set_defaults(fn=_finetune)
+
+
+def _eval_and_fuse_parsers(sub) -> None:
     ev = sub.add_parser(
         "eval",
         help="loss and perplexity on JSONL examples or text (the finetune masking rules)",

@@ -129,27 +129,10 @@ def finetune(
         seed=a.seed, shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
         lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
     )  # fmt: skip
-    resumed = None if resume is None else load_state(resume)
-    if resumed is not None:
-        check_matches(resumed[1], run_id, resumed[0])
-        if int(resumed[1]["step"]) >= total:
-            raise ValueError(
-                f"{resumed[0]} is at step {resumed[1]['step']}; this run has {total} steps in all: nothing to "
-                "resume (give a larger iters or more epochs)"
-            )
-        if not a.lora and Path(model.path).resolve() != (resumed[0] / "model.gguf").resolve():
-            raise ValueError(
-                f"resuming a full fine-tune: load the model from the checkpoint, "
-                f"Model({str(resumed[0] / 'model.gguf')!r}, use_mmap=False); got {model.path}"
-            )
+    resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
     result = TrainResult()
     if a.lora:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "lora-init.gguf")
-            if resumed is None:
-                assert a.lora_rank is not None and a.lora_alpha is not None
-                lora_init(model, path, a.lora_rank, a.lora_alpha, a.lora_targets, a.seed)
-            result.adapter = model.load_lora(path if resumed is None else resumed[0] / "adapter.gguf")
+        result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
     trainer = Trainer(model, a, params="lora" if a.lora else "model", adapter=result.adapter)
     run = _Run(
         trainer=trainer, train=train_set, val=val_set, total=total, epochs=epochs, progress=a.progress,
@@ -181,6 +164,33 @@ def finetune(
         if run.log is not None:
             run.log.close()
     return result
+
+
+def _resumable(resume, run_id: dict, total: int, model: Model, a: TrainingArgs) -> tuple[Path, dict]:
+    """(checkpoint, its state) to resume this run from: the same run (check_matches), a step left to
+    take, and for a full fine-tune the model loaded from the checkpoint. ValueError naming what differs."""
+    ckpt, state = load_state(resume)
+    check_matches(state, run_id, ckpt)
+    if int(state["step"]) >= total:
+        raise ValueError(
+            f"{ckpt} is at step {state['step']}; this run has {total} steps in all: nothing to resume (give a "
+            "larger iters or more epochs)"
+        )
+    if not a.lora and Path(model.path).resolve() != (ckpt / "model.gguf").resolve():
+        raise ValueError(
+            f"resuming a full fine-tune: load the model from the checkpoint, "
+            f"Model({str(ckpt / 'model.gguf')!r}, use_mmap=False); got {model.path}"
+        )
+    return ckpt, state
+
+
+def _new_adapter(model: Model, a: TrainingArgs) -> LoraAdapter:
+    """A new LoRA adapter of the run's rank, alpha and targets (lora_init, seeded), loaded on the model."""
+    assert a.lora_rank is not None and a.lora_alpha is not None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "lora-init.gguf")
+        lora_init(model, path, a.lora_rank, a.lora_alpha, a.lora_targets, a.seed)
+        return model.load_lora(path)
 
 
 def iterate_batches(
