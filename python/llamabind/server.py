@@ -69,23 +69,28 @@ _REAL_FIELDS = {
     "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0), "repeat_penalty": (0.0, 100.0),
     "dynatemp_range": (0.0, 100.0), "xtc_probability": (0.0, 1.0), "xtc_threshold": (0.0, 1.0),
 }  # fmt: skip
-_INT_FIELDS = {"top_k": (0, None), "top_logprobs": (0, 20), "n_probs": (0, 100), "repeat_last_n": (-1, None)}
+_INT_FIELDS: dict[str, tuple[int, int | None]] = {
+    "top_k": (0, None),
+    "top_logprobs": (0, 20),
+    "n_probs": (0, 100),
+    "repeat_last_n": (-1, None),
+}
 
 
 def _field_error(data: dict) -> str | None:
-    """What is wrong with a request's sampling fields (None: nothing), and with /detokenize's ids."""
+    """What is wrong with a request's sampling fields (None: nothing)."""
     for key, (lo, hi) in _REAL_FIELDS.items():
         v = data.get(key)
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi):
             return f"'{key}' must be a number in [{lo:g}, {hi:g}]; got {v!r}"
-    for key, (lo, hi) in _INT_FIELDS.items():
+    for key, (first, last) in _INT_FIELDS.items():
         v = data.get(key)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-            return f"'{key}' must be an integer in [{lo}, {'...' if hi is None else hi}]; got {v!r}"
+        if isinstance(v, bool) or not isinstance(v, int) or v < first or (last is not None and v > last):
+            return f"'{key}' must be an integer in [{first}, {'...' if last is None else last}]; got {v!r}"
     return None
 
 
