@@ -52,7 +52,11 @@ def generate_batch(
 
     Args:
         prompts: texts or token-id lists (1..256 of them).
-        max_tokens, stop, add_special, parse_special, **sampling: as :meth:`Context.generate`.
+        max_tokens: as :meth:`Context.generate`'s.
+        stop: as :meth:`Context.generate`'s.
+        add_special: as :meth:`Context.generate`'s.
+        parse_special: as :meth:`Context.generate`'s.
+        **sampling: the sampling fields, as :meth:`Context.generate` takes them.
         n_ctx: the shared KV cache size (default: room for every prompt plus max_tokens).
         logits_processor: as :meth:`Context.generate`'s, called for every sequence with that
             sequence's input ids and logits.

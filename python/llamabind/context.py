@@ -59,10 +59,11 @@ class Context:
             generation.
         training_profile: with training, time every node of the training graphs (the
             scheduler's eval callback; slower steps: :meth:`llamabind.train.Trainer.profile`).
-        type_k, type_v: the KV cache's element types (llama_context_params.type_k/type_v, llama.cpp's
-            ``--cache-type-k/-v``): "f16" (default), "f32", "bf16", "q8_0", "q4_0", "q4_1",
-            "iq4_nl", "q5_0", "q5_1"; q8_0 halves the cache's memory. A quantized V cache needs
-            flash attention (ValueError with flash_attn="off").
+        type_k: the KV cache's K element type (llama_context_params.type_k, llama.cpp's
+            ``--cache-type-k``): "f16" (default), "f32", "bf16", "q8_0", "q4_0", "q4_1",
+            "iq4_nl", "q5_0", "q5_1"; q8_0 halves the cache's memory.
+        type_v: the V element type (``--cache-type-v``), of the same types. A quantized V cache
+            needs flash attention (ValueError with flash_attn="off").
         flash_attn: "auto" (llama.cpp's choice per device, default), "on" or "off".
 
     Raises ValueError for out-of-range parameters, LlamaError if llama.cpp cannot create the

@@ -49,10 +49,15 @@ class Model:
         n_gpu_layers: layers to offload to the GPU backend (-1: all; ignored on CPU-only builds).
         use_mmap: map the file instead of reading it into memory.
         vocab_only: load only the vocabulary (tokenize/detokenize work, generation does not).
-        n_ctx, n_batch, n_ubatch, n_threads, op_offload, type_k, type_v, flash_attn: parameters
-            of the contexts that
-            :meth:`generate` and :meth:`context` create (see :class:`Context`); n_threads None
-            means all cores available to the process.
+        n_ctx: the context size of the contexts :meth:`generate` and :meth:`context` create
+            (see :class:`Context` for this and the next seven).
+        n_batch: their logical batch size.
+        n_ubatch: their physical batch size.
+        n_threads: their CPU threads (None: all cores available to the process).
+        op_offload: their offload of large batches' ops to the GPU.
+        type_k: their KV cache's K type.
+        type_v: their KV cache's V type.
+        flash_attn: their flash attention: "auto", "on" or "off".
         split_mode: with several GPUs, ``"none"`` (all on main_gpu), ``"layer"`` (layers and KV
             cache spread over the GPUs), ``"tensor"`` (llama.cpp's tensor parallelism: weight
             rows split across the GPUs, partial results all-reduced) or ``"row"`` (the older row

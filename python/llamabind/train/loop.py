@@ -75,6 +75,8 @@ def finetune(
     ``lora_rank`` a new LoRA adapter over the frozen model (any weight type; repack=False).
 
     Args:
+        model: the :class:`~llamabind.Model` to train: F32 weights loaded with use_mmap=False for a
+            full fine-tune; any weights loaded with repack=False for LoRA. Its weights change in place.
         data: text (tokenized with the model's tokenizer, BOS added; windows of ``ctx_size + 1``
             tokens every ``ctx_size // 2``), token ids, shape (n,), any integer dtype, each in
             [0, n_vocab), a list of :class:`Example` (e.g. from :func:`load_jsonl`: one per window,
