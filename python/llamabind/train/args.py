@@ -159,7 +159,11 @@ class TrainingArgs:
             alpha = as_float(2.0 * rank if self.lora_alpha is None else self.lora_alpha, "lora_alpha")
             expect(alpha > 0, f"lora_alpha must be > 0 (the adapter's scale is alpha / rank); got {alpha}")
         targets = self.lora_targets
-        if isinstance(targets, str) or not all(isinstance(t, str) for t in targets):
+        if (
+            isinstance(targets, str)
+            or not isinstance(targets, Sequence)
+            or not all(isinstance(t, str) for t in targets)
+        ):
             raise TypeError(
                 f"lora_targets must be a sequence of matrix names, e.g. ('attn_q', 'attn_v'); got {targets!r}"
             )
