@@ -113,7 +113,7 @@ def test_cli_generate_over_two_servers_matches_local(model_path):
                 PROMPT,
                 "-m",
                 str(model_path),
-                "-t",
+                "--temp",
                 "0",
                 "-n",
                 "24",
