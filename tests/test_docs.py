@@ -58,6 +58,7 @@ def test_site_has_every_guide_and_api_page(site):
         rel = md.relative_to(ROOT / "docs").with_suffix("")
         page = site / ("index.html" if rel.name == "index" else rel / "index.html")
         assert page.exists(), f"{md} was not built"
+    assert not (site / "hooks.py").exists() and not (site / "griffe_ext.py").exists()  # the build's scripts
     api = (site / "api" / "llamabind" / "index.html").read_text(encoding="utf-8")
     assert 'id="llamabind.Model"' in api and 'id="llamabind.Model.generate"' in api
     assert "n_gpu_layers" in api  # the base class's docstring, as Python composes it (api.Model)
