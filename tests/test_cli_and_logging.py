@@ -202,3 +202,23 @@ def test_version_and_a_bare_command():
     assert v.stdout.startswith("llamabind ") and "b11312" in v.stdout and f"{n} patches" in v.stdout, v.stdout
     bare = subprocess.run([sys.executable, "-m", "llamabind"], capture_output=True, text=True, timeout=120)
     assert bare.returncode == 0 and "generate" in bare.stdout and "finetune" in bare.stdout, bare.stdout + bare.stderr
+
+
+def test_busy_core_note(monkeypatch):
+    """The speed line's note appears only when other work keeps a core busy and the threads ask for the
+    cores it holds; busy_cores itself reads /proc/stat into a count within [0, cores]."""
+    from llamabind.build import default_threads
+    from llamabind.cli import run
+
+    cores = default_threads()
+    measured = run.busy_cores(0.05)
+    if measured is not None:
+        assert -0.01 <= measured <= (__import__("os").cpu_count() or 1) + 0.01
+    monkeypatch.setattr(run, "busy_cores", lambda seconds=0.2: 0.0)
+    assert run._busy_note(None) == ""
+    monkeypatch.setattr(run, "busy_cores", lambda seconds=0.2: None)
+    assert run._busy_note(None) == ""
+    monkeypatch.setattr(run, "busy_cores", lambda seconds=0.2: 1.0)
+    note = run._busy_note(None)
+    assert f"1.0 of {cores} cores busy" in note and f"-t {max(1, cores - 1)}" in note
+    assert run._busy_note(max(1, cores - 1)) == ""  # already leaves the busy core alone

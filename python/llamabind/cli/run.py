@@ -57,11 +57,46 @@ def _proportions(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 3,1; got {text!r}") from None
 
 
+def busy_cores(seconds: float = 0.2) -> float | None:
+    """How many cores other work keeps busy now: the non-idle share of /proc/stat's CPU time over
+    ``seconds``, in cores (None where there is no /proc/stat)."""
+    import time
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + (v[4] if len(v) > 4 else 0)  # all, idle + iowait
+
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except (OSError, ValueError):
+        return None
+    return (1.0 - (i1 - i0) / max(1, t1 - t0)) * (os.cpu_count() or 1)
+
+
+def _busy_note(n_threads: int | None) -> str:
+    """A note for the speed line when other work keeps a core busy and the threads ask for all of them:
+    ggml's threads meet at every op, so one thread that waits for a busy core slows them all (measured on
+    2 cores with one busy: 32 tokens/s with 2 threads, 69 with 1; llama-bench the same: 30 and 75)."""
+    from ..build import default_threads
+
+    cores = default_threads()
+    n = n_threads or cores
+    busy = busy_cores()
+    if busy is None or busy < 0.5 or n <= cores - busy:
+        return ""
+    fewer = max(1, int(cores - busy + 0.5))
+    return f" | note: other work keeps {busy:.1f} of {cores} cores busy: -t {fewer} may be faster"
+
+
 def _generate(args) -> int:
     from ..api import Model
 
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     media = [*(args.image or []), *(args.audio or [])]
+    note = _busy_note(args.threads)  # before our own threads run
     with Model(args.model, **_model_kwargs(args)) as m:
         if media and MEDIA_MARKER not in prompt:  # as llama-mtmd-cli: the media before the prompt
             prompt = MEDIA_MARKER * len(media) + prompt
@@ -83,7 +118,7 @@ def _generate(args) -> int:
         r = stream.result
         assert r is not None
         name = args.model if args.model in models.KNOWN else str(m.path)
-        print(f"[{name} | {m.description} | {r.timings.summary()} | finish: {r.finish_reason}]", file=sys.stderr)
+        print(f"[{name} | {m.description} | {r.timings.summary()} | finish: {r.finish_reason}{note}]", file=sys.stderr)
     return 0
 
 
