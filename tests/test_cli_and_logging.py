@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 
@@ -174,6 +175,13 @@ def test_one_vocabulary_across_the_subcommands():
                 dests.setdefault(opt, set()).add(act.dest)
     clashes = {opt: sorted(d) for opt, d in dests.items() if len(d) > 1}
     assert not clashes, clashes
+    for name, p in parsers.items():  # a default said once: not "(default 1e-5) (default: 1e-05)"
+        text = " ".join(p.format_help().split())
+        assert not re.search(r"\(default [^)]*\) \(default:", text), (
+            name,
+            re.findall(r"\(default [^)]*\) \(default:[^)]*\)", text),
+        )
+        assert "(default: None)" not in text, name
 
     def dest(cmd, opt):
         return next(a.dest for a in parsers[cmd]._actions if opt in a.option_strings)

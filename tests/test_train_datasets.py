@@ -7,6 +7,7 @@ column and the formats; without the datasets package, an ImportError naming the 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -151,3 +152,48 @@ def test_cli_finetune_on_a_hub_dataset_then_offline(model_path, tmp_path):
     bad = subprocess.run([*cmd[:7], "nowhere/none", *cmd[8:], "-o", str(tmp_path / "c.gguf")], env=offline,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode != 0 and "nowhere/none" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_cli_finetune_bad_input_is_one_error_line(model_path, tmp_path, capsys, monkeypatch):
+    """Issue 60 item 3, through the CLI as a user types it: each bad --data / --valid / --test / flag gives
+    exit status 2 and one ``error: ...`` line naming the file or flag and what is wrong, never a traceback
+    (a saved dataset with no rows was an IndexError traceback, a CSV of random bytes datasets' bare
+    DatasetGenerationError, a binary file a utf-8 decode error naming no file). In-process: every case is
+    refused in Python before any llama.cpp call that could abort."""
+    from llamabind import cli
+
+    datasets.Dataset.from_list([]).save_to_disk(str(tmp_path / "emptyds"))
+    (tmp_path / "rand.csv").write_bytes(bytes(range(128, 256)) * 20)
+    (tmp_path / "x.bin").write_bytes(b"\x00\xff\xfe" * 100)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "afile").write_text("x")
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text("".join(json.dumps(r) + "\n" for r in CHATS))
+    cases = [
+        (["--data", "emptyds"], r"emptyds: a saved dataset with no rows"),
+        (["--data", "rand.csv"], r"rand.csv: could not be read as a dataset .*because UnicodeDecodeError"),
+        (["--data", "x.bin"], r"x.bin: not UTF-8 text, JSONL or a dataset file"),
+        (["--data", "empty.jsonl"], r"empty.jsonl: the file is empty"),
+        (["--data", "nope.jsonl"], r"--data: no such file or folder.*nope.jsonl"),
+        (["--data", "ok.jsonl", "--valid", "empty.jsonl"], r"empty.jsonl: the file is empty"),
+        (["--data", "ok.jsonl", "--test", "x.bin"], r"x.bin: not UTF-8"),
+        (["--data", "ok.jsonl", "--checkpoint-dir", "afile", "--save-every", "1"], r"checkpoint_dir 'afile' is a file"),
+        (["--data", "ok.jsonl", "--resume", "afile"], r"no checkpoint in afile"),
+        (["--data", "ok.jsonl", "--lora-alpha", "0"], r"lora_alpha must be > 0"),
+        (["--data", "ok.jsonl", "--lora-targets", "banana"], r"lora target must be one of .*got 'banana'"),
+        (["--data", "ok.jsonl", "--batch", "0"], r"batch_size must be in \[1, 65536\]; got 0"),
+        (["--data", "ok.jsonl", "--grad-accum", "0"], r"grad_accum must be in \[1, 65536\]; got 0"),
+        (["--data", "ok.jsonl", "--val-split", "2"], r"val_split must be in \[0.0, 0.9\]; got 2.0"),
+        (["--data", "ok.jsonl", "--chat-template-file", "nope.j2"], r"--chat-template-file: no such file: nope.j2"),
+        (["--data", "ok.jsonl", "-o", str(tmp_path / "no" / "dir" / "a.gguf")], r"-o: cannot write .*a.gguf"),
+    ]
+    base = ["finetune", "-m", str(model_path), "--lora-rank", "2", "--iters", "1", "--no-progress", "-t", "2"]
+    monkeypatch.chdir(tmp_path)
+    for extra, match in cases:
+        argv = [*base, *extra] if "-o" in extra else [*base, *extra, "-o", "out.gguf"]
+        rc = cli.main(argv)
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (extra, err[-2000:])
+        assert re.search(match, lines[0]), (extra, lines[0])
+    assert not (tmp_path / "out.gguf").exists()

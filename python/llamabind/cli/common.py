@@ -6,6 +6,17 @@ from __future__ import annotations
 import argparse
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, less the noise: no ``(default: ...)`` where the help already says
+    its default in words, where the default is None, or on an on/off flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.nargs == 0:
+            return text
+        return super()._get_help_string(action)
+
+
 def add_hf(p: argparse.ArgumentParser, mmproj: bool = False) -> None:
     """``-hf org/repo[:QUANT]``: the model from a Hugging Face repository (llama.cpp's spelling);
     ``mmproj``: the command takes a projector, which -hf then loads from the repository too."""

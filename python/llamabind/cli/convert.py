@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from ..convert import OUTTYPES
+from .common import HelpFormatter
 
 
 def _convert(args) -> int:
@@ -25,7 +25,7 @@ def add_parsers(sub) -> None:
     c = sub.add_parser(
         "convert",
         help="a Hugging Face model directory (safetensors) to GGUF (convert_hf_to_gguf.py)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     c.add_argument("hf_dir", metavar="HF_DIR", help="config.json, the weights and the tokenizer files")
     c.add_argument("--outfile", "-o", dest="output", required=True, metavar="OUT.gguf", help="the GGUF to write")

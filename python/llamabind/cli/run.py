@@ -10,7 +10,7 @@ import sys
 from .. import models
 from ..generation import Stream
 from ..projector import MEDIA_MARKER
-from .common import add_ctx_size, add_hf, add_image_tokens, add_lora, add_model, add_threads, lora_specs
+from .common import HelpFormatter, add_ctx_size, add_hf, add_image_tokens, add_lora, add_model, add_threads, lora_specs
 
 DEFAULT_PROMPT = "The three most useful things to know about the Python programming language are"
 
@@ -347,9 +347,7 @@ def _model_and_sampling(p, max_tokens: int) -> None:
 
 def add_parsers(sub) -> None:
     """The generate, chat and info subcommands."""
-    g = sub.add_parser(
-        "generate", help="stream a continuation of PROMPT", formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    g = sub.add_parser("generate", help="stream a continuation of PROMPT", formatter_class=HelpFormatter)
     g.add_argument("prompt", nargs="?", help="the prompt (default: a short example prompt)")
     _model_and_sampling(g, 128)
     g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
@@ -358,7 +356,7 @@ def add_parsers(sub) -> None:
         "chat", help="interactive chat with the model's chat template (history kept)",
         description="An interactive chat; /help lists its commands. In a terminal, readline edits the line and "
         f"keeps a history of your lines in {history_path()} (the last {HISTORY_LINES}; $LLAMABIND_CACHE moves it).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )  # fmt: skip
     _model_and_sampling(c, 512)
     c.add_argument(
@@ -368,6 +366,6 @@ def add_parsers(sub) -> None:
     c.add_argument("--chat-template-file", default=None, help="a jinja chat template instead of the GGUF's")
     c.add_argument("--no-progress", dest="progress", action="store_false", help="no loading progress bar")
     c.set_defaults(fn=_chat)
-    i = sub.add_parser("info", help="print build_info()", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    i = sub.add_parser("info", help="print build_info()", formatter_class=HelpFormatter)
     i.add_argument("--json", action="store_true", help="as JSON")
     i.set_defaults(fn=_info)

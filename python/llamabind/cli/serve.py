@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from .. import models
 from ..context import KV_CACHE_TYPES
-from .common import add_ctx_size, add_hf, add_image_tokens, add_lora, add_threads, lora_specs
+from .common import HelpFormatter, add_ctx_size, add_hf, add_image_tokens, add_lora, add_threads, lora_specs
 
 
 def _serve(args) -> int:
@@ -74,7 +73,7 @@ def add_parsers(sub) -> None:
     s = sub.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server with continuous batching (llama.cpp's server core)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     s.add_argument("model_pos", nargs="?", metavar="MODEL", help="the model, as -m gives it")
     s.add_argument("--model", "-m", default=models.DEFAULT, help="model name or GGUF path")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from .. import models
-from .common import add_ctx_size, add_hf, add_lora, add_model, add_threads, lora_specs
+from .common import HelpFormatter, add_ctx_size, add_hf, add_lora, add_model, add_threads, lora_specs
 
 DATASET_ID = r"[\w.-]+/[\w.-]+(:[\w.-]+)?"  # a Hub dataset id, org/name[:split]
 
@@ -166,7 +165,7 @@ def _finetune_parser(sub) -> None:
     f = sub.add_parser(
         "finetune",
         help="fine-tune a GGUF model (full, or LoRA) on JSONL examples or text (llama_opt_*)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_model(f, "model name or GGUF path (full fine-tunes: converted to F32 if needed)")
     add_hf(f)
@@ -241,7 +240,7 @@ def _eval_and_fuse_parsers(sub) -> None:
     ev = sub.add_parser(
         "eval",
         help="loss and perplexity on JSONL examples or text (the finetune masking rules)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_model(ev)
     add_hf(ev)
@@ -257,7 +256,7 @@ def _eval_and_fuse_parsers(sub) -> None:
     fu = sub.add_parser(
         "fuse",
         help="merge a LoRA adapter into its base model: one GGUF",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_model(fu, "the base model (name or GGUF path)")
     add_hf(fu)

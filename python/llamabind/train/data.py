@@ -368,4 +368,19 @@ def read_data(
 def _dataset_error(spec: str, err: Exception) -> ValueError:
     """A clear error for what 🤗 datasets raised reading ``spec`` (an empty saved folder: IndexError; bytes
     that are no CSV: DatasetGenerationError; ...)."""
-    return ValueError(f"{spec}: could not be read as a dataset ({type(err).__name__}: {err})")
+    p = Path(spec)
+    if isinstance(err, IndexError) and p.is_dir() and (p / "state.json").exists():
+        try:
+            files = json.loads((p / "state.json").read_text()).get("_data_files")
+        except (OSError, ValueError, AttributeError):
+            files = None
+        if files == []:
+            return ValueError(f"{spec}: a saved dataset with no rows (its state.json lists no data files)")
+    cause = err
+    for _ in range(8):  # datasets wraps the reason (DatasetGenerationError over a UnicodeDecodeError, ...)
+        inner = cause.__cause__ or cause.__context__
+        if inner is None:
+            break
+        cause = inner
+    because = f"; because {type(cause).__name__}: {cause}" if cause is not err else ""
+    return ValueError(f"{spec}: could not be read as a dataset ({type(err).__name__}: {err}{because})")
