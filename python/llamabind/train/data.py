@@ -376,7 +376,7 @@ def _dataset_error(spec: str, err: Exception) -> ValueError:
             files = None
         if files == []:
             return ValueError(f"{spec}: a saved dataset with no rows (its state.json lists no data files)")
-    cause = err
+    cause: BaseException = err
     for _ in range(8):  # datasets wraps the reason (DatasetGenerationError over a UnicodeDecodeError, ...)
         inner = cause.__cause__ or cause.__context__
         if inner is None:
