@@ -47,6 +47,8 @@
 # fa56:   (carry .device; LB_NO_TOOLS=1: the build with the flash-attention kernels, no tools) issue 56: random-weight
 #         1B llamas in /tmp/lb-models, then the new kernels on CUDA0 (FLASH_ATTN_BACK against the CPU, the
 #         gradient compositions, out_prod and the BF16 GEMM of quantized weights).
+# fa56ncu: (after fa56, or alone: it builds) FLASH_ATTN_BACK's kernels under Nsight Compute and SDPA's bf16 backward
+#         beside them (bench/attention_backward.py; LB_PIPES, LB_ATTN_ARGS).
 # fa56profile: (after fa56) bench/train_profile.py on the 1B: LB_MODES (default now,bf16: F32 products with composed
 #         attention, and the defaults: BF16 products, flash attention) at LB_PROFILE_1B (default 2048x4,4096x1).
 # train42: (carry .device) issue 42: the build, random-weight 1B and 135M llamas (Q4_0 and F32 copies in
@@ -63,7 +65,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: fa56, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: fa56, fa56ncu, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -394,6 +396,19 @@ fa56profile)
     --configs ${LB_PROFILE_1B:-2048x4,4096x1} -ngl 99 --modes ${LB_MODES:-now,bf16} --threads 8 --steps 4 \
     --profile-steps ${LB_PROFILE_STEPS:-1} --peak 989.5 --out "$OUT/train-profile-1b.json" 2>&1 \
     | tee "$OUT/train-profile-1b.txt" | tail -80
+  ;;
+fa56ncu)
+  # issue 56 (after the build; LB_NO_TOOLS=1): FLASH_ATTN_BACK's kernels under Nsight Compute (duration, SM and memory
+  # throughput, occupancy, warp stalls) with and without cp.async pipelining, and PyTorch SDPA's bf16 backward at the
+  # same shape (bench/attention_backward.py, default 4 x 32 (8) x 2048 x 64)
+  python3 bench/attention_backward.py ${LB_ATTN_ARGS:-} --out "$OUT/attention-backward.json" 2>&1 | tee "$OUT/attention-backward.txt"
+  for p in ${LB_PIPES:-1 0}; do
+    GGML_CUDA_FA_BACK_PIPE=$p ncu -k regex:fa_back_mma --launch-count 2 --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      python3 bench/attention_backward.py ${LB_ATTN_ARGS:-} --runners llamabind --reps 1 > "$OUT/ncu-pipe$p.txt" 2>&1
+    echo "GGML_CUDA_FA_BACK_PIPE=$p"
+    grep -E "fa_back_mma|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|Block Limit (Reg|Shared)|Stall" "$OUT/ncu-pipe$p.txt" | head -40
+  done
   ;;
 train42b)
   join_model
