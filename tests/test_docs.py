@@ -4,7 +4,9 @@ name, and its API pages, opened in headless Chromium, name the parameters of wha
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import inspect
 import os
 import re
 import shutil
@@ -151,3 +153,88 @@ def test_api_page_renders_parameters_in_a_browser(site, tmp_path):
         [browser, *flags, "--window-size=1280,1600", f"--screenshot={shot}", url], capture_output=True, timeout=120
     )
     assert shot.exists() and shot.stat().st_size > 10_000
+
+
+def api_segments(html: str) -> dict[str, str]:
+    """The built API page's HTML per documented name: from its heading to the next heading."""
+    heads = list(re.finditer(r'id="(llamabind[\w.]*)" class="doc doc-heading"', html))
+    return {m.group(1): html[m.end() : n.start() if n else len(html)] for m, n in zip(heads, [*heads[1:], None])}
+
+
+def table_rows(segment: str) -> list[str] | None:
+    """The names in the segment's parameter table (Parameters, or a dataclass's Attributes); None if it has none."""
+    m = re.search(r'doc-section-title">(?:Parameters|Attributes):</span>.*?</table>', segment, re.S)
+    if m is None:
+        return None
+    cells = re.findall(r'<tr class="doc-section-item">\s*<td>\s*<code>(.*?)</code>', m.group(0), re.S)
+    return [re.sub(r"<[^>]+>", "", c).strip() for c in cells]  # a name, or an attribute's link around it
+
+
+def public_callables():
+    """(module, qualified name, object) of every public function, class and method of the API pages."""
+    for modname in ("llamabind", "llamabind.ops", "llamabind.train"):
+        mod = importlib.import_module(modname)
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if not callable(obj):
+                continue
+            yield modname, name, obj
+            if inspect.isclass(obj):
+                for attr, v in vars(obj).items():
+                    if not attr.startswith("_") and callable(v):
+                        yield modname, f"{name}.{attr}", getattr(obj, attr)
+
+
+def test_api_tables_name_every_parameter(site):
+    """Issue 59: each public function's, class's and method's rendered documentation names each of its
+    parameters (inspect.signature's, but *args/**kwargs and private ones), and where it has a parameter
+    table, the table lists exactly them: one row per parameter (no group rows such as "a / b") and no row
+    for a parameter the signature lacks, unless the signature takes **kwargs (rows then document those).
+    The signature block itself does not count as naming a parameter."""
+    import inspect as _inspect
+
+    pages = {
+        m: (site / "api" / m.removeprefix("llamabind.") / "index.html").read_text(encoding="utf-8")
+        for m in ("llamabind", "llamabind.ops", "llamabind.train")
+    }
+    segments = {m: api_segments(h) for m, h in pages.items()}
+    problems, checked = [], 0
+    for modname, qual, obj in public_callables():
+        try:
+            sig = _inspect.signature(obj)
+        except (TypeError, ValueError):
+            continue
+        kinds = _inspect.Parameter
+        params = [
+            p.name
+            for p in sig.parameters.values()
+            if p.name not in ("self", "cls")
+            and not p.name.startswith("_")
+            and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)
+        ]
+        var_kw = any(p.kind is kinds.VAR_KEYWORD for p in sig.parameters.values())
+        seg = segments[modname].get(f"{modname}.{qual}") or segments[modname].get(f"{modname}.{qual}.{qual}")
+        if seg is None:
+            problems.append(f"{modname}.{qual}: not on the API page")
+            continue
+        checked += 1
+        body = re.sub(r'<div class="doc-signature.*?</div>', "", seg, flags=re.S)
+        text = html_text(body)
+        missing = [p for p in params if not re.search(rf"\b{re.escape(p)}\b", text)]
+        if missing:
+            problems.append(f"{modname}.{qual}: parameters named nowhere in its documentation: {missing}")
+        rows = table_rows(body)
+        if rows is not None:
+            if [p for p in params if p not in rows]:
+                problems.append(f"{modname}.{qual}: its table lacks {[p for p in params if p not in rows]}")
+            extra = [r for r in rows if r not in params]
+            if extra and not var_kw:
+                problems.append(f"{modname}.{qual}: table rows that are no parameter: {extra}")
+    assert checked > 150, checked  # the pages were found and read
+    assert not problems, "\n".join(problems)
+
+
+def html_text(html: str) -> str:
+    import html as _html
+
+    return _html.unescape(re.sub(r"<[^>]+>", " ", html))

@@ -31,25 +31,27 @@ class Context(context.Context):
         return generation.generate(self, prompt, **kwargs)
 
     def chat(self, messages: Sequence[dict], **kwargs: Any) -> ChatResult | Stream[ChatResult]:
-        """Answer a conversation in this context; see :func:`llamabind.chat.chat`."""
+        """Answer a conversation in this context: ``messages`` (OpenAI-style dicts) and ``kwargs`` as
+        :func:`llamabind.chat.chat` takes them."""
         return chat.chat(self, messages, **kwargs)
 
 
-class Model(model.Model):
-    __doc__ = (
-        (model.Model.__doc__ or "")
-        + """
-    Images and audio: ``mmproj`` (a projector GGUF for this model: llama.cpp's ``--mmproj``)
-    loads a :class:`~llamabind.projector.Projector` (``mmproj_use_gpu``, ``image_min_tokens``,
-    ``image_max_tokens`` are its parameters), after which :meth:`chat` takes image and audio
-    content parts; or call :meth:`load_mmproj` later.
+# the parameters this class adds to model.Model's, as rows of its docstring's Args section
+_MODEL_ARGS = """        mmproj: a projector GGUF for this model (llama.cpp's ``--mmproj``), loaded as a
+            :class:`~llamabind.projector.Projector`; :meth:`chat` then takes image and audio content
+            parts (or call :meth:`load_mmproj` later).
+        mmproj_use_gpu: run the projector's encoder on the GPU backend (Projector's use_gpu).
+        image_min_tokens: the fewest tokens an image becomes (Projector's; None: the projector's own).
+        image_max_tokens: the most tokens an image becomes (Projector's; None: the projector's own).
+        lora: LoRA adapters (paths, scale 1, or (path, scale) pairs: llama.cpp's ``--lora`` and
+            ``--lora-scaled``) loaded with the model (:meth:`load_lora`) and applied to every context
+            it makes, the one :meth:`generate` and :meth:`chat` use included. FileNotFoundError,
+            ValueError (not an adapter of this model), TypeError (not a path or pair).
+"""
 
-    LoRA adapters: ``lora`` (paths, scale 1, or (path, scale) pairs: llama.cpp's ``--lora`` and
-    ``--lora-scaled``) are loaded with the model (:meth:`load_lora`) and applied to every context
-    it makes, the one :meth:`generate` and :meth:`chat` use included. Raises FileNotFoundError,
-    ValueError (not an adapter of this model), TypeError (not a path or pair).
-    """
-    )
+
+class Model(model.Model):
+    __doc__ = (model.Model.__doc__ or "").replace("\n\n    Raises:\n", "\n" + _MODEL_ARGS + "\n    Raises:\n", 1)
 
     def __init__(
         self,
@@ -84,8 +86,8 @@ class Model(model.Model):
             raise
 
     def load_mmproj(self, path: str | os.PathLike, **params: Any) -> Projector:
-        """Load a multimodal projector (mmproj GGUF) for this model, replacing one loaded before;
-        ``params``: use_gpu, n_threads, image_min_tokens, image_max_tokens, warmup (see
+        """Load the multimodal projector GGUF at ``path`` (an mmproj file) for this model, replacing one
+        loaded before; ``params``: use_gpu, n_threads, image_min_tokens, image_max_tokens, warmup (see
         :class:`~llamabind.projector.Projector`). Raises FileNotFoundError, or ValueError for a file
         libmtmd cannot load or one made for a text model of another n_embd."""
         return multimodal.load_mmproj(self, path, **params)
@@ -119,7 +121,8 @@ class Model(model.Model):
         return generation.generate(self._default_context(), prompt, **kwargs)
 
     def chat(self, messages: Sequence[dict], **kwargs: Any) -> ChatResult | Stream[ChatResult]:
-        """Answer a conversation (in the context generate() uses); see :func:`llamabind.chat.chat`."""
+        """Answer a conversation (in the context generate() uses): ``messages`` (OpenAI-style dicts) and
+        ``kwargs`` as :func:`llamabind.chat.chat` takes them."""
         return chat.chat(self._default_context(), messages, **kwargs)
 
     def embed(self, texts: str | Sequence[str], **kwargs: Any) -> np.ndarray | list[np.ndarray]:

@@ -30,7 +30,7 @@ def devices() -> list[dict]:
 
 
 def tool_path(name: str) -> Path | None:
-    """Path of an upstream tool built from the same tree (``llama-bench``, ``llama-simple``,
+    """Path of the upstream tool ``name`` built from the same tree (``llama-bench``, ``llama-simple``,
     ``llama-completion``, ``llama-finetune``, ``ggml-rpc-server``), or None when this build has no tools
     (build with ``LLAMABIND_BUILD_TOOLS=ON``)."""
     p = Path(__file__).resolve().parent / "bin" / name

@@ -26,7 +26,13 @@ __all__ = ["GenerationResult", "Timings", "Stream", "SupersededError", "TokenLog
 
 @dataclass
 class Timings:
-    """Wall-clock timings of one generation. Times in milliseconds, rates in tokens/second."""
+    """Wall-clock timings of one generation. Times in milliseconds, rates in tokens/second.
+
+    prompt_tokens: the prompt's tokens; prompt_reused: those whose KV cache entries were kept from
+    the previous call (not evaluated again); prompt_ms: the time of the prompt's llama_decode calls;
+    generated_tokens, generate_ms: the tokens generated and their time (sampling and decoding);
+    context_shifts: times the KV cache was shifted to make room (``generate(context_shift=True)``).
+    """
 
     prompt_tokens: int = 0
     prompt_reused: int = 0  # prompt tokens whose KV cache entries were kept from the previous call
@@ -62,7 +68,9 @@ class GenerationResult:
     text: the generated text (without the prompt, and without a matched stop string).
     tokens: generated token ids (an end-of-generation token is not included).
     finish_reason: ``"stop"`` (end-of-generation token or a stop string) or ``"length"``
-    (max_tokens reached, or the context is full). stop: the stop string that matched, if any.
+    (max_tokens reached, or the context is full). prompt_tokens: the prompt's length in tokens.
+    timings: the generation's :class:`Timings`. stop: the stop string that matched, if any.
+    logprobs: one :class:`TokenLogprob` per generated token when ``logprobs`` was asked for, else None.
     """
 
     text: str
@@ -486,7 +494,8 @@ class Stream(Generic[R]):
     """Text pieces of a streaming generation, each a whole number of UTF-8 characters.
 
     Iterate to receive ``str`` pieces; afterwards :attr:`result` holds the GenerationResult (a
-    ChatResult for chat). ``close()`` stops the generation early.
+    ChatResult for chat). ``close()`` stops the generation early. Made by generate/chat with
+    ``stream=True``, around ``gen``: a generator of the pieces that returns the result.
     """
 
     def __init__(self, gen: Generator[str, None, R]):

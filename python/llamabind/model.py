@@ -369,8 +369,9 @@ def write_lora_gguf(path: str | os.PathLike, arch: str, alpha: float, tensors: S
 
 
 class LoraAdapter:
-    """A LoRA adapter loaded on a :class:`Model` (``Model.load_lora``). ``close()`` frees it
-    (LlamaError while a context still applies it); otherwise it is freed with the model."""
+    """A LoRA adapter loaded on a :class:`Model` (``Model.load_lora``, which passes the ``model`` and the
+    adapter GGUF's ``path``; llama_adapter_lora_init). ``close()`` frees it (LlamaError while a context
+    still applies it); otherwise it is freed with the model."""
 
     def __init__(self, model: Model, path: str | os.PathLike):
         self.model = model
@@ -439,7 +440,10 @@ class ChatTemplates:
         tools: OpenAI-style [{"type": "function", "function": {"name", "description",
         "parameters"}}]. tool_choice: "auto", "none", "required", or OpenAI's named form
         ``{"type": "function", "function": {"name": ...}}`` (that tool must be called). json_schema: constrain the
-        reply to JSON valid for this schema. template_kwargs: extra jinja variables (JSON values).
+        reply to JSON valid for this schema. parallel_tool_calls: let the reply call several tools at
+        once. add_generation_prompt: end the prompt with the assistant turn's header (False: render the
+        conversation as it is, e.g. for training). enable_thinking: let reasoning models think (the
+        templates' ``enable_thinking``). template_kwargs: extra jinja variables (JSON values).
         Raises TypeError/ValueError for malformed messages, tools or schema. Wraps
         common_chat_templates_apply.
         """

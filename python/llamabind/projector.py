@@ -63,8 +63,9 @@ class Projector:
         path: the mmproj GGUF file.
         use_gpu: run the encoder on the model's GPU backend (ignored on CPU-only builds).
         n_threads: CPU threads of the encoder (None: the model's n_threads, else all cores).
-        image_min_tokens / image_max_tokens: bounds on an image's tokens, for projectors with
-            dynamic resolution (None: the projector's own).
+        image_min_tokens: the fewest tokens an image becomes, for projectors with dynamic
+            resolution (None: the projector's own).
+        image_max_tokens: the most tokens an image becomes (None: the projector's own).
         warmup: run one encode at load time (allocates the compute buffers up front).
 
     Raises FileNotFoundError (no file), ValueError (not a projector libmtmd reads, or one made
@@ -174,7 +175,9 @@ class Projector:
     ) -> list[int | MediaChunk]:
         """Tokenize ``text`` holding one :data:`MEDIA_MARKER` per item of ``media`` (from
         :meth:`media`) into token ids and :class:`MediaChunk` s, in order (wraps mtmd_tokenize:
-        the projector's own begin/end-of-image text around each). ValueError when the markers and
+        the projector's own begin/end-of-image text around each). add_special: add the text model's
+        BOS/EOS as its vocabulary asks; parse_special: turn the text of special tokens into their ids
+        (as :meth:`Model.tokenize`). ValueError when the markers and
         media differ in number, a medium is of a kind the projector does not take, or the
         projector's layout needs special tokens the text model's vocabulary lacks."""
         out: list[int | MediaChunk] = []

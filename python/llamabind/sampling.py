@@ -145,7 +145,8 @@ SamplingParams.FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 class Sampler:
     """A sampler chain in use (:meth:`SamplingParams.build`): it keeps state (penalty history,
-    grammar position, mirostat, the RNG), so use one per generation and :meth:`close` it after."""
+    grammar position, mirostat, the RNG), so use one per generation and :meth:`close` it after.
+    ``native``: the extension's chain (llama_sampler), which :meth:`SamplingParams.build` makes."""
 
     def __init__(self, native: _core.Sampler):
         self._llama_sampler = native

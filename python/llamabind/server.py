@@ -362,6 +362,7 @@ def serve(
     draft_max, draft_min: speculative decoding with a draft model (llama-server's ``-md``), and
     context_shift (``--context-shift``): as ServerContext's.
     max_body: request body limit in bytes (413). max_pending: requests in flight before 503.
+    access_log: log each request (uvicorn's access log; off by default).
 
     Raises FileNotFoundError, TypeError/ValueError (bad argument), OSError (the port is taken),
     LlamaError (the model failed to load).

@@ -149,3 +149,25 @@ __all__ = [
     "upscale",
     "vjp",
 ]
+
+# every op's ``backend=`` keyword, said once here and shown in each op's own docstring (the API reference)
+_BACKEND_DOC = (
+    'backend: the device it runs on: "cpu", "cuda", "cuda:1", "vulkan", "metal" or a name from '
+    ":func:`devices` (None: the one :func:`default_backend` set, else the CPU). ValueError for an unknown one."
+)
+
+
+def _document_backend() -> None:
+    import inspect
+    import re
+
+    for name in __all__:
+        fn = globals()[name]
+        if not inspect.isfunction(fn) or "backend" not in inspect.signature(fn).parameters:
+            continue
+        doc = inspect.cleandoc(fn.__doc__ or "")
+        if not re.search(r"\bbackend\b", doc):
+            fn.__doc__ = f"{doc}\n\n{_BACKEND_DOC}"
+
+
+_document_backend()

@@ -94,7 +94,7 @@ class DeviceArray(ArrayOps):
     the ggml device name. ``numpy()`` / ``np.asarray(a)`` copy it to the host
     (ggml_backend_tensor_get); ``__dlpack__`` shares it with torch, cupy or jax on CPU and CUDA
     devices (TypeError on others). Made by :func:`to_device`, :func:`from_dlpack`, or an op that
-    was given a DeviceArray."""
+    was given a DeviceArray (``buf``: the extension's device buffer that holds it)."""
 
     __slots__ = ("_buf", "shape", "dtype")  # graph_run.cpp binds ``_buf`` (a _core.DeviceBuffer)
     __array_priority__ = 100  # numpy's operators defer to ours

@@ -88,7 +88,7 @@ def im2col(
     1D: kernel (OC, IC, K), data (N, IC, L) -> (N, OL, IC*K). 2D: kernel (OC, IC, KH, KW),
     data (N, IC, H, W) -> (N, OH, OW, IC*KH*KW). The batch axis N may be left out. stride,
     padding, dilation: an int or one per spatial axis (numpy order). data: float32; dtype:
-    float32 or float16 (the result)."""
+    float32 or float16 (the result). is_2d: None reads it from kernel's number of axes."""
     if is_2d is None:
         is_2d = (kernel.ndim if hasattr(kernel, "ndim") else len(kernel.shape)) == 4
     n = 2 if is_2d else 1
@@ -126,7 +126,8 @@ def _conv_1d(g: Graph, kernel: Tensor, data: Tensor, stride: int, padding: int, 
 def conv_1d(kernel, data, stride: int = 1, padding: int = 0, dilation: int = 1, *, backend: str | None = None):
     """1-D convolution (cross-correlation, as PyTorch's conv1d) via im2col + mul_mat (wraps
     ggml_conv_1d). kernel: (OC, IC, K) float32/float16/bfloat16; data: (N, IC, L) or (IC, L)
-    float32. Returns float32 (N, OC, OL). ggml computes the patches in float16 (bfloat16 kernels:
+    float32; stride, padding, dilation: ints, as PyTorch's. Returns float32 (N, OC, OL). ggml computes
+    the patches in float16 (bfloat16 kernels:
     float32), so expect float16-level rounding."""
     return apply(
         _conv_1d,
@@ -208,7 +209,8 @@ def _pool_1d(g: Graph, a: Tensor, op: str, k: int, stride: int, padding: int) ->
 
 def pool_1d(a, op: str, kernel_size: int, stride: int | None = None, padding: int = 0, *, backend: str | None = None):
     """Max or average pooling over the last axis (wraps ggml_pool_1d). a: float32/float16
-    (..., L). stride defaults to kernel_size. Returns float32 (..., OL)."""
+    (..., L); op: "max" or "avg"; stride defaults to kernel_size; padding on both sides. Returns float32
+    (..., OL)."""
     k = as_int(kernel_size, "kernel_size", 1)
     s = k if stride is None else as_int(stride, "stride", 1)
     return apply(_pool_1d, (a,), {"op": op, "k": k, "stride": s, "padding": as_int(padding, "padding", 0)}, backend)
@@ -233,7 +235,7 @@ def _pool_2d(g: Graph, a: Tensor, op: str, k: tuple, stride: tuple, padding: tup
 
 def pool_2d(a, op: str, kernel_size, stride=None, padding=0, *, backend: str | None = None):
     """Max or average pooling over the last two axes (wraps ggml_pool_2d). a: float32/float16
-    (..., H, W); kernel_size, stride (default kernel_size), padding: int or (h, w). float32 out."""
+    (..., H, W); op: "max" or "avg"; kernel_size, stride (default kernel_size), padding: int or (h, w). float32 out."""
     k = _pair(kernel_size, "kernel_size", 2, 1)
     s = k if stride is None else _pair(stride, "stride", 2, 1)
     return apply(_pool_2d, (a,), {"op": op, "k": k, "stride": s, "padding": _pair(padding, "padding", 2, 0)}, backend)

@@ -134,7 +134,7 @@ atexit.register(clear_cache)  # free the graphs before the extension is torn dow
 
 
 def to_device(x: Any, backend: str | None = None) -> DeviceArray:
-    """Copy an array to ``backend`` (default: the current default backend; "cuda", "CUDA0",
+    """Copy the array ``x`` to ``backend`` (default: the current default backend; "cuda", "CUDA0",
     "vulkan", "cpu" ...) and keep it there: a :class:`DeviceArray` of the same shape (numpy
     order, at most 4 axes) and dtype (float32, float16, bfloat16, int8/16/32/64; Python floats and
     lists become float32), copied with ggml_backend_tensor_set. A DeviceArray already on that

@@ -141,7 +141,8 @@ def shape_to_ne(shape: tuple[int, ...]) -> list[int]:
 
 class Tensor(ArrayOps):
     """A node of a :class:`Graph`: the lazy result of an op. Shape in numpy order; the operators
-    + - * / @ and unary - apply the ops (:class:`ArrayOps`)."""
+    + - * / @ and unary - apply the ops (:class:`ArrayOps`). Made by the graph's ops: ``graph``, ``id``
+    (its node), ``shape``, ``dtype`` and ``contiguous`` (whether its memory is)."""
 
     __slots__ = ("graph", "id", "shape", "dtype", "contiguous", "bound", "ggml_type")
 
@@ -188,7 +189,8 @@ class Graph:
 
     Inside the ``with`` block, ops return :class:`Tensor` s instead of arrays. ``compute`` builds
     and allocates the graph on first use (ggml_gallocr) and can be called again, also with new
-    input values: ``g.compute(y, feed={x: new_array})``.
+    input values: ``g.compute(y, feed={x: new_array})``. backend: as the ops' (None: the default);
+    max_nodes: the most ops the graph may hold (ggml's graph size).
     """
 
     def __init__(self, backend: str | None = None, max_nodes: int = 512):
@@ -264,8 +266,10 @@ class Graph:
     ) -> Tensor:
         """Append ggml op ``name`` (already validated by the caller) and return its tensor.
 
-        The result's numpy shape is ``shape`` if given, else ggml's ne read back, keeping
-        ``ndim`` axes (default: the largest ndim among the sources)."""
+        srcs: its source tensors (None for an absent optional source, e.g. no mask); ints, floats: its
+        integer and float op parameters, in the order the ggml function takes them. The result's
+        numpy shape is ``shape`` if given, else ggml's ne read back, keeping ``ndim`` axes (default: the
+        largest ndim among the sources). contiguous_srcs: make non-contiguous sources contiguous first."""
         ids = []
         for s in srcs:
             if s is None:
@@ -291,7 +295,8 @@ class Graph:
 
     def bound_check(self, idx: Tensor, n: int, what: str) -> None:
         """Index values of ``idx`` must lie in [0, n): checked at run time for graph inputs, known
-        for indices that argsort/top_k/argmax produced; anything else cannot be proven safe."""
+        for indices that argsort/top_k/argmax produced; anything else cannot be proven safe. what:
+        the argument's name for the error message."""
         if idx.id in self._inputs:
             self._bounds.append((idx.id, n, what))
         elif idx.bound is None or idx.bound > n:
@@ -306,7 +311,7 @@ class Graph:
         return list(self._inputs.values())
 
     def value_of(self, t: Tensor) -> Any:
-        """The array an input is bound to (``input(value)``), or None for a placeholder."""
+        """The array the input tensor ``t`` is bound to (``input(value)``), or None for a placeholder."""
         return self._values.get(t.id)
 
     # running
@@ -346,7 +351,7 @@ class Graph:
 
 
 def graph(backend: str | None = None, max_nodes: int = 512) -> Graph:
-    """A new lazy :class:`Graph` on ``backend`` (use as a context manager)."""
+    """A new lazy :class:`Graph` on ``backend`` of at most ``max_nodes`` ops (use as a context manager)."""
     return Graph(backend, max_nodes)
 
 

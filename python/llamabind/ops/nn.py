@@ -51,7 +51,7 @@ def _rms_norm_back(g: Graph, dz: Tensor, x: Tensor, eps: float) -> Tensor:
 
 def rms_norm_back(dz, x, eps: float = 1e-5, *, backend: str | None = None):
     """Gradient of rms_norm at x for the output gradient dz (wraps ggml_rms_norm_back).
-    dz, x: float32, same shape; the last axis is normalized."""
+    dz, x: float32, same shape; the last axis is normalized; eps as rms_norm's."""
     return apply(_rms_norm_back, (dz, x), {"eps": _eps(eps)}, backend)
 
 
@@ -65,7 +65,7 @@ def _group_norm(g: Graph, a: Tensor, n_groups: int, eps: float) -> Tensor:
 
 def group_norm(a, n_groups: int, eps: float = 1e-6, *, backend: str | None = None):
     """Normalize groups of channels: a (N, C, H, W) or (C, H, W), C split into n_groups, each
-    normalized over its channels and H, W (wraps ggml_group_norm). float32."""
+    normalized over its channels and H, W (wraps ggml_group_norm), ``eps`` added to the variance. float32."""
     return apply(_group_norm, (a,), {"n_groups": as_int(n_groups, "n_groups", 1), "eps": _eps(eps)}, backend)
 
 
@@ -304,7 +304,8 @@ def rope_back(
     backend: str | None = None,
 ):
     """Gradient of :func:`rope` for the output gradient dy: the inverse rotation (wraps
-    ggml_rope_ext_back / ggml_rope_multi_back). Same arguments as rope."""
+    ggml_rope_ext_back / ggml_rope_multi_back). pos, n_dims, mode, freq_base, freq_scale, n_ctx_orig,
+    ext_factor, attn_factor, beta_fast, beta_slow, freq_factors, sections: as rope's."""
     params = _rope_params(
         n_dims, mode, sections, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow
     )
@@ -355,7 +356,8 @@ def flash_attn_ext(
     q: float32 (batch, n_head, n_q, head_dim); k, v: float16 or float32 (batch, n_head_kv, n_kv,
     head_dim / head_dim_v), n_head a multiple of n_head_kv (grouped-query attention). mask:
     optional float16 (n_q, n_kv), added to the scores. scale defaults to 1/sqrt(head_dim).
-    logit_softcap > 0 applies ``softcap * tanh(scores / softcap)``. Returns float32
+    max_bias > 0 adds ALiBi's per-head slopes times the mask. logit_softcap > 0 applies
+    ``softcap * tanh(scores / softcap)``. Returns float32
     (batch, n_head, n_q, head_dim_v)."""
     if scale is None:
         d = np.shape(q)[-1] if not isinstance(q, Tensor) else q.shape[-1]
@@ -384,7 +386,8 @@ def _argsort(g: Graph, a: Tensor, descending: bool) -> Tensor:
 
 
 def argsort(a, descending: bool = False, *, backend: str | None = None):
-    """Indices that sort each row (last axis): int32, a's shape (wraps ggml_argsort). a: float32."""
+    """Indices that sort each row (last axis): int32, a's shape (wraps ggml_argsort). a: float32.
+    descending: largest first."""
     return apply(_argsort, (a,), {"descending": bool(descending)}, backend)
 
 

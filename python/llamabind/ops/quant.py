@@ -30,7 +30,7 @@ def _qtype(type: str) -> tuple[int, int, int]:
 
 
 def row_size(type: str, n: int) -> int:
-    """Bytes of one quantized row of n values (ggml_row_size)."""
+    """Bytes of one row of n values of ggml type ``type`` ("q4_0", "f16", ...; ggml_row_size)."""
     _, blck, size = _qtype(type)
     expect(n % blck == 0, f"{type}: the row length ({n}) must be a multiple of the block size {blck}")
     return n // blck * size

@@ -93,7 +93,8 @@ def chat_example(
     templates: ChatTemplates | None = None,
     train_on_prompt: bool = False,
 ) -> Example:
-    """A conversation rendered with the chat template (the GGUF's, or ``templates``) as
+    """The conversation ``messages`` (OpenAI-style dicts; ``tools``: the tool definitions the template
+    renders) of ``model`` rendered with the chat template (the GGUF's, or ``templates``) as
     :meth:`Model.chat` renders it (``ChatTemplates.apply``, add_special and parse_special on),
     tokenized in segments: each assistant turn is the text between the rendering of the messages
     before it with the generation prompt and the rendering through it; those tokens are counted
@@ -199,12 +200,13 @@ def load_jsonl(
     chat_template: str | None = None,
     train_on_prompt: bool = False,
 ) -> list[Example]:
-    """Every line of a JSONL file as an :class:`Example` (blank lines skipped), the format told by
-    its keys: ``{"text"}`` (every token counted), ``{"prompt", "completion"}`` (rendered as a
-    user/assistant exchange with the chat template when the model has one, else concatenated; the
-    completion counted), ``{"messages"[, "tools"]}`` (the assistant turns counted). chat_template:
-    jinja source instead of the GGUF's. The whole file is read and checked before anything is
-    returned. Raises FileNotFoundError; ValueError naming the file, line and field for bad JSON, a
+    """Every line of the JSONL file ``path`` as an :class:`Example` (blank lines skipped), tokenized by
+    ``model``, the format told by its keys: ``{"text"}`` (every token counted), ``{"prompt",
+    "completion"}`` (rendered as a user/assistant exchange with the chat template when the model has
+    one, else concatenated; the completion counted), ``{"messages"[, "tools"]}`` (the assistant turns
+    counted); train_on_prompt: count the prompt's tokens too. chat_template: jinja source instead of
+    the GGUF's. The whole file is read and checked before anything is returned. Raises
+    FileNotFoundError; ValueError naming the file, line and field for bad JSON, a
     missing or mistyped field, a conversation without an assistant turn, or an empty file."""
     p = Path(path)
     if not p.is_file():
@@ -259,12 +261,13 @@ def from_dataset(
     name: str = "the dataset",
     limit: int | None = None,
 ) -> list[Example]:
-    """Every row of a 🤗 ``Dataset`` or ``IterableDataset`` (its first ``limit`` rows if given: a
+    """Every row of ``ds``, a 🤗 ``Dataset`` or ``IterableDataset`` (its first ``limit`` rows if given: a
     stream may be endless) as an :class:`Example`, the format told by its columns as
     :func:`load_jsonl` tells a line's by its keys (``text``; ``prompt`` and ``completion``;
-    ``messages`` with optional ``tools``), the loss on the same tokens. The rows are read and checked
-    before anything is returned. Raises ValueError naming the columns and the formats (no known
-    column), the row and column (a value of the wrong type), or an empty split."""
+    ``messages`` with optional ``tools``), the loss on the same tokens, tokenized by ``model``;
+    chat_template and train_on_prompt as :func:`load_jsonl`'s. The rows are read and checked before
+    anything is returned; ``name`` is how the messages call the dataset. Raises ValueError naming the
+    columns and the formats (no known column), the row and column (a value of the wrong type), or an empty split."""
     if type(ds).__name__ in ("DatasetDict", "IterableDatasetDict"):
         raise ValueError(f"{name} is a {type(ds).__name__} of splits {sorted(ds)}: give one split, e.g. ds['train']")
     cols = list(ds.column_names or []) if getattr(ds, "column_names", None) is not None else None
@@ -341,7 +344,8 @@ def read_data(
     (:func:`load_jsonl`) when its first non-blank line is a JSON object; a parquet, CSV, arrow or
     JSON-array file, a dataset folder or a Hub dataset id ``org/name[:split]`` (:func:`load_dataset`,
     then :func:`from_dataset`); else a file's UTF-8 text (trained on as one stream of sliding
-    windows). Raises FileNotFoundError, ImportError (a dataset without the datasets package),
+    windows). model tokenizes; chat_template and train_on_prompt as :func:`load_jsonl`'s. Raises
+    FileNotFoundError, ImportError (a dataset without the datasets package),
     ValueError (see :func:`load_jsonl` and :func:`from_dataset`; an empty file)."""
     if is_dataset(path):
         return from_dataset(path, model, chat_template=chat_template, train_on_prompt=train_on_prompt)

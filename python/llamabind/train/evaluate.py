@@ -64,8 +64,8 @@ def evaluate(
     or examples (:func:`read_data`), windows of at most ``ctx_size + 1`` tokens as in training.
     The logits come from llama_decode (:meth:`Context.eval`, float32 (n, n_vocab) per window); the
     loss is in nats per counted token, the perplexity its exp. Runs in a context with a training
-    context's parameters (F32 KV cache, no flash attention), so the loss is the one fine-tuning's
-    validation reports for a single window, given a model loaded as training loads it
+    context's parameters (F32 KV cache, no flash attention; ``n_threads``: None for all cores), so
+    the loss is the one fine-tuning's validation reports for a single window, given a model loaded as training loads it
     (``repack=False``; a model whose CPU weights are repacked, e.g. for AMX, computes its products
     with other kernels and gives a loss that differs in the third decimal). Raises TypeError for
     other data, ValueError for data with no counted token or ctx_size not a multiple of 256."""

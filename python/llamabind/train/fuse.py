@@ -37,7 +37,7 @@ def fuse(
     ``W + scale * alpha / rank * B @ A``; every other tensor and all metadata are copied as they
     are (so a Q4_1 base keeps its Q4_1 tensors beside F32 merged ones). ``quantize_to``: a key of
     :data:`llamabind.model.FILE_TYPES` (e.g. "Q4_1", "Q8_0") to requantize the result with
-    llama_model_quantize. Returns the path written.
+    llama_model_quantize (on ``n_threads`` threads; None: all cores). Returns the path written.
 
     Generating with the fused model equals generating with the base and the adapter applied at
     ``scale`` (``Context.set_lora``) up to float rounding. Raises FileNotFoundError, ValueError

@@ -29,9 +29,12 @@ __all__ = ["EpochStats", "TrainResult", "finetune"]
 
 @dataclass
 class EpochStats:
-    """One epoch: mean next-token cross-entropy per token (nats) on the train and validation
-    windows, next-token accuracy, training throughput (tokens/s), wall time of the training
-    steps and of the validation (s)."""
+    """One epoch's statistics.
+
+    epoch: its index from 0. train_loss, val_loss: mean next-token cross-entropy per counted token
+    (nats) on the train and validation windows; train_accuracy, val_accuracy: next-token accuracy
+    (argmax); tokens_per_s: training throughput; seconds, val_seconds: wall time of the training
+    steps and of the validation."""
 
     epoch: int
     train_loss: float
@@ -45,11 +48,14 @@ class EpochStats:
 
 @dataclass
 class TrainResult:
-    """What :func:`finetune` did: per-epoch stats, the trained LoRA adapter (None for a full
-    fine-tune), the validation loss before training, optimizer
-    steps taken, the per-step train losses, and whether Ctrl-C stopped it early (the weights
-    then hold the steps taken), the validations (step, loss) in between, and the checkpoints
-    written. ``steps`` and ``losses`` count from the start of the run a checkpoint resumed."""
+    """What :func:`finetune` did.
+
+    epochs: per-epoch :class:`EpochStats`; adapter: the trained LoRA adapter (None for a full
+    fine-tune); val_loss_before: the validation loss before training (nan without validation);
+    steps: optimizer steps taken; losses: the per-step train losses; interrupted: whether Ctrl-C
+    stopped it early (the weights then hold the steps taken); evals: the validations (step, loss)
+    in between; checkpoints: the checkpoint directories written. ``steps`` and ``losses`` count from
+    the start of the run a checkpoint resumed."""
 
     epochs: list[EpochStats] = field(default_factory=list)
     adapter: LoraAdapter | None = None
@@ -198,11 +204,11 @@ def _new_adapter(model: Model, a: TrainingArgs) -> LoraAdapter:
 def iterate_batches(
     n_train: int, batch_size: int, epochs: int, seed: int, shuffle: bool, start_step: int = 0, iters: int | None = None
 ):
-    """(epoch, batches) per epoch still to run: batches an int array (steps, batch_size) of train
-    window indices, one optimizer step a row. Each epoch permutes the windows with the run's seed
-    (in order without ``shuffle``); its last batch is filled up from the start of its order. A run
-    resumed at ``start_step`` draws the skipped epochs' permutations too, so the order is the
-    uninterrupted run's; ``iters`` cuts the run's steps."""
+    """(epoch, batches) per epoch still to run over ``n_train`` train windows for ``epochs`` epochs:
+    batches an int array (steps, batch_size) of train window indices, one optimizer step a row. Each
+    epoch permutes the windows with the run's seed (in order without ``shuffle``); its last batch is
+    filled up from the start of its order. A run resumed at ``start_step`` draws the skipped epochs'
+    permutations too, so the order is the uninterrupted run's; ``iters`` cuts the run's steps."""
     rng = np.random.default_rng(seed)
     n_batches = -(-n_train // batch_size)
     first_epoch, skip = divmod(start_step, n_batches)

@@ -19,8 +19,8 @@ LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up
 
 def to_f32(src: str | os.PathLike, dst: str | os.PathLike, *, n_threads: int | None = None) -> None:
     """Write ``src`` (any GGUF llama.cpp loads, or a model name) with F32 weights to ``dst``, for
-    full fine-tuning (about 4 bytes per parameter). Wraps llama_model_quantize with ftype ALL_F32
-    (dequantizing). Raises FileNotFoundError, LlamaError if llama.cpp fails."""
+    full fine-tuning (about 4 bytes per parameter), on ``n_threads`` threads (None: all cores). Wraps
+    llama_model_quantize with ftype ALL_F32 (dequantizing). Raises FileNotFoundError, LlamaError if llama.cpp fails."""
     quantize(src, dst, "F32", n_threads=n_threads)
 
 
@@ -32,8 +32,9 @@ def lora_init(
     targets: Sequence[str] = ("attn_q", "attn_v"),
     seed: int = 0,
 ) -> None:
-    """Write a fresh LoRA adapter GGUF for ``model``: for each targeted matrix W (numpy shape
-    (n_out, n_in)) of every layer, A (rank, n_in) uniform in +-1/sqrt(n_in) (PEFT's default) and
+    """Write a fresh LoRA adapter GGUF for ``model`` to ``path``: for each matrix W (numpy shape
+    (n_out, n_in)) of ``targets`` (e.g. "attn_q", "ffn_up") in every layer, A (rank, n_in) uniform in
+    +-1/sqrt(n_in) (PEFT's default, drawn from ``seed``) and
     B (n_out, rank) zero, so the adapted model starts equal to the base. F32, alpha stored as
     ``adapter.lora.alpha`` (llama.cpp scales A/B by alpha / rank). Raises ValueError for an
     unknown target or rank <= 0."""

@@ -26,7 +26,8 @@ def check_schedule(schedule: str, warmup: int, lr: float, min_lr: float) -> tupl
 def lr_at(step: int, total: int, lr: float, schedule: str = "constant", warmup: int = 0, min_lr: float = 0.0) -> float:
     """The learning rate of optimizer step ``step`` (0-based) of ``total``: ``lr * (step + 1) /
     warmup`` during the warmup steps, then ``lr`` (constant), or from ``lr`` at the first step
-    after the warmup towards ``min_lr`` at ``total`` (cosine: half a cosine period; linear). Never
+    after the warmup towards ``min_lr`` at ``total`` by ``schedule`` ("cosine": half a cosine period;
+    "linear"). Never
     reaches min_lr within the run, so it stays > 0 with min_lr 0."""
     if step < warmup:
         return lr * (step + 1) / warmup

@@ -121,7 +121,7 @@ class Trainer:
         self.close()
 
     def set_lr(self, lr: float) -> None:
-        """The learning rate (> 0) of the next optimizer steps (ggml-opt reads it at each step)."""
+        """Set ``lr`` (> 0) as the learning rate of the next optimizer steps (ggml-opt reads it at each step)."""
         self.optimizer.set_lr(lr)
 
     def step(self, windows: np.ndarray, labels: np.ndarray | None = None) -> tuple[float, float, int]:
