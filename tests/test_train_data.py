@@ -350,8 +350,9 @@ def test_bad_settings_and_rows_are_refused_before_training(model_path, tmp_path)
 
 def test_what_is_not_training_data_says_so(model_path, tmp_path):
     """Issue 60: messages that name the argument and what was expected: a .jsonl path or a Hub id given to
-    finetune as a str (it trained on the name's few tokens), an empty valid, a DatasetDict, Example
-    tokens and mask of different lengths, a file that is not UTF-8, a Trainer used after close()."""
+    finetune as a str (it trained on the name's few tokens), an empty or too short valid (named as such), a
+    DatasetDict, Example tokens and mask of different lengths, a file that is not UTF-8, a Trainer used after
+    close()."""
     (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
     (tmp_path / "x.bin").write_bytes(b"\x00\xff\xfe" * 100)
     with llamabind.Model(model_path, repack=False, n_threads=2) as m:
@@ -360,6 +361,8 @@ def test_what_is_not_training_data_says_so(model_path, tmp_path):
                 train.finetune(m, name, lora_rank=4, progress=False)
         with pytest.raises(ValueError, match="valid is empty"):
             train.finetune(m, "word " * 2000, valid=[], lora_rank=4, progress=False)
+        with pytest.raises(ValueError, match=r"^valid: the data has \d+ tokens"):  # found by tests/fuzz/train_e2e.py
+            train.finetune(m, "word " * 2000, valid="hi", lora_rank=4, progress=False)
         with pytest.raises(ValueError, match="shape of tokens"):
             train.Example(np.arange(5), np.ones(4, bool))
         with pytest.raises(ValueError, match="x.bin: not UTF-8 text"):

@@ -103,3 +103,22 @@ def test_rows_of_any_shape_are_read_or_refused_naming_the_line(model_path, tmp_p
 def test_impossible_runs_are_refused_before_any_model_work(bad):
     with pytest.raises((TypeError, ValueError)):
         train.TrainingArgs.of(**bad)
+
+
+def test_finetune_and_trainer_end_to_end_never_abort(tiny_q8):
+    """Issue 60 item 4: tests/fuzz/train_e2e.py draws finetune and Trainer calls on the tiny model (data,
+    valid, settings, checkpoints; windows and labels of any shape, dtype and range) in a subprocess, where
+    a native abort would end the process: it must exit 0 after every case either ran or raised
+    TypeError/ValueError/LlamaError with a message, and the cases must include both (the draw reaches
+    training, not only refusals). LLAMABIND_FUZZ_EXAMPLES sets the cases per function (CI: 40)."""
+    import os
+    from pathlib import Path
+
+    n = os.environ.get("LLAMABIND_FUZZ_EXAMPLES", "40")
+    script = Path(__file__).parent / "fuzz" / "train_e2e.py"
+    r = subprocess.run([sys.executable, str(script), str(tiny_q8), n], capture_output=True, text=True, timeout=1500)
+    tail = (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0 and "FUZZ DONE" in r.stdout, f"exit {r.returncode}; the last cases:\n{tail}"
+    outcomes = [line.strip() for line in r.stdout.splitlines() if line.startswith("  -> ")]
+    assert any(o == "-> ok" for o in outcomes), tail
+    assert any(o.startswith("-> ValueError") for o in outcomes), tail

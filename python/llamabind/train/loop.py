@@ -403,12 +403,15 @@ def _windows(
         data = from_dataset(data, model, name=f"{what} (a dataset)", limit=limit)
     if isinstance(data, str):
         _check_not_a_name(data, what)
-        return windows(np.asarray(model.tokenize(data, add_special=True), dtype=np.int64), ctx_size), None
+        return _named_windows(np.asarray(model.tokenize(data, add_special=True), dtype=np.int64), ctx_size, what), None
     if isinstance(data, Sequence) and not len(data):
         raise ValueError(f"{what} is empty: no text, token ids or examples to make windows of")
     if isinstance(data, Sequence) and len(data) and all(isinstance(e, Example) for e in data):
         eos = model.token_eos if model.token_eos is not None and model.token_eos >= 0 else 0
-        win, lab, _ = example_windows(data, ctx_size, eos)
+        try:
+            win, lab, _ = example_windows(data, ctx_size, eos)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
         return win, lab
     tokens = np.asarray(data)
     if tokens.ndim != 1 or not (np.issubdtype(tokens.dtype, np.integer) or tokens.size == 0):
@@ -418,4 +421,12 @@ def _windows(
         )
     if tokens.size and (tokens.min() < 0 or tokens.max() >= model.n_vocab):
         raise ValueError(f"{what}: token ids must be in [0, n_vocab = {model.n_vocab})")
-    return windows(tokens, ctx_size), None
+    return _named_windows(tokens, ctx_size, what), None
+
+
+def _named_windows(tokens: np.ndarray, ctx_size: int, what: str) -> np.ndarray:
+    """:func:`windows`, its error naming the argument (``data`` or ``valid``) the tokens came from."""
+    try:
+        return windows(tokens, ctx_size)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
