@@ -27,7 +27,8 @@ RSS (ru_maxrss) and, on a GPU, the process's GPU memory as nvidia-smi reports it
 included, for every runner alike), sampled every 0.2 s. TFLOP/s: per token 6 N + 12 L T d for a full
 fine-tune, 4 N + 8 L T d for LoRA (no weight gradients; the adapters' own products left out), N the
 parameters in matrix products, L layers, T ctx, d n_embd; MFU against --peak (default the H100 SXM's
-dense TF32, 494.7; the CPU rows' MFU is meaningless).
+dense BF16, 989.5: the products' precision on a GPU by default and under PyTorch's bf16 autocast; 494.7 for
+its TF32; the CPU rows' MFU is meaningless).
 llama-finetune's row (full fine-tune, its whole-second timings: give it a long text on a GPU) is
 the native reference. Prints a table and writes bench/results/train-<host>-<date>.json (--out).
 """
@@ -205,7 +206,7 @@ def main() -> int:
     ap.add_argument("--chars", type=int, default=12000)
     ap.add_argument("-ngl", type=int, default=0)
     ap.add_argument("--batch", default="1,4", help="windows per step, comma-separated")
-    ap.add_argument("--peak", type=float, default=494.7, help="dense peak TFLOP/s for MFU (H100 SXM TF32)")
+    ap.add_argument("--peak", type=float, default=989.5, help="dense peak TFLOP/s for MFU (H100 SXM BF16)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per runner (default: one epoch)")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a model name or a quantized GGUF")
     ap.add_argument("--size", default=None, help="a random-weight llama of this bench/make_model.py shape instead")
