@@ -37,6 +37,10 @@ weights that may be quantized (QLoRA: the Q4_1 SmolLM2 as is); the trained adapt
     >>> model = llamabind.Model("smollm2-135m-instruct", repack=False)
     >>> r = train.finetune(model, text, lora_rank=8, lora_alpha=16, lr=1e-4)
     >>> r.adapter.save("smol-lora.gguf")
+
+Preference pairs (TRL's formats, :func:`read_pairs`), the log-probabilities of their answers
+(:func:`pair_logps`) and DPO's / ORPO's losses and reward metrics (:func:`preference_metrics`): to
+judge a model on held-out pairs; training on those losses is not there yet.
 """
 
 from .args import PRECISIONS, TrainingArgs
@@ -46,6 +50,7 @@ from .evaluate import EvalResult, evaluate
 from .fuse import fuse
 from .loop import EpochStats, TrainResult, finetune, iterate_batches
 from .lora import LORA_TARGETS, lora_init, to_f32
+from .preference import PreferenceMetrics, PreferencePair, pair_logps, preference_metrics, read_pairs
 from .schedule import SCHEDULES, lr_at
 from .trainer import Trainer
 
@@ -56,6 +61,8 @@ __all__ = [
     "EpochStats",
     "EvalResult",
     "Example",
+    "PreferenceMetrics",
+    "PreferencePair",
     "TrainResult",
     "Trainer",
     "TrainingArgs",
@@ -71,7 +78,10 @@ __all__ = [
     "latest_checkpoint",
     "lora_init",
     "lr_at",
+    "pair_logps",
+    "preference_metrics",
     "read_data",
+    "read_pairs",
     "to_f32",
     "windows",
 ]
