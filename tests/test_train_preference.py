@@ -48,6 +48,9 @@ def test_read_pairs_in_trls_formats(model_path, tmp_path):
                 whole = m.detokenize(np.concatenate([p.prompt, toks]).tolist(), unparse_special=True)
                 assert whole == tpl.render(prompt + answer, add_generation_prompt=False)
         assert [len(p.chosen) for p in train.read_pairs(ROWS, m)] == [len(p.chosen) for p in pairs]  # a list of dicts
+        datasets = pytest.importorskip("datasets")
+        ds = datasets.Dataset.from_list([ROWS[1], ROWS[1]])  # one format per dataset (Arrow's columns)
+        assert [p.chosen.tolist() for p in train.read_pairs(ds, m)] == [pairs[1].chosen.tolist()] * 2
 
 
 @pytest.mark.parametrize(
@@ -123,3 +126,30 @@ def test_preference_metrics_refuse_what_they_cannot_compute():
     ]:
         with pytest.raises(ValueError, match=match):
             train.preference_metrics(lp, **kw)
+
+
+def test_cli_eval_pairs_prints_trls_metrics(model_path, tmp_path, capsys):
+    """``eval --pairs`` (issue 58 item 3, the metrics half): ORPO's numbers are preference_metrics' on
+    pair_logps of the model; DPO of an adapter whose B is zero (lora_init: the policy is the base) has the
+    rewards 0 and the loss log 2 exactly; without an adapter DPO is refused, as are --data and --pairs
+    together, each with one error line."""
+    from llamabind import cli
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    with llamabind.Model(model_path, repack=False, n_threads=2) as m:
+        pairs = train.read_pairs(path, m)
+        lengths = [[len(p.chosen), len(p.rejected)] for p in pairs]
+        want = train.preference_metrics(train.pair_logps(m, pairs), method="orpo", lengths=lengths, beta=0.2)
+        train.lora_init(m, tmp_path / "zero.gguf", 2, 4.0, ["attn_q"])
+    base = ["eval", "-m", str(model_path), "--pairs", str(path), "-t", "2"]
+    assert cli.main([*base, "--method", "orpo", "--beta", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert f"orpo over 3 pairs: loss {want.loss:.4f}" in out and f"rewards/margins {want.rewards_margins:.4f}" in out
+    assert cli.main([*base, "--lora", str(tmp_path / "zero.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert f"loss {np.log(2):.4f}, rewards/chosen 0.0000, rewards/rejected 0.0000" in out, out
+    for extra, match in [([], "give --lora"), (["--data", str(path)], "one of them")]:
+        assert cli.main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert match in err and "Traceback" not in err, err

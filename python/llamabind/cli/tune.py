@@ -31,6 +31,10 @@ def _eval(args) -> int:
     from ..api import Model
 
     loras = lora_specs(args)
+    if (args.data is None) == (args.pairs is None):
+        raise ValueError("give --data (the loss) or --pairs (preference metrics), one of them")
+    if args.pairs is not None:
+        return _eval_pairs(args, loras)
     _check_inputs({"--data": args.data}, {"--chat-template-file": args.chat_template_file})
     _check_inputs({}, {f"--lora {p}": p for p, _ in loras})
     template = Path(args.chat_template_file).read_text(encoding="utf-8") if args.chat_template_file else None
@@ -43,6 +47,29 @@ def _eval(args) -> int:
         adapters = [(m.load_lora(p), scale) for p, scale in loras]
         r = train.evaluate(m, data, ctx_size=args.n_ctx, adapter=adapters, n_threads=args.threads)
     print(f"loss {r.loss:.4f}, perplexity {r.perplexity:.3f} over {r.tokens} tokens in {r.windows} windows")
+    return 0
+
+
+def _eval_pairs(args, loras) -> int:
+    """eval --pairs: DPO's or ORPO's loss and TRL's reward metrics of the model with --lora (the policy) on
+    preference pairs; DPO's reference is the model without the adapters."""
+    from .. import train
+    from ..api import Model
+
+    _check_inputs({}, {"--pairs": args.pairs, **{f"--lora {p}": p for p, _ in loras}})
+    if args.method == "dpo" and not loras:
+        raise ValueError("--method dpo compares a tuned adapter with its base: give --lora (or --method orpo)")
+    with Model(models.resolve(args.model), repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads) as m:
+        pairs = train.read_pairs(args.pairs, m)
+        adapters = [(m.load_lora(p), scale) for p, scale in loras]
+        policy = train.pair_logps(m, pairs, adapter=adapters, n_threads=args.threads)
+        reference = train.pair_logps(m, pairs, n_threads=args.threads) if args.method == "dpo" else None
+    lengths = [[len(p.chosen), len(p.rejected)] for p in pairs]
+    r = train.preference_metrics(policy, reference, method=args.method, beta=args.beta, lengths=lengths)
+    print(f"{args.method} over {len(pairs)} pairs: loss {r.loss:.4f}, rewards/chosen {r.rewards_chosen:.4f}, "
+          f"rewards/rejected {r.rewards_rejected:.4f}, rewards/accuracies {r.rewards_accuracies:.4f}, "
+          f"rewards/margins {r.rewards_margins:.4f}, logps/chosen {r.logps_chosen:.4f}, "
+          f"logps/rejected {r.logps_rejected:.4f}")  # fmt: skip
     return 0
 
 
@@ -239,14 +266,18 @@ def _finetune_parser(sub) -> None:
 def _eval_and_fuse_parsers(sub) -> None:
     ev = sub.add_parser(
         "eval",
-        help="loss and perplexity on JSONL examples or text (the finetune masking rules)",
+        help="loss and perplexity on JSONL examples or text (the finetune masking rules); DPO/ORPO metrics on pairs",
         formatter_class=HelpFormatter,
     )
     add_model(ev)
     add_hf(ev)
     add_lora(ev)
     ev.add_argument("--adapter", action="append", dest="lora", metavar="FILE", help="the same as --lora")
-    ev.add_argument("--data", required=True, help="as finetune --data: JSONL, a text file, or a 🤗 dataset")
+    ev.add_argument("--data", default=None, help="as finetune --data: JSONL, a text file, or a 🤗 dataset")
+    pairs_help = "preference pairs (JSONL in TRL's formats) instead of --data: DPO's or ORPO's metrics"
+    ev.add_argument("--pairs", default=None, metavar="FILE", help=pairs_help)
+    ev.add_argument("--method", choices=["dpo", "orpo"], default="dpo", help="with --pairs: the loss")
+    ev.add_argument("--beta", type=float, default=0.1, help="with --pairs: DPO's beta, ORPO's lambda")
     add_ctx_size(ev, 256, "tokens per window")
     ev.add_argument("--train-on-prompt", action="store_true", help="count every token, not only the answers")
     ev.add_argument("--chat-template-file", default=None, help="jinja chat template instead of the GGUF's")

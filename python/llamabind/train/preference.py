@@ -158,12 +158,13 @@ def pair_logps(
     model: Model,
     pairs: Sequence[PreferencePair],
     *,
-    adapter: LoraAdapter | None = None,
+    adapter: LoraAdapter | Sequence[tuple[LoraAdapter, float]] | None = None,
     scale: float = 1.0,
     n_threads: int | None = None,
 ) -> np.ndarray:
     """The log-probabilities of each pair's answers given its prompt under ``model`` (with ``adapter`` applied
-    at ``scale``: a LoRA policy; without, DPO's reference for a LoRA): float64 (n_pairs, 2), chosen then
+    at ``scale``, or several adapters as (adapter, scale) pairs: a LoRA policy; without, DPO's reference for a
+    LoRA): float64 (n_pairs, 2), chosen then
     rejected, each the sum over the answer's tokens of log p(token | the tokens before it), in nats. The
     logits come from llama_decode (:meth:`Context.eval`) in a context with a training context's parameters
     (F32 KV cache, no flash attention; ``n_threads``: None for all cores), as :func:`evaluate`'s; log-softmax
@@ -174,8 +175,8 @@ def pair_logps(
     n_ctx = as_int(-(-longest // 256) * 256, "the longest pair's tokens", 256)
     out = np.zeros((len(pairs), 2))
     with Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=n_threads, training=True) as ctx:
-        if adapter is not None:
-            ctx.set_lora(adapter, scale)
+        for a, sc in [(adapter, scale)] if isinstance(adapter, LoraAdapter) else list(adapter or []):
+            ctx.set_lora(a, as_float(sc, "scale"))
         for i, p in enumerate(pairs):
             for j, answer in enumerate((p.chosen, p.rejected)):
                 tokens = np.concatenate([p.prompt, answer])
@@ -187,12 +188,12 @@ def pair_logps(
 
 
 def preference_metrics(
-    policy_logps: np.ndarray,
-    reference_logps: np.ndarray | None = None,
+    policy_logps: np.ndarray | Sequence[Sequence[float]],
+    reference_logps: np.ndarray | Sequence[Sequence[float]] | None = None,
     *,
     method: str = "dpo",
     beta: float = 0.1,
-    lengths: np.ndarray | None = None,
+    lengths: np.ndarray | Sequence[Sequence[int]] | None = None,
 ) -> PreferenceMetrics:
     """DPO's (Rafailov et al. 2023, the sigmoid loss) or ORPO's (Hong et al. 2024) loss and TRL's reward
     metrics from :func:`pair_logps`' log-probabilities: ``policy_logps`` (n, 2) and, for DPO, the reference's
