@@ -90,6 +90,7 @@ def test_pair_logps_and_losses_match_pytorch(smollm2_f32_cut, reference_python, 
     with llamabind.Model(smollm2_f32_cut, repack=False, n_threads=2) as m:
         pairs = train.read_pairs(ROWS, m)
         ours = train.pair_logps(m, pairs)
+        m_on_gpu = any(d["type"] == "gpu" for d in llamabind.devices())
     rng = np.random.default_rng(0)
     reference = ours + rng.normal(0, 2, ours.shape)  # a reference model's log-probs: any other numbers
     lengths = np.array([[len(p.chosen), len(p.rejected)] for p in pairs])
@@ -105,7 +106,10 @@ def test_pair_logps_and_losses_match_pytorch(smollm2_f32_cut, reference_python, 
     assert r.returncode == 0, r.stderr[-3000:]
     ref = json.loads((tmp_path / "result.json").read_text())
     print("log-probs, llamabind / PyTorch:", ours.round(4).tolist(), np.round(ref["logps"], 4).tolist())
-    np.testing.assert_allclose(ours, ref["logps"], atol=2e-3, rtol=0)
+    if m_on_gpu:  # cuBLAS runs F32 products in TF32 (operands rounded to 10 mantissa bits, 4.9e-4 relative):
+        np.testing.assert_allclose(ours, ref["logps"], rtol=2e-3)  # H100: 7e-4 relative on these sums
+    else:
+        np.testing.assert_allclose(ours, ref["logps"], atol=2e-3, rtol=0)
     got = {
         "dpo": train.preference_metrics(ours, reference, beta=0.3),
         "orpo": train.preference_metrics(ours, method="orpo", lengths=lengths, beta=0.3),
