@@ -351,18 +351,17 @@ def serve(
     tokens for all slots (None: the model's training context, fitted to free memory); any slot may
     use all of it. embedding: serve /v1/embeddings (pooling: "mean", "cls", "last"; None: the model's, or
     mean if its GGUF names none, as for a causal LM).
-    n_gpu_layers, op_offload, n_threads, n_batch, n_ubatch,
-    rpc, alias, chat_template, flash_attn, lora: as :class:`~llamabind.server_context.ServerContext`.
+    n_gpu_layers, op_offload, n_threads, n_batch, n_ubatch, rpc, alias, chat_template, flash_attn, lora: as
+    :class:`~llamabind.server_context.ServerContext`.
     cache_type_k/cache_type_v: the KV cache's types ("f16", "q8_0", ...; llama-server's
     --cache-type-k/-v; ServerContext's type_k/type_v).
-    mmproj: a projector GGUF: /v1/chat/completions then takes ``image_url`` and ``input_audio``
-    content parts (llama-server's --mmproj; /props lists the modalities); mmproj_use_gpu,
-    image_min_tokens, image_max_tokens (bounds on an image's tokens where the projector's
-    resolution is dynamic), media_path (the directory ``file://`` URLs may read): as ServerContext's. model_draft,
-    draft_max, draft_min: speculative decoding with a draft model (llama-server's ``-md``), and
-    context_shift (``--context-shift``): as ServerContext's.
-    max_body: request body limit in bytes (413). max_pending: requests in flight before 503.
-    access_log: log each request (uvicorn's access log; off by default).
+    mmproj: a projector GGUF: /v1/chat/completions then takes ``image_url`` and ``input_audio`` content parts
+    (llama-server's --mmproj; /props lists the modalities); mmproj_use_gpu, image_min_tokens, image_max_tokens
+    (bounds on an image's tokens where the projector's resolution is dynamic), media_path (the directory
+    ``file://`` URLs may read): as ServerContext's. model_draft, draft_max, draft_min: speculative decoding with
+    a draft model (llama-server's ``-md``), and context_shift (``--context-shift``): as ServerContext's.
+    max_body: request body limit in bytes (413). max_pending: requests in flight before 503. access_log:
+    log each request (uvicorn's access log).
 
     Raises FileNotFoundError, TypeError/ValueError (bad argument), OSError (the port is taken),
     LlamaError (the model failed to load).

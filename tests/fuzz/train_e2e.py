@@ -98,6 +98,16 @@ IDS = st.tuples(st.integers(-1, N_VOCAB), st.integers(300, 2000)).map(
 DATA = st.one_of(LONG, LONG, LONG, IDS, IDS, WORDS, TOKENS)
 
 
+# every case drawn the same way in each run (no example database), as many as the command line asks
+CASES = settings(
+    max_examples=int(sys.argv[2]),
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+    database=None,
+)
+
+
 def outcome(fn):
     try:
         fn()
@@ -107,13 +117,7 @@ def outcome(fn):
         return f"{type(e).__name__}: {str(e)[:150]}"
 
 
-@settings(
-    max_examples=int(sys.argv[2]),
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=True,
-    database=None,
-)
+@CASES
 @given(DATA, st.one_of(st.none(), st.none(), st.none(), DATA), SETTINGS, st.booleans())
 def test_finetune(data, valid, kw, with_ckpt):
     kw = {"lora_rank": 4, **kw}
@@ -138,13 +142,7 @@ WINDOWS = st.tuples(
 )
 
 
-@settings(
-    max_examples=int(sys.argv[2]),
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=True,
-    database=None,
-)
+@CASES
 @given(WINDOWS, st.one_of(st.none(), st.just("same"), st.just("short")), st.sampled_from(["lora", "evaluate"]))
 def test_trainer(win, labels, what):
     (shape, dtype, hi) = win

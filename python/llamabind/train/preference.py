@@ -70,7 +70,8 @@ def read_pairs(data, model: Model, *, name: str | None = None) -> list[Preferenc
     list of messages and ``chosen``/``rejected`` lists of the answer's messages, rendered with ``model``'s
     chat template (the prompt through the generation prompt; an answer is what the conversation with it
     adds); without ``prompt``, the messages the two conversations share are the prompt. ``name``: how the
-    messages call the data (default: the file's name, or "the pairs"). Everything is read and checked
+    messages call the data (default: the file's name, or "the pairs"). Tokens through :meth:`Model.tokenize`
+    (llama_tokenize) and :meth:`ChatTemplates.render` (common_chat_templates_apply). Everything is read and checked
     before anything is returned: ValueError naming the row (file:line) and field for a missing or mistyped
     field, an empty answer, two identical answers, or no rows; FileNotFoundError."""
     rows, where = _rows(data, name)
@@ -199,8 +200,9 @@ def preference_metrics(
     metrics from :func:`pair_logps`' log-probabilities: ``policy_logps`` (n, 2) and, for DPO, the reference's
     ``reference_logps`` (n, 2). ORPO needs the answers' ``lengths`` (n, 2) in tokens (its odds ratio is of mean
     token log-probs; its nll term is the chosen answers' mean token nll). ``beta`` > 0: DPO's beta, ORPO's
-    lambda. Raises ValueError for a method other than "dpo" or "orpo", beta <= 0, missing inputs or shapes
-    that differ."""
+    lambda. Computed in numpy float64 (no ggml or llama.cpp call); the results are in nats (loss, logps) and
+    beta-scaled nats (rewards). Raises ValueError for a method other than "dpo" or "orpo", beta <= 0, missing
+    inputs or shapes that differ."""
     beta = as_float(beta, "beta")
     expect(beta > 0 and math.isfinite(beta), f"beta must be > 0; got {beta}")
     pol = np.asarray(policy_logps, np.float64)
