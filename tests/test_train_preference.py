@@ -1,6 +1,7 @@
-"""Issue 58, the part that is there: preference pairs read from TRL's formats (llamabind.train.read_pairs), the
-log-probabilities of their answers (pair_logps) and DPO's / ORPO's losses and reward metrics
-(preference_metrics), against PyTorch (transformers on the same F32 GGUF; the losses as TRL states them)."""
+"""Issue 58: preference pairs read from TRL's formats (llamabind.train.read_pairs), the log-probabilities of their
+answers (pair_logps), DPO's / ORPO's losses and reward metrics (preference_metrics), and training on them
+(train.preference, patch 0054's loss in the training graph), against PyTorch (transformers on the same F32 GGUF;
+the losses as TRL states them)."""
 
 from __future__ import annotations
 
@@ -158,3 +159,84 @@ def test_cli_eval_pairs_prints_trls_metrics(model_path, tmp_path, capsys):
         assert cli.main([*base, *extra]) == 2
         err = capsys.readouterr().err
         assert match in err and "Traceback" not in err, err
+
+
+PAIR4 = {"prompt": "Water boils at", "chosen": " 100 degrees Celsius at sea level.", "rejected": " 12 degrees."}
+
+
+def _step_losses(m, adapter, win, lab, refs, lengths, method, optimizer, lr, wd, steps, beta):
+    """[(loss from the graph's per-window log-likelihoods in float64, ggml-opt's loss of the graph)] of
+    ``steps`` optimizer steps of a LoRA ``adapter`` on the pairs' windows as one micro-batch."""
+    kw = dict(ctx_size=256, batch_size=len(win), optimizer=optimizer, lr=lr, weight_decay=wd, precision="f32")
+    out = []
+    with train.Trainer(m, **kw, params="lora", adapter=adapter, loss=method, beta=beta, n_threads=2) as t:
+        for _ in range(steps):
+            t.optimizer.reset()
+            t.optimizer.eval(win, True, lab, refs)
+            logps = t.optimizer.seq_logps().reshape(-1, 2)
+            ref = np.stack([refs, np.zeros_like(refs)], axis=1)
+            mine = train.preference_metrics(logps, ref, method=method, beta=beta, lengths=lengths)
+            out.append((mine.loss, t.optimizer.result(True)[0]))
+    return out
+
+
+def test_dpo_and_orpo_step_match_pytorch(smollm2_f32_cut, reference_python, tmp_path):
+    """Patch 0054 (the loss of each ubatch's pairs built in the training graph) against PyTorch written from
+    the papers (tests/preference_train_reference.py): a LoRA on attn_v/attn_output over SmolLM2's F32 blocks,
+    four pairs (eight windows) in one graph: the DPO and ORPO loss, each adapter tensor's gradient (from an
+    SGD step of lr 1) and three AdamW steps, within the SFT LoRA parity test's tolerances (F32 on both sides;
+    the loss 1e-4 relative, gradient cosines >= 0.9999, the adapters 1e-4 relative for the median tensor).
+    The graph's own loss (ggml-opt's result, F32 scalars) equals the float64 formula on its per-window
+    log-likelihoods within 1e-5 relative."""
+    rank, alpha, lr, wd, n_steps, beta = 4, 8.0, 1e-4, 0.01, 3, 0.3
+    from llamabind.model import write_lora_gguf
+
+    job = dict(f32=str(smollm2_f32_cut), beta=beta, scale=alpha / rank, lr=lr, weight_decay=wd, adamw_steps=n_steps)
+    ours = {}
+    with llamabind.Model(smollm2_f32_cut, n_threads=2, repack=False) as m:
+        pairs = train.read_pairs([*ROWS, PAIR4], m)
+        win, lab, lengths, cut = train.pair_windows(pairs, 256, m.token_eos)
+        assert cut == 0 and win.shape == (8, 257) and (lengths > 0).all()
+        refs = np.random.default_rng(3).normal(0, 1, len(pairs))
+        job.update(windows=win.tolist(), labels=lab.tolist(), refs=refs.tolist())
+        train.lora_init(m, tmp_path / "zero.gguf", rank, alpha, ["attn_v", "attn_output"], seed=1)
+        rng = np.random.default_rng(2)  # B = 0 gives A no gradient: start from a B with values
+        init = {n: (rng.normal(0, 0.02, a.shape).astype(np.float32) if n.endswith("lora_b") else np.asarray(a))
+                for n, a in _read_lora(tmp_path / "zero.gguf").items()}  # fmt: skip
+        write_lora_gguf(tmp_path / "init.gguf", "llama", alpha, sorted(init.items()))
+        for method in ("dpo", "orpo"):
+            files = {k: str(tmp_path / f"{method}-{k}.gguf") for k in ("init", "sgd", "adamw")}
+            files["init"] = str(tmp_path / "init.gguf")
+            for k, optimizer, step_lr, steps in (("sgd", "sgd", 1.0, 1), ("adamw", "adamw", lr, n_steps)):
+                adapter = m.load_lora(files["init"])
+                ours[method, k] = _step_losses(m, adapter, win, lab, refs, lengths, method, optimizer, step_lr,
+                                               wd if k == "adamw" else 0.0, steps, beta)  # fmt: skip
+                adapter.save(files[k])
+                adapter.close()
+            job[method] = files
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    script = Path(__file__).parent / "preference_train_reference.py"
+    r = subprocess.run([str(reference_python), str(script), str(tmp_path)], capture_output=True, text=True,
+                       timeout=1200, cwd=script.parent)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = json.loads((tmp_path / "result.json").read_text())
+    for method in ("dpo", "orpo"):
+        want, (loss0, graph0) = ref[method], ours[method, "sgd"][0]
+        adamw = [a for a, _ in ours[method, "adamw"]]
+        cos, rel = want["grad_cosine"], want["adamw_rel"]
+        print(f"{method}: loss llamabind {loss0:.6f} (graph {graph0:.6f}), PyTorch {want['loss']:.6f}; AdamW",
+              [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw, want["adamw_losses"])], "lowest cosine",
+              min(cos.values()), "adapter differences median", np.median(list(rel.values())))  # fmt: skip
+        assert graph0 == pytest.approx(loss0, rel=1e-5)
+        assert abs(loss0 - want["loss"]) <= 1e-4 * want["loss"], method
+        np.testing.assert_allclose(adamw, want["adamw_losses"], rtol=5e-4)
+        assert len(cos) == len(init) and min(cos.values()) >= 0.9999, sorted(cos.items())[:3]
+        assert np.median(list(rel.values())) <= 1e-4, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
+        assert max(rel.values()) <= 1e-3, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
+
+
+def _read_lora(path):
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    return {t.name: np.array(t.data).reshape(list(reversed([int(n) for n in t.shape]))) for t in r.tensors}

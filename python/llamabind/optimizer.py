@@ -23,7 +23,10 @@ class Optimizer:
     ``grad_accum``: evals per optimizer step (their gradients averaged, patch 0025). ``precision``:
     ``"bf16"`` lets the backend run the products of F32 tensors in BF16 with F32 accumulation
     (llama_opt_params.prec_products, patch 0052), ``"f32"`` keeps F32. Raises
-    ValueError/TypeError for bad arguments or a context that is not a training one."""
+    ValueError/TypeError for bad arguments or a context that is not a training one. ``loss``:
+    ``"cross_entropy"`` (next-token), or ``"dpo"`` / ``"orpo"``: a preference loss over windows that
+    alternate a pair's chosen and rejected answer (an even n_seq_max; llama_opt_params.build_loss, patch
+    0054), ``beta`` > 0 DPO's beta or ORPO's lambda."""
 
     def __init__(
         self,
@@ -35,20 +38,34 @@ class Optimizer:
         grad_accum: int = 1,
         embeddings: bool = True,
         precision: str = "f32",
+        loss: str = "cross_entropy",
+        beta: float = 0.1,
     ):
         self.context = context
         self._native = context._llama_context
         _core.opt_init(
             self._native, optimizer, as_float(lr, "lr"), as_float(weight_decay, "weight_decay"), params,
-            as_int(grad_accum, "grad_accum", 1), bool(embeddings), precision,
+            as_int(grad_accum, "grad_accum", 1), bool(embeddings), precision, loss, as_float(beta, "beta"),
         )  # fmt: skip
 
-    def eval(self, windows: np.ndarray, train: bool, labels: np.ndarray | None = None) -> None:
+    def eval(
+        self, windows: np.ndarray, train: bool, labels: np.ndarray | None = None, refs: np.ndarray | None = None
+    ) -> None:
         """One eval of n_seq_max windows, int32 C-contiguous (n_seq_max, n_ctx / n_seq_max + 1), one
         sequence each, with optional labels (n_seq_max, n_ctx / n_seq_max), -1 left out: forward, and
         with ``train`` backward and (every grad_accum-th eval) the optimizer step (llama_opt_epoch).
-        Its loss adds to :meth:`result`. Raises ValueError for other shapes or ids out of range."""
-        _core.opt_step(self._native, windows, bool(train), labels)
+        Its loss adds to :meth:`result`. A preference loss needs ``labels`` (each window's answer tokens)
+        and for DPO ``refs``, float64 (n_seq_max / 2,): each pair's reference log-ratio log p_ref(chosen)
+        - log p_ref(rejected) in nats. Raises ValueError for other shapes, ids out of range, a window
+        without a labelled position under a preference loss."""
+        if refs is not None:
+            refs = np.ascontiguousarray(refs, dtype=np.float64).reshape(-1)
+        _core.opt_step(self._native, windows, bool(train), labels, refs)
+
+    def seq_logps(self) -> np.ndarray:
+        """float64 (n_seq_max,): the last :meth:`eval`'s per-window summed log-likelihood of its labelled
+        tokens (nats), from the preference loss's graph. ValueError without a preference loss."""
+        return _core.opt_seq_logps(self._native)
 
     def result(self, train: bool) -> tuple[float, float, int]:
         """(mean cross-entropy per labelled token in nats, next-token accuracy, labelled tokens) of the

@@ -4,6 +4,7 @@
 // one-datapoint dataset (n_seq_max windows, one sequence each, in one ubatch: patch 0031), so
 // Ctrl-C, progress and NaN checks happen between optimizer steps.
 #include "objects.h"
+#include "preference.h"
 
 // llama.cpp's internal adapter struct (ab_map: the A/B tensors), for LoRA training and saving;
 // this file alone sees src/ (CMakeLists.txt), and the pin fixes its layout
@@ -30,6 +31,7 @@ struct TrainState {
     double loss_sum[2] = { 0, 0 };
     int64_t rows[2] = { 0, 0 }, correct[2] = { 0, 0 };
     std::vector<ggml_tensor *> lora_params;  // adapter tensors flagged as parameters (unflagged after)
+    std::unique_ptr<PrefLoss> pref;          // a preference loss (DPO, ORPO) in place of the cross-entropy
 
     ~TrainState() {
         for (ggml_tensor * t : lora_params) t->flags &= ~GGML_TENSOR_FLAG_PARAM;
@@ -112,7 +114,8 @@ static bool all_but_token_embd(const ggml_tensor * t, void *) {
 // stays frozen and may be quantized). llama_opt_init marks only model tensors, through param_filter;
 // the adapters' are flagged here (ggml_set_param) before it, which is all ggml's backward pass looks at.
 static void opt_init(Context & c, const std::string & optimizer, float lr, float wd, const std::string & params,
-                     int grad_accum, bool embeddings, const std::string & precision) {
+                     int grad_accum, bool embeddings, const std::string & precision, const std::string & loss,
+                     float beta) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (c.train) raise_value("opt_init was already called on this context (llama_opt_init runs once)");
@@ -134,6 +137,17 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     st->lr = lr;
     st->wd = wd;
     if (params != "model" && params != "lora") raise_value("params must be 'model' or 'lora'; got '" + params + "'");
+    if (loss != "cross_entropy" && loss != "dpo" && loss != "orpo")
+        raise_value("loss must be 'cross_entropy', 'dpo' or 'orpo'; got '" + loss + "'");
+    if (loss != "cross_entropy") {
+        if (!(beta > 0) || !std::isfinite(beta)) raise_value("beta must be a finite number > 0; got " + std::to_string(beta));
+        if (llama_n_seq_max(ctx) % 2 != 0)
+            raise_value("a preference loss takes pairs of windows (chosen, rejected): n_seq_max must be even; got " +
+                        std::to_string(llama_n_seq_max(ctx)));
+        st->pref = std::make_unique<PrefLoss>();
+        st->pref->method = loss == "dpo" ? PrefLoss::DPO : PrefLoss::ORPO;
+        st->pref->beta = beta;
+    }
     if (precision != "f32" && precision != "bf16")
         raise_value("precision must be 'bf16' or 'f32'; got '" + precision + "'");
     if (params == "lora") {
@@ -160,6 +174,10 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     p.n_grad_accum = (uint32_t) grad_accum;  // patch 0025: ggml-opt's opt_period
     // patch 0052: products of F32 tensors in BF16 where the backend can (ggml-cuda, patch 0051)
     p.prec_products = precision == "bf16" ? GGML_PREC_BF16 : GGML_PREC_UNDEFINED;
+    if (st->pref) {  // patch 0054: the loss of each ubatch's pairs of sequences
+        p.build_loss = pref_build_loss;
+        p.build_loss_ud = st->pref.get();
+    }
     std::string failed;  // e.g. the training graph's reservation (out of memory)
     {
         nb::gil_scoped_release release;
@@ -174,12 +192,46 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
 }
 
 using Windows = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using F64In = nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// the preference loss of the running opt_step (llama_opt_epoch's callbacks take no userdata; they run on the
+// thread that called it, after each eval, while the graph's tensors are allocated: patch 0054)
+static thread_local PrefLoss * tl_pref = nullptr;
+
+static void pref_after_eval(bool, ggml_opt_context_t, ggml_opt_dataset_t, ggml_opt_result_t, int64_t, int64_t,
+                            int64_t) {
+    if (tl_pref) pref_read(*tl_pref);
+}
+
+// a preference loss's checks of a step: every window has a labelled position (an answer token); DPO's
+// reference log-ratio per pair
+static void check_pref_step(PrefLoss & pref, const std::optional<Windows> & labels, const std::optional<F64In> & refs,
+                            int64_t n_seq, int64_t n_win) {
+    if (!labels) raise_value("a preference loss needs labels: each window's answer tokens, -1 elsewhere");
+    for (int64_t s = 0; s < n_seq; ++s) {
+        bool any = false;
+        for (int64_t i = 0; i < n_win && !any; ++i) any = (*labels)(s, i) >= 0;
+        if (!any) raise_value("window " + std::to_string(s) + " has no labelled position: a preference pair's answer "
+                              "needs at least one token in its window");
+    }
+    pref.ref.clear();
+    if (pref.method == PrefLoss::DPO) {
+        if (!refs || (int64_t) refs->shape(0) != n_seq / 2)
+            raise_value("DPO needs refs: float64 (" + std::to_string(n_seq / 2) +
+                        ",), each pair's reference log-ratio log p_ref(chosen) - log p_ref(rejected)");
+        for (int64_t i = 0; i < n_seq / 2; ++i) {
+            if (!std::isfinite((*refs)(i))) raise_value("refs[" + std::to_string(i) + "] is not finite");
+            pref.ref.push_back((float) (*refs)(i));
+        }
+    }
+}
 
 // One datapoint: n_seq_max windows of n_win + 1 tokens (n_win = n_ctx / n_seq_max), each its own
 // sequence; inputs windows[:, :-1], labels windows[:, 1:], or ``labels`` (n_seq_max, n_win) ids,
 // -1 for a position left out of the loss (patch 0027). train: forward, backward and, every
 // grad_accum-th training datapoint, an optimizer step; else forward only (validation loss).
-static void opt_step(Context & c, Windows windows, bool train, std::optional<Windows> labels) {
+static void opt_step(Context & c, Windows windows, bool train, std::optional<Windows> labels,
+                     std::optional<F64In> refs) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (!c.train) raise_value("call opt_init first");
@@ -214,6 +266,9 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
         // an all-masked datapoint would be skipped by llama_opt_epoch, shifting the accumulation period
         if (!any) raise_value("every label of the step is masked (-1): nothing to learn from it");
     }
+    TrainState & st = *c.train;
+    if (st.pref) check_pref_step(*st.pref, labels, refs, n_seq, n_win);
+    else if (refs) raise_value("refs are for a preference loss (opt_init with loss 'dpo')");
     ggml_opt_dataset_t ds = ggml_opt_dataset_init(GGML_TYPE_I32, GGML_TYPE_I32, n_ctx, n_ctx, 1, 1);
     auto * data = (int32_t *) ggml_opt_dataset_data(ds)->data;
     auto * lab = (int32_t *) ggml_opt_dataset_labels(ds)->data;
@@ -221,18 +276,20 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
         std::memcpy(data + s * n_win, &windows(s, 0), n_win * sizeof(int32_t));
         std::memcpy(lab + s * n_win, labels ? &(*labels)(s, 0) : &windows(s, 1), n_win * sizeof(int32_t));
     }
-    TrainState & st = *c.train;
     ggml_opt_result_reset(st.result_step);
     if (c.profile) c.profile->phase = 0;
     std::string failed;  // llama.cpp's error (patch 0053: a graph that cannot be allocated) after the dataset is freed
     {
         nb::gil_scoped_release release;
         try {
-            llama_opt_epoch(ctx, ds, st.result_step, st.result_step, train ? 1 : 0, nullptr, nullptr);
+            tl_pref = st.pref.get();
+            ggml_opt_epoch_callback cb = st.pref ? pref_after_eval : nullptr;
+            llama_opt_epoch(ctx, ds, st.result_step, st.result_step, train ? 1 : 0, cb, cb);
         } catch (const std::exception & err) {
             failed = err.what();
         }
     }
+    tl_pref = nullptr;
     ggml_opt_dataset_free(ds);
     if (!failed.empty()) throw LlamaError(failed);
     c.has_logits = false;
@@ -254,6 +311,16 @@ static nb::tuple opt_result(Context & c, bool train) {
     const int64_t n = st.rows[train];
     if (n == 0) return nb::make_tuple(NAN, NAN, 0);
     return nb::make_tuple(st.loss_sum[train] / n, (double) st.correct[train] / n, n);
+}
+
+// the last opt_step's per-window summed log-likelihoods of the labelled tokens (nats), float64 (n_seq_max,)
+static nb::ndarray<nb::numpy, double, nb::ndim<1>> opt_seq_logps(Context & c) {
+    if (!c.train || !c.train->pref) raise_value("the context was not set up with a preference loss (opt_init)");
+    const auto & v = c.train->pref->logps;
+    double * out = new double[v.size()];
+    std::copy(v.begin(), v.end(), out);
+    nb::capsule owner(out, [](void * p) noexcept { delete[] (double *) p; });
+    return nb::ndarray<nb::numpy, double, nb::ndim<1>>(out, { v.size() }, owner);
 }
 
 static void opt_reset(Context & c) {
@@ -461,22 +528,25 @@ static void quantize_model(const std::string & src, const std::string & dst, int
 void register_train(nb::module_ & m) {
     m.def("opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
           nb::arg("params") = "model", nb::arg("grad_accum") = 1, nb::arg("embeddings") = true,
-          nb::arg("precision") = "f32",
+          nb::arg("precision") = "f32", nb::arg("loss") = "cross_entropy", nb::arg("beta") = 0.1f,
           "llama_opt_init on a training context, ggml-opt's AdamW or SGD. params 'model': every F32 weight "
           "(llama_opt_param_filter_all; token_embd unless embeddings is false, patch 0033); 'lora': only the A/B "
           "tensors of the adapters applied to the context. grad_accum: opt_steps per optimizer step (their "
           "gradients averaged; llama_opt_params.n_grad_accum, patch 0025). precision 'bf16': products of F32 "
           "tensors in BF16 with F32 accumulation where the backend has them (llama_opt_params.prec_products, "
-          "patch 0052); 'f32': F32.");
+          "patch 0052); 'f32': F32. loss 'dpo' or 'orpo' (beta: DPO's beta, ORPO's lambda): a preference loss over "
+          "windows that alternate chosen, rejected (llama_opt_params.build_loss, patch 0054).");
     m.def("lora_write", &lora_write, nb::arg("path"), nb::arg("arch"), nb::arg("alpha"), nb::arg("tensors"),
           "Write a LoRA adapter GGUF: [(name, float32 (rows, cols))], names ending .lora_a / .lora_b.");
     m.def("lora_save", &lora_save, nb::arg("adapter"), nb::arg("path"),
           "Write a loaded adapter's current A/B tensors (e.g. after training) as a LoRA adapter GGUF.");
     m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("windows"), nb::arg("train"),
-          nb::arg("labels") = nb::none(),
+          nb::arg("labels") = nb::none(), nb::arg("refs") = nb::none(),
           "llama_opt_epoch on n_seq_max windows, int32 (n_seq_max, n_ctx / n_seq_max + 1), one sequence each "
-          "(next-token cross-entropy): train=True adds the backward pass (and the optimizer step), False only "
-          "accumulates the validation loss.");
+          "(next-token cross-entropy, or the preference loss of opt_init: refs float64 (n_seq_max / 2,) for DPO): "
+          "train=True adds the backward pass (and the optimizer step), False only accumulates the validation loss.");
+    m.def("opt_seq_logps", &opt_seq_logps, nb::arg("context"),
+          "float64 (n_seq_max,): the last opt_step's per-window summed log-likelihood of its labelled tokens.");
     m.def("opt_result", &opt_result, nb::arg("context"), nb::arg("train"),
           "(mean loss per labelled token, next-token accuracy, labelled tokens) since opt_reset, token-weighted.");
     m.def("opt_reset", &opt_reset, nb::arg("context"));

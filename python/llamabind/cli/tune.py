@@ -137,6 +137,8 @@ def _finetune(args) -> int:
             out.unlink()
     except OSError as err:
         raise ValueError(f"-o: cannot write {out}: {err.strerror}") from None
+    if args.method != "sft" and (args.test or args.train_on_prompt or args.chat_template_file):
+        raise ValueError("--test, --train-on-prompt and --chat-template-file are for --method sft")
     src = models.resolve(args.model)
     lora = args.lora_rank is not None
     ckpt_dir, resume = _checkpoints(args, out)
@@ -154,6 +156,11 @@ def _finetune(args) -> int:
             src = Path(tmp) / "f32.gguf"
         kw = dict(use_mmap=lora, repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
         with Model(src, **kw) as m:
+            if args.method != "sft":
+                res = _preference(args, m, settings, resume)
+                (m if res.adapter is None else res.adapter).save(out)
+                print(f"wrote {out}" + (" (a LoRA adapter: load it with --lora / Model.load_lora)" if lora else ""))
+                return 0
             # JSONL examples or text, read and checked in full before the training starts
             read = dict(chat_template=template, train_on_prompt=args.train_on_prompt)
             data = train.read_data(args.data, m, **read)
@@ -182,6 +189,31 @@ def _finetune(args) -> int:
     return 0
 
 
+def _preference(args, m, settings, resume):
+    """finetune --method dpo|orpo: train.preference on the pairs of --data (and --valid); prints TRL's metrics."""
+    from .. import train
+
+    pairs = train.read_pairs(args.data, m)
+    valid = train.read_pairs(args.valid, m) if args.valid else None
+    print(f"{len(pairs)} preference pairs from {args.data}", file=sys.stderr)
+    res = train.preference(m, pairs, settings, method=args.method, beta=args.beta, valid=valid, resume=resume)
+
+    def line(r):
+        return (f"loss {r.loss:.4f}, rewards/accuracies {r.rewards_accuracies:.3f}, rewards/margins "
+                f"{r.rewards_margins:.4f}, logps/chosen {r.logps_chosen:.2f}, logps/rejected {r.logps_rejected:.2f}")  # fmt: skip
+
+    if res.val_before is not None:
+        print(f"held-out pairs before: {line(res.val_before)}")
+    print(f"{res.steps} optimizer steps of {args.batch} pair(s), {args.method} with beta {args.beta}")
+    if res.metrics:
+        print(f"last step: {line(res.metrics[-1])}")
+    if res.evals:
+        print(f"held-out pairs after: {line(res.evals[-1][1])}")
+    if res.interrupted:
+        print(f"interrupted after {res.steps} steps; saving what was trained", file=sys.stderr)
+    return res
+
+
 def add_parsers(sub) -> None:
     """The finetune, eval and fuse subcommands."""
     _finetune_parser(sub)
@@ -202,6 +234,14 @@ def _finetune_parser(sub) -> None:
         help="JSONL ({text} / {prompt, completion} / {messages[, tools]} per line), a UTF-8 text file, or a 🤗 "
         "dataset with such columns: a folder, a parquet/CSV/JSON file, or a Hub id org/name[:split] (the train extra)",
     )
+    f.add_argument(
+        "--method",
+        choices=["sft", "dpo", "orpo"],
+        default="sft",
+        help="sft: next-token cross-entropy on --data's examples; dpo, orpo: preference tuning on --data's pairs "
+        "(JSONL {prompt, chosen, rejected}, text or messages, as TRL), --batch pairs a step (default: sft)",
+    )
+    f.add_argument("--beta", type=float, default=0.1, help="--method dpo: DPO's beta; orpo: ORPO's lambda (default 0.1)")
     f.add_argument("--valid", default=None, help="held-out file of the same kinds (instead of --val-split)")
     f.add_argument("--test", default=None, help="held-out file: its loss and perplexity after training")
     f.add_argument("--train-on-prompt", action="store_true", help="count the loss on every token, not only the answers")

@@ -50,12 +50,14 @@ from .evaluate import EvalResult, evaluate
 from .fuse import fuse
 from .loop import EpochStats, TrainResult, finetune, iterate_batches
 from .lora import LORA_TARGETS, lora_init, to_f32
-from .preference import PreferenceMetrics, PreferencePair, pair_logps, preference_metrics, read_pairs
+from .pairs import PreferenceMetrics, PreferencePair, pair_logps, preference_metrics, read_pairs
+from .preference_loop import METHODS, PreferenceResult, pair_windows, preference
 from .schedule import SCHEDULES, lr_at
 from .trainer import Trainer
 
 __all__ = [
     "LORA_TARGETS",
+    "METHODS",
     "PRECISIONS",
     "SCHEDULES",
     "EpochStats",
@@ -63,6 +65,7 @@ __all__ = [
     "Example",
     "PreferenceMetrics",
     "PreferencePair",
+    "PreferenceResult",
     "TrainResult",
     "Trainer",
     "TrainingArgs",
@@ -79,6 +82,8 @@ __all__ = [
     "lora_init",
     "lr_at",
     "pair_logps",
+    "pair_windows",
+    "preference",
     "preference_metrics",
     "read_data",
     "read_pairs",

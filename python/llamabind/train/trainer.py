@@ -68,6 +68,10 @@ class Trainer:
         params: ``"model"`` (every F32 weight) or ``"lora"`` (the A/B tensors of ``adapter``).
         adapter: the LoRA adapter to train (params="lora"), applied at scale 1.
         profile: time every node of the training graphs (:meth:`profile`; slows each step down).
+        loss: ``"cross_entropy"`` (next-token), or ``"dpo"`` / ``"orpo"``: a preference loss over
+            windows that alternate a pair's chosen and rejected answer, which :func:`preference`
+            drives through :attr:`optimizer` (patch 0054).
+        beta: DPO's beta or ORPO's lambda (> 0) of a preference loss.
 
     Raises TypeError/ValueError for bad arguments (naming them) and for a model training cannot use
     (:func:`check_model`: LoRA over a repacked quantized model, a full fine-tune without F32 weights
@@ -83,6 +87,8 @@ class Trainer:
         params: str = "model",
         adapter: LoraAdapter | None = None,
         profile: bool = False,
+        loss: str = "cross_entropy",
+        beta: float = 0.1,
         **settings: Any,
     ):
         a = self.args = TrainingArgs.of(args, **settings)
@@ -104,7 +110,7 @@ class Trainer:
                 self.context.set_lora(adapter, 1.0)
             self.optimizer = Optimizer(
                 self.context, a.optimizer, a.lr, a.weight_decay, params, self.grad_accum, a.train_embeddings,
-                a.precision,
+                a.precision, loss, beta,
             )  # fmt: skip
         except BaseException:
             self.context.close()

@@ -1,0 +1,368 @@
+"""Preference tuning (issue 58): DPO (Rafailov et al. 2023, the sigmoid loss) and ORPO (Hong et al. 2024) on
+pairs of a chosen and a rejected answer, with LoRA, QLoRA or every weight, in llama.cpp's training graph.
+
+Each pair is two windows of one micro-batch, the prompt and the chosen answer, then the prompt and the rejected
+one, each its own sequence (patch 0031); only the answers' tokens are labelled (patch 0027), and the loss is
+built from each window's summed log-likelihood in the graph (llama_opt_params.build_loss, patch 0054): one
+forward and one backward per micro-batch. DPO's reference log-probabilities are those of the model as the run
+starts (a fresh LoRA adapter is zero: the base model, as TRL's reference for peft), computed once by forward
+passes of the same graph before the first step (TRL's ``precompute_ref_log_probs``) and kept in checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._validate import as_float, expect, one_of
+from ..model import LoraAdapter, Model
+from .args import TrainingArgs
+from .checkpoint import restore_optimizer, save_checkpoint
+from .loop import _new_adapter, _resumable, iterate_batches
+from .pairs import PreferenceMetrics, PreferencePair, preference_metrics, read_pairs
+from .trainer import Trainer, check_model
+
+__all__ = ["METHODS", "PreferenceResult", "pair_windows", "preference"]
+
+METHODS = ("dpo", "orpo")
+"""The preference losses :func:`preference` trains on."""
+
+_log = logging.getLogger("llamabind")
+
+
+@dataclass
+class PreferenceResult:
+    """What :func:`preference` did.
+
+    Attributes:
+        adapter: the trained LoRA adapter (None for a full fine-tune).
+        steps: optimizer steps taken (counted from the start of a resumed run).
+        losses: the loss of each step (nats), DPO's or ORPO's over the step's pairs.
+        metrics: each step's :class:`PreferenceMetrics` (TRL's rewards/chosen, rewards/rejected,
+            rewards/accuracies, rewards/margins, logps/chosen, logps/rejected) over its pairs.
+        val_before: the held-out pairs' metrics before training (None without held-out pairs).
+        evals: (step, metrics) of each validation (every ``steps_per_eval`` steps and at the end).
+        interrupted: whether Ctrl-C stopped the run (the weights then hold the steps taken).
+        checkpoints: the checkpoint directories written.
+        truncated: pairs whose prompt or answers were cut to fit a window of ``ctx_size + 1`` tokens.
+    """
+
+    adapter: LoraAdapter | None = None
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    metrics: list[PreferenceMetrics] = field(default_factory=list)
+    val_before: PreferenceMetrics | None = None
+    evals: list[tuple[int, PreferenceMetrics]] = field(default_factory=list)
+    interrupted: bool = False
+    checkpoints: list[Path] = field(default_factory=list)
+    truncated: int = 0
+
+
+def pair_windows(pairs: Sequence[PreferencePair], ctx_size: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The training windows of ``pairs``: (windows int32 (2n, ctx_size + 1), labels int32 (2n, ctx_size),
+    lengths int64 (n, 2), truncated). Window 2i is pair i's prompt then its chosen answer, 2i + 1 the prompt then
+    the rejected one, padded with ``pad``; labels are the answer's tokens at the positions that predict them, -1
+    elsewhere; lengths the labelled tokens of each answer. A pair longer than the window keeps the end of its
+    prompt (at most half the window when the answers need the rest, as TRL's ``keep_end``) and the start of its
+    answers; ``truncated`` counts those. Raises ValueError for an answer left without a labelled token."""
+    n, room = len(pairs), ctx_size + 1
+    win = np.full((2 * n, room), pad, np.int32)
+    lab = np.full((2 * n, ctx_size), -1, np.int32)
+    lengths = np.zeros((n, 2), np.int64)
+    truncated = 0
+    for i, p in enumerate(pairs):
+        prompt, longest = p.prompt, max(len(p.chosen), len(p.rejected))
+        if len(prompt) + longest > room:
+            truncated += 1
+            keep = max(room - longest, min(len(prompt), room // 2))
+            prompt = prompt[len(prompt) - keep :]
+        for j, answer in enumerate((p.chosen, p.rejected)):
+            toks = np.concatenate([prompt, answer[: room - len(prompt)]])
+            first = max(len(prompt) - 1, 0)  # the position whose next token is the answer's first
+            expect(len(toks) - 1 > first, f"pair {i}: its {('chosen', 'rejected')[j]} answer has no token to learn")
+            win[2 * i + j, : len(toks)] = toks
+            lab[2 * i + j, first : len(toks) - 1] = toks[first + 1 :]
+            lengths[i, j] = len(toks) - 1 - first
+    return win, lab, lengths, truncated
+
+
+@dataclass
+class _Pairs:
+    """Pairs as windows, with their answers' lengths and (DPO) reference log-probabilities (n, 2)."""
+
+    win: np.ndarray
+    lab: np.ndarray
+    lengths: np.ndarray
+    ref: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+def _as_pairs(model: Model, data, what: str) -> list[PreferencePair]:
+    if isinstance(data, Sequence) and data and all(isinstance(p, PreferencePair) for p in data):
+        return list(data)
+    try:
+        return read_pairs(data, model, name=None if isinstance(data, (str, os.PathLike)) else what)
+    except ValueError as e:
+        raise ValueError(e if str(e).startswith(what) else f"{what}: {e}") from None
+
+
+def _split(model: Model, data, valid, a: TrainingArgs) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    pairs = _as_pairs(model, data, "data")
+    if valid is not None:
+        return pairs, _as_pairs(model, valid, "valid")
+    n_train = int(len(pairs) * (1.0 - a.val_split))
+    expect(n_train >= 1, f"{len(pairs)} pair(s) leave none to train on with val_split={a.val_split}")
+    return pairs[:n_train], pairs[n_train:]
+
+
+def _logps(trainer: Trainer, p: _Pairs, idx: np.ndarray, train: bool, refs: np.ndarray | None) -> np.ndarray:
+    """float64 (len(idx), 2): the summed log-likelihoods of pairs ``idx``' answers from the preference graph,
+    micro-batch by micro-batch (train: with the backward pass and the optimizer's steps); a last micro-batch
+    short of pairs is filled with copies of the last pair (their values dropped)."""
+    opt, m = trainer.optimizer, trainer.micro_batch // 2
+    n = len(idx)
+    full = np.concatenate([idx, np.repeat(idx[-1:], -n % m)])
+    rows = np.stack([2 * full, 2 * full + 1], axis=1).reshape(-1)
+    ref = np.zeros(len(full)) if refs is None else np.concatenate([refs, np.repeat(refs[-1:], -n % m)])
+    out = []
+    opt.reset()
+    for k in range(0, len(full), m):
+        r = rows[2 * k : 2 * (k + m)]
+        opt.eval(p.win[r], train, p.lab[r], ref[k : k + m])
+        out.append(opt.seq_logps())
+    return np.concatenate(out).reshape(-1, 2)[:n]
+
+
+def _metrics(p: _Pairs, idx: np.ndarray, logps: np.ndarray, method: str, beta: float) -> PreferenceMetrics:
+    return preference_metrics(
+        logps, None if p.ref is None else p.ref[idx], method=method, beta=beta, lengths=p.lengths[idx]
+    )
+
+
+@dataclass
+class _PrefRun:
+    """What one preference call's steps share."""
+
+    trainer: Trainer
+    train: _Pairs
+    val: _Pairs
+    method: str
+    beta: float
+    a: TrainingArgs
+    total: int
+    result: PreferenceResult
+    run_id: dict
+    log: Any = None
+    saved: int = -1
+
+    def write(self, **row: Any) -> None:
+        if self.log is not None:
+            self.log.write(json.dumps(row) + "\n")
+            self.log.flush()
+
+    def validate(self) -> PreferenceMetrics | None:
+        if not len(self.val):
+            return None
+        idx = np.arange(len(self.val))
+        refs = None if self.val.ref is None else self.val.ref[:, 0] - self.val.ref[:, 1]
+        m = _metrics(self.val, idx, _logps(self.trainer, self.val, idx, False, refs), self.method, self.beta)
+        self.write(step=self.result.steps, **{f"eval_{k}": v for k, v in _trl_names(m).items()})
+        return m
+
+    def step(self, batch: np.ndarray, lr: float) -> PreferenceMetrics:
+        self.trainer.set_lr(lr)
+        refs = None if self.train.ref is None else self.train.ref[batch, 0] - self.train.ref[batch, 1]
+        logps = _logps(self.trainer, self.train, batch, True, refs)
+        return _metrics(self.train, batch, logps, self.method, self.beta)
+
+    def checkpoint(self) -> None:
+        r = self.result
+        if self.a.checkpoint_dir is None or r.steps in (0, self.saved):
+            return
+        state = dict(self.run_id, step=r.steps, total=self.total, losses=r.losses)
+        if self.train.ref is not None:  # the reference stays the run's first model across resumes
+            state["reference"] = {"train": self.train.ref.tolist(), "valid": (self.val.ref if len(self.val) else np.zeros((0, 2))).tolist()}
+        weights = self.trainer.context.model if r.adapter is None else r.adapter
+        r.checkpoints.append(save_checkpoint(self.a.checkpoint_dir, self.trainer, weights, state))
+        self.saved = r.steps
+
+
+def _trl_names(m: PreferenceMetrics) -> dict[str, float]:
+    """The metrics under the names TRL logs them by."""
+    return {
+        "loss": m.loss, "rewards/chosen": m.rewards_chosen, "rewards/rejected": m.rewards_rejected,
+        "rewards/accuracies": m.rewards_accuracies, "rewards/margins": m.rewards_margins,
+        "logps/chosen": m.logps_chosen, "logps/rejected": m.logps_rejected,
+    }  # fmt: skip
+
+
+def preference(
+    model: Model,
+    data: str | os.PathLike | Sequence[dict] | Sequence[PreferencePair] | Any,
+    args: TrainingArgs | None = None,
+    *,
+    method: str = "dpo",
+    beta: float = 0.1,
+    valid: Any = None,
+    on_step: Callable[[int, PreferenceMetrics], Any] | None = None,
+    resume: str | os.PathLike | None = None,
+    **settings: Any,
+) -> PreferenceResult:
+    """Preference-tune ``model`` on pairs of a chosen and a rejected answer: DPO's sigmoid loss or ORPO's,
+    every weight (F32, loaded with use_mmap=False) or with ``lora_rank`` a new LoRA adapter over the frozen
+    model (any weight type, repack=False: QLoRA). TRL's DPOTrainer / ORPOTrainer are what it follows.
+
+    Args:
+        model: the :class:`~llamabind.Model` to train; its weights (or the adapter's) change in place.
+        data: the pairs: a JSONL file, a list of dicts or a 🤗 Dataset in TRL's preference formats
+            (:func:`read_pairs`: ``{"prompt", "chosen", "rejected"}`` as text or lists of messages), or
+            a list of :class:`PreferencePair`.
+        args: the run's settings, a :class:`~llamabind.train.TrainingArgs` (or its fields as keyword
+            arguments, ``settings``): ``batch_size`` counts pairs (two windows each: a micro-batch of
+            ``batch_size // grad_accum`` pairs is one graph), ``ctx_size`` is each window's tokens (a
+            longer pair is cut: :func:`pair_windows`), ``val_split`` holds back the last pairs; the
+            schedule, LoRA, precision, flash attention, checkpoints and reports as :func:`finetune`.
+        method: ``"dpo"`` (``-log sigmoid(beta ((log pi(c) - log ref(c)) - (log pi(r) - log ref(r))))``,
+            the log-probabilities summed over each answer's tokens) or ``"orpo"`` (the chosen answers'
+            mean token nll plus ``beta`` x ``-log sigmoid`` of the log odds ratio of the answers' mean token
+            probabilities; no reference).
+        beta: DPO's beta or ORPO's lambda, > 0 (TRL's defaults: 0.1 for both).
+        valid: held-out pairs of the same kinds, instead of ``val_split``.
+        on_step: called as on_step(step, metrics) after each optimizer step.
+        resume: a checkpoint (or a checkpoint_dir: its newest) of the same run to continue from (the
+            reference log-probabilities come from it); ValueError naming what differs.
+
+    Returns a :class:`PreferenceResult` (per-step losses and TRL's reward metrics, the held-out metrics
+    before and during training, the adapter). Ctrl-C stops between steps and returns what was trained.
+    Wraps llama_opt_init / llama_opt_epoch with llama_opt_params.build_loss (patch 0054).
+
+    Raises TypeError/ValueError for bad settings (naming the field), a method other than "dpo" or "orpo",
+    beta <= 0, bad pairs (naming the file, line and field: nothing trains), fewer pairs than batch_size, a
+    model training cannot use (:func:`~llamabind.train.Trainer`); FloatingPointError naming the step if the
+    loss becomes NaN/inf.
+    """
+    method = one_of(method, "method", METHODS)
+    beta = as_float(beta, "beta")
+    expect(beta > 0 and math.isfinite(beta), f"beta must be a finite number > 0; got {beta}")
+    a = TrainingArgs.of(args, **settings)
+    check_model(model, a.lora)
+    train_pairs, val_pairs = _split(model, data, valid, a)
+    n_train = len(train_pairs)
+    expect(a.batch_size <= n_train, f"batch_size {a.batch_size} is larger than the {n_train} training pair(s)")
+    pad = model.token_eos if model.token_eos is not None and model.token_eos >= 0 else 0
+    sets, result = [], PreferenceResult()
+    for what, pairs in (("data", train_pairs), ("valid", val_pairs)):
+        try:
+            *arrays, cut = pair_windows(pairs, a.ctx_size, pad) if pairs else (*_empty(a.ctx_size), 0)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+        sets.append(_Pairs(*arrays))
+        result.truncated += cut
+    if result.truncated:
+        _log.warning("%d preference pair(s) cut to fit ctx_size %d", result.truncated, a.ctx_size)
+    n_batches = -(-n_train // a.batch_size)
+    total = a.iters if a.iters is not None else a.epochs * n_batches
+    epochs = a.epochs if a.iters is None else -(-a.iters // n_batches)
+    run_id = dict(
+        kind="lora" if a.lora else "full", ctx_size=a.ctx_size, n_train=n_train, batch_size=a.batch_size,
+        seed=a.seed, shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
+        lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
+        method=method, beta=beta,
+    )  # fmt: skip
+    resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
+    if resumed is not None:
+        for k in ("method", "beta"):
+            expect(resumed[1].get(k) == run_id[k], f"cannot resume from {resumed[0]}: {k} {resumed[1].get(k)!r} there, {run_id[k]!r} now")
+    if a.lora:
+        result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
+    trainer = Trainer(
+        model, a.replace(batch_size=2 * a.batch_size), params="lora" if a.lora else "model",
+        adapter=result.adapter, loss=method, beta=beta,
+    )  # fmt: skip
+    run = _PrefRun(trainer, sets[0], sets[1], method, beta, a, total, result, run_id)
+    try:
+        if a.log is not None:
+            run.log = open(a.log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
+        if method == "dpo":
+            _set_reference(run, resumed)
+        result.val_before = run.validate()
+        if resumed is not None:
+            if method != "dpo" and not len(run.val):  # ggml-opt allocates AdamW's moments with its first graph
+                _logps(trainer, run.train, np.arange(1), False, None)
+            restore_optimizer(trainer, *resumed)
+            result.steps = run.saved = int(resumed[1]["step"])
+            result.losses = [float(x) for x in resumed[1]["losses"]]
+        _loop(run, epochs, on_step)
+        run.checkpoint()
+    finally:
+        trainer.close()
+        if run.log is not None:
+            run.log.close()
+    return result
+
+
+def _empty(ctx_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.zeros((0, ctx_size + 1), np.int32), np.zeros((0, ctx_size), np.int32), np.zeros((0, 2), np.int64)
+
+
+def _set_reference(run: _PrefRun, resumed: tuple[Path, dict] | None) -> None:
+    """DPO's reference log-probabilities: the resumed run's, or forward passes of the model as it starts."""
+    if resumed is not None:
+        ref = resumed[1].get("reference") or {}
+        run.train.ref = np.asarray(ref.get("train", []), np.float64).reshape(-1, 2)
+        run.val.ref = np.asarray(ref.get("valid", []), np.float64).reshape(-1, 2)
+        expect(
+            len(run.train.ref) == len(run.train) and len(run.val.ref) == len(run.val),
+            f"{resumed[0]}: its reference log-probabilities are not of these pairs",
+        )
+        return
+    for p in (run.train, run.val):
+        p.ref = _logps(run.trainer, p, np.arange(len(p)), False, None) if len(p) else np.zeros((0, 2))
+
+
+def _loop(run: _PrefRun, epochs: int, on_step: Callable[[int, PreferenceMetrics], Any] | None) -> None:
+    """The optimizer steps, reports, validations and checkpoints of the run."""
+    from .schedule import lr_at
+
+    a, r = run.a, run.result
+    t0, first, n_tok = time.perf_counter(), r.steps, 0
+    try:
+        for epoch, batches in iterate_batches(len(run.train), a.batch_size, epochs, a.seed, a.shuffle, r.steps, a.iters):
+            for batch in batches:
+                lr = lr_at(r.steps, run.total, a.lr, a.lr_schedule, a.warmup, a.min_lr)
+                m = run.step(batch, lr)
+                r.steps += 1
+                if not math.isfinite(m.loss):
+                    raise FloatingPointError(f"the {run.method} loss is {m.loss} at step {r.steps} (epoch {epoch + 1})")
+                r.losses.append(m.loss)
+                r.metrics.append(m)
+                n_tok += 2 * len(batch) * a.ctx_size
+                tok_s = n_tok / (time.perf_counter() - t0)
+                run.write(step=r.steps, epoch=epoch + 1, lr=lr, tokens_per_s=tok_s, **_trl_names(m))
+                if a.steps_per_report and r.steps % a.steps_per_report == 0:
+                    print(
+                        f"step {r.steps}/{run.total}: loss {m.loss:.4f}, margin {m.rewards_margins:.4f}, "
+                        f"accuracy {m.rewards_accuracies:.2f}, lr {lr:.3g}, {tok_s:.1f} tokens/s",
+                        file=sys.stderr, flush=True,
+                    )  # fmt: skip
+                if a.steps_per_eval and r.steps % a.steps_per_eval == 0 and len(run.val):
+                    r.evals.append((r.steps, run.validate()))
+                if a.save_every and r.steps % a.save_every == 0:
+                    run.checkpoint()
+                if on_step is not None:
+                    on_step(r.steps, m)
+    except KeyboardInterrupt:
+        r.interrupted = True
+    if r.steps > first and len(run.val) and not r.interrupted and (not r.evals or r.evals[-1][0] != r.steps):
+        r.evals.append((r.steps, run.validate()))

@@ -1,0 +1,85 @@
+// DPO (Rafailov et al. 2023, the sigmoid loss) and ORPO (Hong et al. 2024) in the training graph.
+//
+// The windows of a micro-batch alternate chosen, rejected (window 2i: pair i's prompt and chosen answer,
+// 2i + 1: the same prompt and the rejected one); only the answers' tokens are labelled (patch 0027), so
+// each sequence's logits rows are its answer's. A sequence's summed log-likelihood is -n x the mean
+// cross-entropy of its rows, ggml_cross_entropy_loss over a view of them (stable log-sum-exp, a backward
+// on every backend that trains), and the pair losses are a few scalar ops on those.
+#include "preference.h"
+
+#include <ggml-backend.h>
+
+namespace lb {
+
+// the mean next-token cross-entropy of logits rows [r0, r0 + n) (-1/n x the rows' summed log-likelihood)
+static ggml_tensor * rows_ce(ggml_context * ctx, ggml_tensor * logits, ggml_tensor * labels, int64_t r0, int64_t n) {
+    ggml_tensor * z = ggml_view_2d(ctx, logits, logits->ne[0], n, logits->nb[1], r0 * logits->nb[1]);
+    ggml_tensor * y = ggml_view_2d(ctx, labels, labels->ne[0], n, labels->nb[1], r0 * labels->nb[1]);
+    return ggml_cross_entropy_loss(ctx, z, y);
+}
+
+static ggml_tensor * add(ggml_context * ctx, ggml_tensor * sum, ggml_tensor * x) {
+    return sum ? ggml_add(ctx, sum, x) : x;
+}
+
+// log(1 - exp(-ce)) of a mean cross-entropy ce > 0: log(1 - p) of the mean token log-probability, ORPO's odds
+static ggml_tensor * log1m_exp_neg(ggml_context * ctx, ggml_tensor * ce) {
+    return ggml_log(ctx, ggml_scale(ctx, ggml_expm1(ctx, ggml_scale(ctx, ce, -1.0f)), -1.0f));
+}
+
+ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_tensor * labels, const int32_t * seq_rows,
+                              int32_t n_seq, void * userdata) {
+    PrefLoss & p = *(PrefLoss *) userdata;
+    // opt_step checked these (an even number of windows, each with a labelled answer token, a ref per pair)
+    GGML_ASSERT(n_seq > 0 && n_seq % 2 == 0);
+    GGML_ASSERT(p.method != PrefLoss::DPO || (int32_t) p.ref.size() == n_seq / 2);
+    p.ce.clear();
+    p.rows.assign(seq_rows, seq_rows + n_seq);
+    int64_t r0 = 0;
+    for (int32_t s = 0; s < n_seq; ++s) {
+        GGML_ASSERT(seq_rows[s] > 0);
+        ggml_tensor * ce = rows_ce(ctx, logits, labels, r0, seq_rows[s]);
+        ggml_format_name(ce, "pref_ce_%d", s);
+        ggml_set_output(ce);  // read back after the eval (pref_read)
+        p.ce.push_back(ce);
+        r0 += seq_rows[s];
+    }
+    GGML_ASSERT(r0 == logits->ne[1]);
+    const int32_t n_pairs = n_seq / 2;
+    const float b = p.beta;
+    ggml_tensor * pairs = nullptr;  // the sum over pairs of the pair term
+    ggml_tensor * nll = nullptr;    // ORPO: the chosen answers' tokens' summed cross-entropy
+    int64_t n_chosen = 0;
+    for (int32_t i = 0; i < n_pairs; ++i) {
+        ggml_tensor *cc = p.ce[2 * i], *cr = p.ce[2 * i + 1];
+        const float nc = (float) seq_rows[2 * i], nr = (float) seq_rows[2 * i + 1];
+        if (p.method == PrefLoss::DPO) {
+            // z = beta ((log pi(c) - log pi(r)) - ref), log pi(c) = -nc cc; -log sigmoid(z) = softplus(-z)
+            ggml_tensor * u = ggml_sub(ctx, ggml_scale(ctx, cr, b * nr), ggml_scale(ctx, cc, b * nc));
+            pairs = add(ctx, pairs, ggml_softplus(ctx, ggml_scale_bias(ctx, u, -1.0f, b * p.ref[i])));
+        } else {
+            // the mean token log-probs mc = -cc, mr = -cr; log odds ratio (mc - mr) - (log(1 - e^mc) - log(1 - e^mr))
+            ggml_tensor * lor = ggml_add(ctx, ggml_sub(ctx, cr, cc),
+                                         ggml_sub(ctx, log1m_exp_neg(ctx, cr), log1m_exp_neg(ctx, cc)));
+            pairs = add(ctx, pairs, ggml_softplus(ctx, ggml_scale(ctx, lor, -1.0f)));  // -log sigmoid(lor)
+            nll = add(ctx, nll, ggml_scale(ctx, cc, nc));
+            n_chosen += seq_rows[2 * i];
+        }
+    }
+    // DPO: the mean over pairs; ORPO: the chosen tokens' mean nll + lambda x the mean pair term
+    ggml_tensor * loss = ggml_scale(ctx, pairs, (p.method == PrefLoss::DPO ? 1.0f : b) / n_pairs);
+    if (p.method == PrefLoss::ORPO) loss = ggml_add(ctx, loss, ggml_scale(ctx, nll, 1.0f / (float) n_chosen));
+    ggml_set_name(loss, p.method == PrefLoss::DPO ? "loss_dpo" : "loss_orpo");
+    return loss;
+}
+
+void pref_read(PrefLoss & p) {
+    p.logps.resize(p.ce.size());
+    for (size_t s = 0; s < p.ce.size(); ++s) {
+        float ce = 0.0f;
+        ggml_backend_tensor_get(p.ce[s], &ce, 0, sizeof(ce));
+        p.logps[s] = -(double) p.rows[s] * ce;
+    }
+}
+
+}  // namespace lb

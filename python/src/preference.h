@@ -1,0 +1,30 @@
+// Preference losses (issue 58): DPO's and ORPO's loss over a micro-batch of windows that alternate a pair's
+// chosen and rejected answer, built in llama.cpp's training graph through llama_opt_params.build_loss
+// (patch 0054). train.cpp owns one per training context made with such a loss.
+#pragma once
+
+#include <ggml.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace lb {
+
+struct PrefLoss {
+    enum Method { DPO, ORPO } method = DPO;
+    float beta = 0.1f;                // DPO's beta; ORPO's lambda
+    std::vector<float> ref;           // DPO, per pair of the next eval: reference log-ratio log pi_ref(c) - log pi_ref(r)
+    std::vector<ggml_tensor *> ce;    // per sequence of the eval being built/run: its mean next-token cross-entropy
+    std::vector<int32_t> rows;        // per sequence: its labelled positions (the answer's tokens)
+    std::vector<double> logps;        // per sequence of the last eval: summed log-likelihood of its answer (nats)
+};
+
+// llama_opt_params.build_loss with userdata a PrefLoss: the loss of the ubatch's sequences as pairs
+ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_tensor * labels, const int32_t * seq_rows,
+                              int32_t n_seq, void * userdata);
+
+// after an eval: the per-sequence log-likelihoods into PrefLoss::logps (the graph's tensors still allocated)
+void pref_read(PrefLoss & p);
+
+}  // namespace lb
