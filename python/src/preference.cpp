@@ -59,8 +59,8 @@ ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_ten
             pairs = add(ctx, pairs, ggml_softplus(ctx, ggml_scale_bias(ctx, u, -1.0f, b * p.ref[i])));
         } else {
             // the mean token log-probs mc = -cc, mr = -cr; log odds ratio (mc - mr) - (log(1 - e^mc) - log(1 - e^mr))
-            ggml_tensor * lor = ggml_add(ctx, ggml_sub(ctx, cr, cc),
-                                         ggml_sub(ctx, log1m_exp_neg(ctx, cr), log1m_exp_neg(ctx, cc)));
+            ggml_tensor * lor =
+                ggml_add(ctx, ggml_sub(ctx, cr, cc), ggml_sub(ctx, log1m_exp_neg(ctx, cr), log1m_exp_neg(ctx, cc)));
             pairs = add(ctx, pairs, ggml_softplus(ctx, ggml_scale(ctx, lor, -1.0f)));  // -log sigmoid(lor)
             nll = add(ctx, nll, ggml_scale(ctx, cc, nc));
             n_chosen += seq_rows[2 * i];

@@ -140,7 +140,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     if (loss != "cross_entropy" && loss != "dpo" && loss != "orpo")
         raise_value("loss must be 'cross_entropy', 'dpo' or 'orpo'; got '" + loss + "'");
     if (loss != "cross_entropy") {
-        if (!(beta > 0) || !std::isfinite(beta)) raise_value("beta must be a finite number > 0; got " + std::to_string(beta));
+        if (!(beta > 0) || !std::isfinite(beta))
+            raise_value("beta must be a finite number > 0; got " + std::to_string(beta));
         if (llama_n_seq_max(ctx) % 2 != 0)
             raise_value("a preference loss takes pairs of windows (chosen, rejected): n_seq_max must be even; got " +
                         std::to_string(llama_n_seq_max(ctx)));
@@ -211,8 +212,10 @@ static void check_pref_step(PrefLoss & pref, const std::optional<Windows> & labe
     for (int64_t s = 0; s < n_seq; ++s) {
         bool any = false;
         for (int64_t i = 0; i < n_win && !any; ++i) any = (*labels)(s, i) >= 0;
-        if (!any) raise_value("window " + std::to_string(s) + " has no labelled position: a preference pair's answer "
-                              "needs at least one token in its window");
+        if (!any)
+            raise_value("window " + std::to_string(s) +
+                        " has no labelled position: a preference pair's answer "
+                        "needs at least one token in its window");
     }
     pref.ref.clear();
     if (pref.method == PrefLoss::DPO) {
@@ -267,8 +270,10 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
         if (!any) raise_value("every label of the step is masked (-1): nothing to learn from it");
     }
     TrainState & st = *c.train;
-    if (st.pref) check_pref_step(*st.pref, labels, refs, n_seq, n_win);
-    else if (refs) raise_value("refs are for a preference loss (opt_init with loss 'dpo')");
+    if (st.pref)
+        check_pref_step(*st.pref, labels, refs, n_seq, n_win);
+    else if (refs)
+        raise_value("refs are for a preference loss (opt_init with loss 'dpo')");
     ggml_opt_dataset_t ds = ggml_opt_dataset_init(GGML_TYPE_I32, GGML_TYPE_I32, n_ctx, n_ctx, 1, 1);
     auto * data = (int32_t *) ggml_opt_dataset_data(ds)->data;
     auto * lab = (int32_t *) ggml_opt_dataset_labels(ds)->data;

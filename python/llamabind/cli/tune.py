@@ -199,8 +199,10 @@ def _preference(args, m, settings, resume):
     res = train.preference(m, pairs, settings, method=args.method, beta=args.beta, valid=valid, resume=resume)
 
     def line(r):
-        return (f"loss {r.loss:.4f}, rewards/accuracies {r.rewards_accuracies:.3f}, rewards/margins "
-                f"{r.rewards_margins:.4f}, logps/chosen {r.logps_chosen:.2f}, logps/rejected {r.logps_rejected:.2f}")  # fmt: skip
+        return (
+            f"loss {r.loss:.4f}, rewards/accuracies {r.rewards_accuracies:.3f}, rewards/margins "
+            f"{r.rewards_margins:.4f}, logps/chosen {r.logps_chosen:.2f}, logps/rejected {r.logps_rejected:.2f}"
+        )
 
     if res.val_before is not None:
         print(f"held-out pairs before: {line(res.val_before)}")
@@ -241,7 +243,9 @@ def _finetune_parser(sub) -> None:
         help="sft: next-token cross-entropy on --data's examples; dpo, orpo: preference tuning on --data's pairs "
         "(JSONL {prompt, chosen, rejected}, text or messages, as TRL), --batch pairs a step (default: sft)",
     )
-    f.add_argument("--beta", type=float, default=0.1, help="--method dpo: DPO's beta; orpo: ORPO's lambda (default 0.1)")
+    f.add_argument(
+        "--beta", type=float, default=0.1, help="--method dpo: DPO's beta; orpo: ORPO's lambda (default 0.1)"
+    )
     f.add_argument("--valid", default=None, help="held-out file of the same kinds (instead of --val-split)")
     f.add_argument("--test", default=None, help="held-out file: its loss and perplexity after training")
     f.add_argument("--train-on-prompt", action="store_true", help="count the loss on every token, not only the answers")

@@ -27,8 +27,10 @@ VERSION = 1
 STATE = "state.json"
 OPTIMIZER = "optimizer.npz"
 # the settings a resumed run must share with the run that wrote the checkpoint: they fix the
-# windows, their order and the shapes of the trained tensors
-MUST_MATCH = ("kind", "ctx_size", "n_train", "batch_size", "seed", "shuffle", "optimizer", "embeddings", "lora")
+# windows, their order, the shapes of the trained tensors and (preference tuning) the loss
+MUST_MATCH = (
+    "kind", "ctx_size", "n_train", "batch_size", "seed", "shuffle", "optimizer", "embeddings", "lora", "method", "beta",
+)  # fmt: skip
 
 
 def save_checkpoint(directory: str | os.PathLike, trainer: Trainer, weights: Any, state: dict) -> Path:

@@ -67,7 +67,9 @@ class PreferenceResult:
     truncated: int = 0
 
 
-def pair_windows(pairs: Sequence[PreferencePair], ctx_size: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def pair_windows(
+    pairs: Sequence[PreferencePair], ctx_size: int, pad: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """The training windows of ``pairs``: (windows int32 (2n, ctx_size + 1), labels int32 (2n, ctx_size),
     lengths int64 (n, 2), truncated). Window 2i is pair i's prompt then its chosen answer, 2i + 1 the prompt then
     the rejected one, padded with ``pad``; labels are the answer's tokens at the positions that predict them, -1
@@ -180,6 +182,12 @@ class _PrefRun:
         self.write(step=self.result.steps, **{f"eval_{k}": v for k, v in _trl_names(m).items()})
         return m
 
+    def validate_pairs(self) -> PreferenceMetrics:
+        """:meth:`validate` where there are held-out pairs."""
+        m = self.validate()
+        assert m is not None
+        return m
+
     def step(self, batch: np.ndarray, lr: float) -> PreferenceMetrics:
         self.trainer.set_lr(lr)
         refs = None if self.train.ref is None else self.train.ref[batch, 0] - self.train.ref[batch, 1]
@@ -191,8 +199,8 @@ class _PrefRun:
         if self.a.checkpoint_dir is None or r.steps in (0, self.saved):
             return
         state = dict(self.run_id, step=r.steps, total=self.total, losses=r.losses)
-        if self.train.ref is not None:  # the reference stays the run's first model across resumes
-            state["reference"] = {"train": self.train.ref.tolist(), "valid": (self.val.ref if len(self.val) else np.zeros((0, 2))).tolist()}
+        if self.train.ref is not None and self.val.ref is not None:  # the reference stays the run's first model
+            state["reference"] = {"train": self.train.ref.tolist(), "valid": self.val.ref.tolist()}
         weights = self.trainer.context.model if r.adapter is None else r.adapter
         r.checkpoints.append(save_checkpoint(self.a.checkpoint_dir, self.trainer, weights, state))
         self.saved = r.steps
@@ -281,9 +289,6 @@ def preference(
         method=method, beta=beta,
     )  # fmt: skip
     resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
-    if resumed is not None:
-        for k in ("method", "beta"):
-            expect(resumed[1].get(k) == run_id[k], f"cannot resume from {resumed[0]}: {k} {resumed[1].get(k)!r} there, {run_id[k]!r} now")
     if a.lora:
         result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
     trainer = Trainer(
@@ -298,8 +303,8 @@ def preference(
             _set_reference(run, resumed)
         result.val_before = run.validate()
         if resumed is not None:
-            if method != "dpo" and not len(run.val):  # ggml-opt allocates AdamW's moments with its first graph
-                _logps(trainer, run.train, np.arange(1), False, None)
+            if not len(run.val):  # ggml-opt allocates AdamW's moments with its first graph
+                _logps(trainer, run.train, np.arange(1), False, None if run.train.ref is None else np.zeros(1))
             restore_optimizer(trainer, *resumed)
             result.steps = run.saved = int(resumed[1]["step"])
             result.losses = [float(x) for x in resumed[1]["losses"]]
@@ -338,7 +343,9 @@ def _loop(run: _PrefRun, epochs: int, on_step: Callable[[int, PreferenceMetrics]
     a, r = run.a, run.result
     t0, first, n_tok = time.perf_counter(), r.steps, 0
     try:
-        for epoch, batches in iterate_batches(len(run.train), a.batch_size, epochs, a.seed, a.shuffle, r.steps, a.iters):
+        for epoch, batches in iterate_batches(
+            len(run.train), a.batch_size, epochs, a.seed, a.shuffle, r.steps, a.iters
+        ):
             for batch in batches:
                 lr = lr_at(r.steps, run.total, a.lr, a.lr_schedule, a.warmup, a.min_lr)
                 m = run.step(batch, lr)
@@ -357,7 +364,7 @@ def _loop(run: _PrefRun, epochs: int, on_step: Callable[[int, PreferenceMetrics]
                         file=sys.stderr, flush=True,
                     )  # fmt: skip
                 if a.steps_per_eval and r.steps % a.steps_per_eval == 0 and len(run.val):
-                    r.evals.append((r.steps, run.validate()))
+                    r.evals.append((r.steps, run.validate_pairs()))
                 if a.save_every and r.steps % a.save_every == 0:
                     run.checkpoint()
                 if on_step is not None:
@@ -365,4 +372,4 @@ def _loop(run: _PrefRun, epochs: int, on_step: Callable[[int, PreferenceMetrics]
     except KeyboardInterrupt:
         r.interrupted = True
     if r.steps > first and len(run.val) and not r.interrupted and (not r.evals or r.evals[-1][0] != r.steps):
-        r.evals.append((r.steps, run.validate()))
+        r.evals.append((r.steps, run.validate_pairs()))
