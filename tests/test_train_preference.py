@@ -188,13 +188,17 @@ def test_dpo_and_orpo_step_match_pytorch(smollm2_f32_cut, reference_python, tmp_
     SGD step of lr 1) and three AdamW steps, within the SFT LoRA parity test's tolerances (F32 on both sides;
     the loss 1e-4 relative, gradient cosines >= 0.9999, the adapters 1e-4 relative for the median tensor).
     The graph's own loss (ggml-opt's result, F32 scalars) equals the float64 formula on its per-window
-    log-likelihoods within 1e-5 relative."""
+    log-likelihoods within 1e-5 relative. Offloaded to a GPU, ggml-cuda's cuBLAS runs the F32 products in TF32
+    (operands rounded to 10 mantissa bits, 4.9e-4 relative): the losses within 2e-3 relative and the gradient
+    cosines >= 0.999; the adapters after AdamW are printed, not compared (Adam's update is about lr per element
+    whatever the gradient's size, so an element whose gradient TF32 rounding moves by its own size moves by lr)."""
     rank, alpha, lr, wd, n_steps, beta = 4, 8.0, 1e-4, 0.01, 3, 0.3
     from llamabind.model import write_lora_gguf
 
     job = dict(f32=str(smollm2_f32_cut), beta=beta, scale=alpha / rank, lr=lr, weight_decay=wd, adamw_steps=n_steps)
     ours = {}
     with llamabind.Model(smollm2_f32_cut, n_threads=2, repack=False) as m:
+        on_gpu = bool(m.output_offloaded)
         pairs = train.read_pairs([*ROWS, PAIR4], m)
         win, lab, lengths, cut = train.pair_windows(pairs, 256, m.token_eos)
         assert cut == 0 and win.shape == (8, 257) and (lengths > 0).all()
@@ -229,9 +233,11 @@ def test_dpo_and_orpo_step_match_pytorch(smollm2_f32_cut, reference_python, tmp_
               [f"{a:.5f}/{b:.5f}" for a, b in zip(adamw, want["adamw_losses"])], "lowest cosine",
               min(cos.values()), "adapter differences median", np.median(list(rel.values())))  # fmt: skip
         assert graph0 == pytest.approx(loss0, rel=1e-5)
-        assert abs(loss0 - want["loss"]) <= 1e-4 * want["loss"], method
-        np.testing.assert_allclose(adamw, want["adamw_losses"], rtol=5e-4)
-        assert len(cos) == len(init) and min(cos.values()) >= 0.9999, sorted(cos.items())[:3]
+        assert abs(loss0 - want["loss"]) <= (2e-3 if on_gpu else 1e-4) * want["loss"], method
+        np.testing.assert_allclose(adamw, want["adamw_losses"], rtol=2e-3 if on_gpu else 5e-4)
+        assert len(cos) == len(init) and min(cos.values()) >= (0.999 if on_gpu else 0.9999), sorted(cos.items())[:3]
+        if on_gpu:
+            continue
         assert np.median(list(rel.values())) <= 1e-4, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
         assert max(rel.values()) <= 1e-3, sorted(rel.items(), key=lambda kv: kv[1])[-3:]
 

@@ -59,13 +59,14 @@
 #         batch and QLoRA tests; the PyTorch parity tests run on the CPU in CI), then LB_BENCH (default
 #         "1b:256:1,8"): bench/train.py rows SIZE:CTX:BATCHES, runners LB_RUNNERS, PyTorch LB_TORCH_RUNS.
 # train42c: (after train42) more bench/train.py rows only (LB_BENCH, as train42b).
+# pref58: (carry .device-b after build) issue 58: the preference tests on CUDA0, then bench/preference.py.
 # bench:  bench/generation.py on each model, full offload, llama-bench beside it in the same run
 #         (LB_ROUNDS x LB_REPS, default 5 x 20).
 # Logs, JSON and summaries go to $OUT (then bench/results/).
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: fa56, fa56ncu, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: pref58, fa56, fa56ncu, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -97,6 +98,26 @@ start_models() {
       done; done > $MODELS/make.log 2>&1; touch $MODELS/done" < /dev/null &)
 }
 case $phase in
+pref58)
+  # (carry .device-b after build, with SmolLM2's part-a in /tmp) issue 58 on CUDA0: tests/test_train_preference.py
+  # (the PyTorch parity against this image's torch + peft: LLAMABIND_REFERENCE_PYTHON), then bench/preference.py:
+  # llamabind's DPO (LoRA, QLoRA, full) beside a PyTorch DPO loop in bf16 autocast, LB_PREF (default
+  # "1b:512:8 smollm2:256:8", SIZE:CTX:BATCH) with LB_PREF_STEPS steps (default 12)
+  join_model
+  t0=$SECONDS
+  [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REFERENCE_PYTHON=python3 LLAMABIND_REQUIRE_GPU=1 python3 -m pytest \
+    tests/test_train_preference.py $PYTEST_ARGS -s 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" \
+    | tee "$OUT/pref-tests.log" | tail -25
+  echo "preference tests in $((SECONDS - t0)) s"
+  for spec in ${LB_PREF:-1b:512:8 smollm2:256:8}; do
+    IFS=: read -r size ctx batch <<< "$spec"
+    what=$([ "$size" = smollm2 ] && echo "--model smollm2-135m-instruct" || echo "--size $size")
+    python3 bench/preference.py $what --ctx $ctx --batch $batch --steps ${LB_PREF_STEPS:-12} \
+      --runners ${LB_PREF_RUNNERS:-lora,qlora,full} --torch python3 --torch-runs ${LB_PREF_TORCH:-lora,full} \
+      --out "$OUT/preference-$size-$ctx.json" 2>&1 | grep -vE "^(llama|load|print_info|common|main|ggml|init)" \
+      | tail -12 | tee -a "$OUT/bench-preference.txt"
+  done
+  ;;
 qlora)
   # (carry .device-b after build) issue 27: quantized OUT_PROD on CUDA0 against float64 and the CPU,
   # the QLoRA step's node placement, the gradient-accumulation tests on this GPU; then bench/train.py
