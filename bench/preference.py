@@ -61,7 +61,9 @@ def worker_llamabind(args) -> dict:
     import llamabind
     from llamabind import train
 
-    pairs = [train.PreferencePair(*(np.asarray(x, np.int32) for x in p)) for p in json.loads(Path(args.data).read_text())]
+    pairs = [
+        train.PreferencePair(*(np.asarray(x, np.int32) for x in p)) for p in json.loads(Path(args.data).read_text())
+    ]
     lora = args.worker != "full"
     times: list[float] = []
     with llamabind.Model(args.model, use_mmap=lora, repack=False, n_gpu_layers=-1) as m:
@@ -214,7 +216,9 @@ def main() -> int:
         "host": socket.gethostname(), "platform": platform.platform(), "date": datetime.date.today().isoformat(),
         "model": desc, "args": vars(args), "build": llamabind.build_info(), "rows": rows,
     }  # fmt: skip
-    out_path = Path(args.out) if args.out else HERE / "results" / f"preference-{socket.gethostname()}-{result['date']}.json"
+    out_path = (
+        Path(args.out) if args.out else HERE / "results" / f"preference-{socket.gethostname()}-{result['date']}.json"
+    )
     out_path.write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {out_path}")
     return 0
