@@ -298,7 +298,10 @@ def test_preference_tuning_learns_held_out_pairs(method, lr, doc_pairs, smollm2_
             reference = train.pair_logps(m, pairs[48:])
             again = train.preference_metrics(policy, reference, beta=0.1)
             assert again.rewards_accuracies >= 0.9
-            assert again.rewards_margins == pytest.approx(r.evals[-1][1].rewards_margins, rel=1e-3)
+            # the same numbers on the CPU (F32 both ways: 1e-3); on a GPU the training graph's products run in
+            # BF16 (8 mantissa bits, 3.9e-3 relative) and llama_decode's in TF32: 5.5e-3 measured on an H100
+            tol = 2e-2 if m.output_offloaded else 1e-3
+            assert again.rewards_margins == pytest.approx(r.evals[-1][1].rewards_margins, rel=tol)
         ctx = m.context(n_ctx=256)
         ctx.set_lora(tuned, 1.0)
         from llamabind import generation
