@@ -1,4 +1,10 @@
-"""Issue 58 on the GPU: what rebuilding the training graphs every step costs a preference loss (patch 0054 rebuilds
+        per = {k: s[f"t_{k}_ms"] / n for k in ("build", "alloc", "inputs", "eval")}
+        print(
+            f"{loss:13s}: median step {1e3 * statistics.median(times[1:]):7.1f} ms; per step: "
+            + ", ".join(f"{k} {v:.1f} ms" for k, v in per.items())
+            + f"; graph builds {s['n_graph_builds']}, opt builds {s['n_opt_builds']}, allocs {s['n_graph_allocs']}"
+            + f" over {n} evals"
+        )"""Issue 58 on the GPU: what rebuilding the training graphs every step costs a preference loss (patch 0054 rebuilds
 them for every ubatch; the cross-entropy keeps them, patch 0032). The same 16 windows of 512 tokens (8 pairs) of
 the 1B shape with LoRA r8 under the cross-entropy (answer labels) and under DPO: the median step, and
 llama_opt_get_stats' build / alloc / eval milliseconds per step.

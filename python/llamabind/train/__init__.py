@@ -38,9 +38,12 @@ weights that may be quantized (QLoRA: the Q4_1 SmolLM2 as is); the trained adapt
     >>> r = train.finetune(model, text, lora_rank=8, lora_alpha=16, lr=1e-4)
     >>> r.adapter.save("smol-lora.gguf")
 
-Preference pairs (TRL's formats, :func:`read_pairs`), the log-probabilities of their answers
-(:func:`pair_logps`) and DPO's / ORPO's losses and reward metrics (:func:`preference_metrics`): to
-judge a model on held-out pairs; training on those losses is not there yet.
+Preference tuning (:func:`preference`: DPO or ORPO, LoRA, QLoRA or every weight) on pairs in TRL's
+formats (:func:`read_pairs`); the log-probabilities of their answers (:func:`pair_logps`) and DPO's /
+ORPO's losses and reward metrics (:func:`preference_metrics`) judge a model on held-out pairs.
+
+    >>> pairs = train.read_pairs("pairs.jsonl", model)
+    >>> r = train.preference(model, pairs, method="dpo", beta=0.1, lora_rank=8, lr=1e-4, batch_size=4)
 """
 
 from .args import PRECISIONS, TrainingArgs
