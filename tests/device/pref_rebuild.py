@@ -1,10 +1,4 @@
-        per = {k: s[f"t_{k}_ms"] / n for k in ("build", "alloc", "inputs", "eval")}
-        print(
-            f"{loss:13s}: median step {1e3 * statistics.median(times[1:]):7.1f} ms; per step: "
-            + ", ".join(f"{k} {v:.1f} ms" for k, v in per.items())
-            + f"; graph builds {s['n_graph_builds']}, opt builds {s['n_opt_builds']}, allocs {s['n_graph_allocs']}"
-            + f" over {n} evals"
-        )"""Issue 58 on the GPU: what rebuilding the training graphs every step costs a preference loss (patch 0054 rebuilds
+"""Issue 58 on the GPU: what rebuilding the training graphs every step costs a preference loss (patch 0054 rebuilds
 them for every ubatch; the cross-entropy keeps them, patch 0032). The same 16 windows of 512 tokens (8 pairs) of
 the 1B shape with LoRA r8 under the cross-entropy (answer labels) and under DPO: the median step, and
 llama_opt_get_stats' build / alloc / eval milliseconds per step.
@@ -22,9 +16,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from preference import make_pairs  # noqa: E402
+
 import llamabind  # noqa: E402
 from llamabind import train  # noqa: E402
-from preference import make_pairs  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("model")
@@ -51,7 +46,10 @@ with llamabind.Model(a.model, repack=False, n_gpu_layers=-1) as m, tempfile.Temp
                 times.append(time.perf_counter() - t0)
             s = t.stats()
         n = s["n_evals"]
-        print(f"{loss:13s}: median step {1e3 * statistics.median(times[1:]):7.1f} ms; per step: build "
-              f"{s['t_build_ms'] / n:6.1f} ms, alloc {s['t_alloc_ms'] / n:6.1f} ms, inputs {s['t_inputs_ms'] / n:5.1f} ms, "
-              f"eval {s['t_eval_ms'] / n:7.1f} ms; graph builds {s['n_graph_builds']}, opt builds {s['n_opt_builds']}, "
-              f"allocs {s['n_graph_allocs']} over {n} evals")  # fmt: skip
+        per = {k: s[f"t_{k}_ms"] / n for k in ("build", "alloc", "inputs", "eval")}
+        print(
+            f"{loss:13s}: median step {1e3 * statistics.median(times[1:]):7.1f} ms; per step: "
+            + ", ".join(f"{k} {v:.1f} ms" for k, v in per.items())
+            + f"; graph builds {s['n_graph_builds']}, opt builds {s['n_opt_builds']}, allocs {s['n_graph_allocs']}"
+            + f" over {n} evals"
+        )
