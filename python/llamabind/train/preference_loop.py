@@ -268,17 +268,8 @@ def preference(
     train_pairs, val_pairs = _split(model, data, valid, a)
     n_train = len(train_pairs)
     expect(a.batch_size <= n_train, f"batch_size {a.batch_size} is larger than the {n_train} training pair(s)")
-    pad = model.token_eos if model.token_eos is not None and model.token_eos >= 0 else 0
-    sets, result = [], PreferenceResult()
-    for what, pairs in (("data", train_pairs), ("valid", val_pairs)):
-        try:
-            *arrays, cut = pair_windows(pairs, a.ctx_size, pad) if pairs else (*_empty(a.ctx_size), 0)
-        except ValueError as e:
-            raise ValueError(f"{what}: {e}") from None
-        sets.append(_Pairs(*arrays))
-        result.truncated += cut
-    if result.truncated:
-        _log.warning("%d preference pair(s) cut to fit ctx_size %d", result.truncated, a.ctx_size)
+    sets, truncated = _pair_sets(model, train_pairs, val_pairs, a.ctx_size)
+    result = PreferenceResult(truncated=truncated)
     n_batches = -(-n_train // a.batch_size)
     total = a.iters if a.iters is not None else a.epochs * n_batches
     epochs = a.epochs if a.iters is None else -(-a.iters // n_batches)
@@ -315,6 +306,22 @@ def preference(
         if run.log is not None:
             run.log.close()
     return result
+
+
+def _pair_sets(model: Model, train_pairs, val_pairs, ctx_size: int) -> tuple[list[_Pairs], int]:
+    """The train and held-out pairs as windows (:func:`pair_windows`), and how many pairs were cut to fit."""
+    pad = model.token_eos if model.token_eos is not None and model.token_eos >= 0 else 0
+    sets, truncated = [], 0
+    for what, pairs in (("data", train_pairs), ("valid", val_pairs)):
+        try:
+            *arrays, cut = pair_windows(pairs, ctx_size, pad) if pairs else (*_empty(ctx_size), 0)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+        sets.append(_Pairs(*arrays))
+        truncated += cut
+    if truncated:
+        _log.warning("%d preference pair(s) cut to fit ctx_size %d", truncated, ctx_size)
+    return sets, truncated
 
 
 def _empty(ctx_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
