@@ -29,6 +29,12 @@ struct OpDef {
 
 using T = ggml_tensor *;
 
+static ggml_tensor * bf16_product(ggml_tensor * t) {
+    ggml_prec_set_src(t, GGML_PREC_BF16, 0);
+    ggml_prec_set_src(t, GGML_PREC_BF16, 1);
+    return t;
+}
+
 const std::unordered_map<std::string, OpDef> & table() {
     static const std::unordered_map<std::string, OpDef> t = {
         // element-wise, binary (b broadcasts to a: ggml_can_repeat)
@@ -54,6 +60,11 @@ const std::unordered_map<std::string, OpDef> & table() {
         // matrix products
         { "mul_mat", { 2, 0, 0, 0, [](const Args & a) { return ggml_mul_mat(a.ctx, a.s[0], a.s[1]); } } },
         { "out_prod", { 2, 0, 0, 0, [](const Args & a) { return ggml_out_prod(a.ctx, a.s[0], a.s[1]); } } },
+        // the same of F32 sources, allowed in BF16 with F32 accumulation (ggml_prec_set_src; patches 0051, 0055)
+        { "mul_mat_bf16",
+          { 2, 0, 0, 0, [](const Args & a) { return bf16_product(ggml_mul_mat(a.ctx, a.s[0], a.s[1])); } } },
+        { "out_prod_bf16",
+          { 2, 0, 0, 0, [](const Args & a) { return bf16_product(ggml_out_prod(a.ctx, a.s[0], a.s[1])); } } },
         // reductions
         { "sum", { 1, 0, 0, 0, [](const Args & a) { return ggml_sum(a.ctx, a.s[0]); } } },
         { "sum_rows", { 1, 0, 0, 0, [](const Args & a) { return ggml_sum_rows(a.ctx, a.s[0]); } } },

@@ -106,6 +106,7 @@ def _training_args(args, ckpt_dir):
     from .. import train
 
     flash = {"auto": None, "on": True, "off": False}[args.flash_attn]
+    precision = None if args.precision == "auto" else args.precision
     return train.TrainingArgs.of(
         ctx_size=args.n_ctx, epochs=args.epochs, iters=args.iters, lr=args.lr, optimizer=args.optimizer,
         weight_decay=args.weight_decay, val_split=args.val_split, batch_size=args.batch, grad_accum=args.grad_accum,
@@ -113,7 +114,7 @@ def _training_args(args, ckpt_dir):
         progress=args.progress, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=tuple(args.lora_targets.split(",")), lr_schedule=args.lr_schedule, warmup=args.warmup,
         min_lr=args.min_lr, steps_per_eval=args.steps_per_eval, steps_per_report=args.steps_per_report, log=args.log,
-        checkpoint_dir=ckpt_dir, save_every=args.save_every, precision=args.precision, flash_attn=flash,
+        checkpoint_dir=ckpt_dir, save_every=args.save_every, precision=precision, flash_attn=flash,
     )  # fmt: skip
 
 
@@ -281,10 +282,10 @@ def _finetune_parser(sub) -> None:
     f.add_argument("--seed", "-s", type=int, default=0, help="shuffling seed")
     f.add_argument(
         "--precision",
-        choices=["bf16", "f32"],
-        default="bf16",
+        choices=["auto", "bf16", "f32"],
+        default="auto",
         help="products of F32 weights: bf16 (BF16 with F32 accumulation where the backend has it: CUDA from "
-        "Ampere on; F32 elsewhere) or f32 (default: bf16)",
+        "Ampere on, CPUs with AVX512_BF16; F32 elsewhere), f32, or auto (bf16 on a GPU, f32 on the CPU; default)",
     )
     f.add_argument(
         "--flash-attn",

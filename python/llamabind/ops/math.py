@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._validate import one_of
 from .eager import apply
 from .graph import BF16, F16, F32, FLOATS, OPERATORS, Graph, Tensor, as_float, expect, expect_dtype, shape_to_ne
 
@@ -192,9 +193,12 @@ def _mul_mat_quantized(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     return c if b.ndim == 2 else g.op("reshape_4d", [c], shape_to_ne((m,)), shape=(m,))
 
 
-def _mul_mat(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+def _mul_mat(g: Graph, a: Tensor, b: Tensor, precision: str = "f32") -> Tensor:
     if a.ggml_type is not None:
+        expect(precision == "f32", "mul_mat: precision='bf16' is for float32 operands")
         return _mul_mat_quantized(g, a, b)
+    one_of(precision, "precision", ("f32", "bf16"))
+    expect(precision == "f32" or a.dtype == b.dtype == F32, "mul_mat: precision='bf16' is for float32 operands")
     ok_b = FLOATS
     expect_dtype("mul_mat", "b", b, ok_b, g.device)
     allowed_a = {F32, b.dtype} | ({BF16} if b.dtype == F32 and BF16 is not None else set())
@@ -215,7 +219,7 @@ def _mul_mat(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     bt = g.op("transpose", [b2], shape=b2.shape[:-2] + (n, k), contiguous_srcs=False)
     bt = g.op("cont", [bt], shape=bt.shape)
     out_shape = batch + (m, n)
-    c = g.op("mul_mat", [bt, a2], shape=out_shape)
+    c = g.op("mul_mat" if precision == "f32" else "mul_mat_bf16", [bt, a2], shape=out_shape)
     if a.ndim == 1 and b.ndim == 1:
         return g.op("reshape_4d", [c], [1, 1, 1, 1], shape=())
     if a.ndim == 1:
@@ -225,7 +229,7 @@ def _mul_mat(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     return c
 
 
-def mul_mat(a, b, *, backend: str | None = None):
+def mul_mat(a, b, *, precision: str = "f32", backend: str | None = None):
     """Matrix product with numpy's ``a @ b`` semantics (wraps ggml_mul_mat; ggml's transposed
     operand convention is handled here).
 
@@ -233,13 +237,21 @@ def mul_mat(a, b, *, backend: str | None = None):
     dtypes: b float32/float16/bfloat16 and a float32 or b's dtype (also bfloat16 a with float32 b);
     or a quantized weight, :class:`ops.Blocks` of M rows of K values (``ops.quantize``), with a
     float32 b (K, N) or (K,) — a model's ``W @ x``; its gradient w.r.t. b runs ggml_out_prod of
-    the quantized W. Returns float32 (..., M, N). Raises ValueError (shapes), TypeError (dtypes).
+    the quantized W. ``precision``: ``"f32"``, or ``"bf16"`` for float32 a and b: the backend may run
+    the product, and the OUT_PRODs of its gradient, in BF16 with F32 accumulation as mixed-precision
+    training does (ggml_prec_set_src; CUDA from Ampere on, CPUs with AVX512_BF16: patches 0051,
+    0055; elsewhere F32). Returns float32 (..., M, N). Raises ValueError (shapes, precision),
+    TypeError (dtypes).
     """
-    return apply(_mul_mat, (a, b), {}, backend)
+    return apply(_mul_mat, (a, b), {} if precision == "f32" else {"precision": precision}, backend)
 
 
-def _out_prod(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+def _out_prod(g: Graph, a: Tensor, b: Tensor, precision: str = "f32") -> Tensor:
     expect_dtype("out_prod", "a", a, (F32,), g.device)
+    one_of(precision, "precision", ("f32", "bf16"))
+    expect(
+        precision == "f32" or (b.ggml_type is None and b.dtype == F32), "out_prod: precision='bf16' is for float32 b"
+    )
     if b.ggml_type is None:
         expect_dtype("out_prod", "b", b, (F32,) + tuple(t for t in (F16, BF16) if t is not None), g.device)
     else:
@@ -249,17 +261,20 @@ def _out_prod(g: Graph, a: Tensor, b: Tensor) -> Tensor:
     expect(a2.ndim == 2 and b2.ndim == 2, f"out_prod: a and b must be 1-D or 2-D; got {a.shape} and {b.shape}")
     expect(a2.shape[0] == b2.shape[0], f"out_prod: a {a.shape} and b {b.shape} must have the same first axis")
     # ggml_out_prod(B, A): ne [n, k] x [m, k] -> [n, m]  (numpy (m, n) = a^T b)
-    return g.op("out_prod", [b2, a2], shape=(a2.shape[1], b2.shape[1]))
+    op = "out_prod" if precision == "f32" else "out_prod_bf16"
+    return g.op(op, [b2, a2], shape=(a2.shape[1], b2.shape[1]))
 
 
-def out_prod(a, b, *, backend: str | None = None):
+def out_prod(a, b, *, precision: str = "f32", backend: str | None = None):
     """Sum of outer products over the first axis: ``a.T @ b`` (wraps ggml_out_prod).
 
     a: (K, M) or (M,), float32; b: (K, N) or (N,), float32, float16 or bfloat16, or quantized rows
     (:class:`ops.Blocks`, K rows of N values: ggml's src0 of another type, as in MUL_MAT's
-    backward pass through a frozen quantized weight). Returns float32 (M, N); for vectors,
-    numpy.outer(a, b)."""
-    return apply(_out_prod, (a, b), {}, backend)
+    backward pass through a frozen quantized weight). ``precision``: ``"f32"``, or ``"bf16"`` for
+    float32 a and b: the backend may run it in BF16 with F32 accumulation (as :func:`mul_mat`).
+    Returns float32 (M, N); for vectors, numpy.outer(a, b). Raises ValueError (shapes, precision),
+    TypeError (dtypes)."""
+    return apply(_out_prod, (a, b), {} if precision == "f32" else {"precision": precision}, backend)
 
 
 OPERATORS.update(add=add, sub=sub, mul=mul, div=div, mul_mat=mul_mat, neg=neg)  # Tensor's +, -, *, /, @, unary -

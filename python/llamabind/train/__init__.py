@@ -22,8 +22,9 @@ The model's weights change in place: generate with it afterwards, or save it.
 
 A run's settings are one :class:`TrainingArgs` (its fields may also be given as keyword
 arguments): ``finetune(model, text, TrainingArgs(lr=1e-4, batch_size=8))``. Products of F32 weights
-run in BF16 with F32 accumulation where the backend has that (``precision="bf16"``, the default:
-CUDA from Ampere on), attention through flash attention and its backward pass on GPUs.
+run in BF16 with F32 accumulation where the backend has that (``precision="bf16"``, the default on a
+GPU: CUDA from Ampere on; on CPUs with AVX512_BF16 when asked for), attention through flash attention
+and its backward pass on GPUs.
 
 :class:`Trainer` is the native side of a run (the training context and the optimizer) for loops
 of your own: ``Trainer(model, ctx_size=256, batch_size=8).step(windows)``.

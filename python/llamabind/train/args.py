@@ -70,11 +70,13 @@ class TrainingArgs:
         lora_rank: train a LoRA adapter of this rank over the frozen model (None: every weight).
         lora_alpha: LoRA alpha (default 2 x rank): the adapter's product is scaled by alpha / rank.
         lora_targets: the matrices of every layer LoRA adapts (:data:`~llamabind.train.LORA_TARGETS`).
-        precision: ``"bf16"`` (default): products of F32 weights and activations in BF16 with F32
+        precision: ``"bf16"``: products of F32 weights and activations in BF16 with F32
             accumulation, forward and backward, where the backend has them (CUDA from Ampere on,
-            patches 0051-0052), the F32 weights and AdamW's moments staying the master copy, as
-            PyTorch's bf16 autocast; elsewhere (the CPU, Vulkan) F32. ``"f32"``: F32 products (on
-            NVIDIA GPUs cuBLAS runs them in TF32, ggml-cuda's math mode).
+            patches 0051-0052; CPUs with AVX512_BF16, patch 0055), the F32 weights and AdamW's
+            moments staying the master copy, as PyTorch's bf16 autocast; elsewhere (Vulkan, other
+            CPUs) F32. ``"f32"``: F32 products (on NVIDIA GPUs cuBLAS runs them in TF32, ggml-cuda's
+            math mode). None (default): ``"bf16"`` when the model's output layer is on a GPU,
+            ``"f32"`` on the CPU (as PyTorch, whose CPU autocast is asked for).
         flash_attn: attention through ggml_flash_attn_ext and its backward pass (patch 0050; on CUDA
             0051): no n_ctx x n_ctx matrix per head in memory. None (default): on when the model's
             output layer is on a GPU, off on the CPU; True asks for it anywhere (llama.cpp turns it
@@ -107,7 +109,7 @@ class TrainingArgs:
     lora_rank: int | None = None
     lora_alpha: float | None = None
     lora_targets: Sequence[str] = field(default=("attn_q", "attn_v"))
-    precision: str = "bf16"
+    precision: str | None = None
     flash_attn: bool | None = None
     steps_per_eval: int | None = None
     steps_per_report: int | None = None
@@ -195,7 +197,7 @@ class TrainingArgs:
             lora_rank=rank,
             lora_alpha=alpha,
             lora_targets=tuple(targets),
-            precision=one_of(self.precision, "precision", PRECISIONS),
+            precision=None if self.precision is None else one_of(self.precision, "precision", PRECISIONS),
             steps_per_eval=_opt_int(self.steps_per_eval, "steps_per_eval", 1),
             steps_per_report=_opt_int(self.steps_per_report, "steps_per_report", 1),
             save_every=save_every,

@@ -110,7 +110,7 @@ class Trainer:
                 self.context.set_lora(adapter, 1.0)
             self.optimizer = Optimizer(
                 self.context, a.optimizer, a.lr, a.weight_decay, params, self.grad_accum, a.train_embeddings,
-                a.precision, loss, beta,
+                a.precision or ("bf16" if model.output_offloaded else "f32"), loss, beta,
             )  # fmt: skip
         except BaseException:
             self.context.close()
