@@ -25,7 +25,6 @@ import json
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from train import run_process  # noqa: E402 - bench/train.py: a process with its GPU memory peak
+from train import base_models, run_process  # noqa: E402 - bench/train.py: the models, a process with its GPU peak
 
 RANK, LR_LORA, LR_FULL, BETA = 8, 1e-4, 1e-6, 0.1
 
@@ -160,19 +159,11 @@ def main() -> int:
         return 0
 
     import llamabind
-    from llamabind import models, train
 
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmpd = Path(tmp)
-        if args.size:
-            quant = tmpd / f"llama-{args.size}-q4_0.gguf"
-            subprocess.run([sys.executable, str(HERE / "make_model.py"), "--size", args.size, "--type", "q4_0",
-                            "-o", str(quant)], check=True)  # fmt: skip
-        else:
-            quant = Path(models.resolve(args.model))
-        f32 = tmpd / "f32.gguf"
-        train.to_f32(quant, f32)
+        quant, f32 = base_models(args.size, args.model, tmpd)
         pairs = make_pairs(f32, args.ctx, args.batch * args.steps)
         data = tmpd / "pairs.json"
         data.write_text(json.dumps(pairs))

@@ -81,6 +81,22 @@ def worker_llamabind(args) -> dict:
     )  # fmt: skip
 
 
+def base_models(size: str | None, model: str, tmpd: Path) -> tuple[Path, Path]:
+    """(the quantized GGUF, its F32 copy in tmpd): a random-weight llama of bench/make_model.py's ``size`` shape
+    in Q4_0, or the named or given ``model``."""
+    from llamabind import models, train
+
+    if size:
+        quant = tmpd / f"llama-{size}-q4_0.gguf"
+        subprocess.run([sys.executable, str(HERE / "make_model.py"), "--size", size, "--type", "q4_0",
+                        "-o", str(quant)], check=True)  # fmt: skip
+    else:
+        quant = Path(models.resolve(model))
+    f32 = tmpd / "f32.gguf"
+    train.to_f32(quant, f32)
+    return quant, f32
+
+
 def flops_per_token(path: Path, ctx: int, lora: bool) -> float:
     """6 N + 12 L T d (full) or 4 N + 8 L T d (LoRA): N the parameters in matrix products (the
     output matrix, tied or not; not token_embd's lookup)."""
@@ -240,21 +256,14 @@ def main() -> int:
     batches = sorted({int(b) for b in str(args.batch).split(",")})
 
     import llamabind
-    from llamabind import models, train
+    from llamabind import train
     from llamabind.model import quantize
 
     rows: dict[str, dict] = {}
     runners = args.runners.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         tmpd = Path(tmp)
-        if args.size:
-            quant = tmpd / f"llama-{args.size}-q4_0.gguf"
-            subprocess.run([sys.executable, str(HERE / "make_model.py"), "--size", args.size, "--type", "q4_0",
-                            "-o", str(quant)], check=True)  # fmt: skip
-        else:
-            quant = Path(models.resolve(args.model))
-        f32 = tmpd / "f32.gguf"
-        train.to_f32(quant, f32)
+        quant, f32 = base_models(args.size, args.model, tmpd)
         half = {}
         for r, ftype in (("lora-f16", "F16"), ("lora-bf16", "BF16")):
             if r in runners:
