@@ -76,12 +76,13 @@ import json, sys, numpy as np, llamabind
 from llamabind import ops, train
 path, endpoint, wins = sys.argv[1], sys.argv[2], np.load(sys.argv[3])
 # on a GPU build every layer still goes to the RPC server's CPU (tensor_split: none for the local
-# GPUs) and no op to a GPU: both runs are float32 on CPUs, equal to rounding
+# GPUs) and no op to a GPU: both runs are float32 on CPUs, equal to rounding (precision "f32": the RPC
+# device counts as an offloaded output layer, whose default is "bf16", and a CPU with AVX512_BF16 takes it)
 n_gpu = sum(d["type"] == "gpu" for d in ops.devices())
 remote = dict(rpc=[endpoint], tensor_split=[0] * n_gpu + [1] if n_gpu else None)
 kw = dict(remote if endpoint else dict(n_gpu_layers=0), op_offload=False, repack=False)
 with llamabind.Model(path, use_mmap=False, n_threads=2, **kw) as m:
-    with train.Trainer(m, batch_size=2, optimizer="adamw", lr=1e-3, n_threads=2) as t:
+    with train.Trainer(m, batch_size=2, optimizer="adamw", lr=1e-3, n_threads=2, precision="f32") as t:
         out = [t.evaluate(wins[2:4])[0]] + [t.step(wins[:2])[0] for _ in range(2)] + [t.evaluate(wins[2:4])[0]]
         out += [t.step(wins[:2])[0]]
 print(json.dumps(out))
