@@ -33,6 +33,36 @@ def read_adapter(path: str) -> dict[str, np.ndarray]:
     }
 
 
+def compare_adapters(params: dict, init: dict, loss: float, loss_of, job: dict, sgd_path: str, adamw_path: str) -> dict:
+    """The comparison with llamabind's adapters, ``params`` (torch tensors, their gradients of the loss
+    computed): per tensor the cosine of the gradient with llamabind's SGD step of lr 1 (init - sgd), then
+    job["adamw_steps"] AdamW steps here (job["lr"], job["weight_decay"]; torch.optim.AdamW with ggml-opt's
+    betas and eps) and the relative difference from llamabind's adapter after its own."""
+    sgd = read_adapter(sgd_path)
+    out: dict = {"loss": loss, "grad_cosine": {}, "adamw_rel": {}, "adamw_losses": []}
+    for n, t in params.items():
+        ours = torch.tensor(init[n] - sgd[n]).double().flatten()
+        ref = t.grad.double().flatten()
+        if ref.norm() > 0:
+            out["grad_cosine"][n] = float(ours @ ref / (ours.norm() * ref.norm() + 1e-30))
+        else:  # B = 0 at the start: no gradient reaches A on either side
+            out["grad_cosine"][n] = 1.0 if ours.norm() == 0 else 0.0
+    opt = torch.optim.AdamW(
+        list(params.values()), lr=job["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=job["weight_decay"]
+    )
+    for _ in range(job["adamw_steps"]):
+        opt.zero_grad()
+        step_loss = loss_of()
+        step_loss.backward()
+        opt.step()
+        out["adamw_losses"].append(step_loss.item())
+    ours_after = read_adapter(adamw_path)
+    for n, t in params.items():
+        b = t.detach().double()
+        out["adamw_rel"][n] = float((torch.tensor(ours_after[n]).double() - b).norm() / b.norm())
+    return out
+
+
 def main(work: Path) -> None:
     job = json.loads((work / "job.json").read_text())
     model = load_model(job["f32"], keep=True)
@@ -57,28 +87,7 @@ def main(work: Path) -> None:
 
     loss = loss_of()
     loss.backward()
-    sgd = read_adapter(job["sgd"])
-    out: dict = {"loss": loss.item(), "grad_cosine": {}, "adamw_rel": {}, "adamw_losses": []}
-    for n, t in params.items():
-        ours = torch.tensor(init[n] - sgd[n]).double().flatten()
-        ref = t.grad.double().flatten()
-        if ref.norm() > 0:
-            out["grad_cosine"][n] = float(ours @ ref / (ours.norm() * ref.norm() + 1e-30))
-        else:  # B = 0 at the start: no gradient reaches A on either side
-            out["grad_cosine"][n] = 1.0 if ours.norm() == 0 else 0.0
-    opt = torch.optim.AdamW(
-        list(params.values()), lr=job["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=job["weight_decay"]
-    )
-    for _ in range(job["adamw_steps"]):
-        opt.zero_grad()
-        step_loss = loss_of()
-        step_loss.backward()
-        opt.step()
-        out["adamw_losses"].append(step_loss.item())
-    ours_after = read_adapter(job["adamw"])
-    for n, t in params.items():
-        b = t.detach().double()
-        out["adamw_rel"][n] = float((torch.tensor(ours_after[n]).double() - b).norm() / b.norm())
+    out = compare_adapters(params, init, loss.item(), loss_of, job, job["sgd"], job["adamw"])
     (work / "result.json").write_text(json.dumps(out))
     np.savez(work / "torch_adapter.npz", **{n: t.detach().numpy() for n, t in params.items()})
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from gguf_once import load_model
-from lora_reference import HF, read_adapter
+from lora_reference import HF, compare_adapters, read_adapter
 
 
 def preference_loss(method: str, logps: torch.Tensor, n: torch.Tensor, refs: torch.Tensor, beta: float):
@@ -59,24 +59,7 @@ def run_method(model, job: dict, method: str) -> dict:
 
     loss = loss_of()
     loss.backward()
-    sgd = read_adapter(adapters["sgd"])
-    out: dict = {"loss": loss.item(), "grad_cosine": {}, "adamw_rel": {}, "adamw_losses": []}
-    for k, t in params.items():
-        ours = torch.tensor(init[k] - sgd[k]).double().flatten()
-        ref = t.grad.double().flatten()
-        out["grad_cosine"][k] = float(ours @ ref / (ours.norm() * ref.norm() + 1e-30))
-    opt = torch.optim.AdamW(list(params.values()), lr=job["lr"], betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=job["weight_decay"])  # fmt: skip
-    for _ in range(job["adamw_steps"]):
-        opt.zero_grad()
-        step_loss = loss_of()
-        step_loss.backward()
-        opt.step()
-        out["adamw_losses"].append(step_loss.item())
-    after = read_adapter(adapters["adamw"])
-    for k, t in params.items():
-        b = t.detach().double()
-        out["adamw_rel"][k] = float((torch.tensor(after[k]).double() - b).norm() / b.norm())
+    out = compare_adapters(params, init, loss.item(), loss_of, job, adapters["sgd"], adapters["adamw"])
     for h in hooks:
         h.remove()
     return out

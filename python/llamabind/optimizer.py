@@ -64,7 +64,9 @@ class Optimizer:
 
     def seq_logps(self) -> np.ndarray:
         """float64 (n_seq_max,): the last :meth:`eval`'s per-window summed log-likelihood of its labelled
-        tokens (nats), from the preference loss's graph. ValueError without a preference loss."""
+        tokens (nats), read from the preference loss's graph after the eval (its per-window
+        ggml_cross_entropy_loss nodes, ggml_backend_tensor_get; patch 0054). ValueError without a
+        preference loss."""
         return _core.opt_seq_logps(self._native)
 
     def result(self, train: bool) -> tuple[float, float, int]:

@@ -29,6 +29,7 @@ from .args import TrainingArgs
 from .checkpoint import restore_optimizer, save_checkpoint
 from .loop import _new_adapter, _resumable, iterate_batches
 from .pairs import PreferenceMetrics, PreferencePair, preference_metrics, read_pairs
+from .schedule import lr_at
 from .trainer import Trainer, check_model
 
 __all__ = ["METHODS", "PreferenceResult", "pair_windows", "preference"]
@@ -75,7 +76,8 @@ def pair_windows(
     the rejected one, padded with ``pad``; labels are the answer's tokens at the positions that predict them, -1
     elsewhere; lengths the labelled tokens of each answer. A pair longer than the window keeps the end of its
     prompt (at most half the window when the answers need the rest, as TRL's ``keep_end``) and the start of its
-    answers; ``truncated`` counts those. Raises ValueError for an answer left without a labelled token."""
+    answers; ``truncated`` counts those. Numpy only (no ggml call). Raises ValueError for an answer left without
+    a labelled token."""
     n, room = len(pairs), ctx_size + 1
     win = np.full((2 * n, room), pad, np.int32)
     lab = np.full((2 * n, ctx_size), -1, np.int32)
@@ -173,19 +175,12 @@ class _PrefRun:
             self.log.write(json.dumps(row) + "\n")
             self.log.flush()
 
-    def validate(self) -> PreferenceMetrics | None:
-        if not len(self.val):
-            return None
+    def validate(self) -> PreferenceMetrics:
+        """The held-out pairs' metrics (forward passes), written to the log; there must be held-out pairs."""
         idx = np.arange(len(self.val))
         refs = None if self.val.ref is None else self.val.ref[:, 0] - self.val.ref[:, 1]
         m = _metrics(self.val, idx, _logps(self.trainer, self.val, idx, False, refs), self.method, self.beta)
         self.write(step=self.result.steps, **{f"eval_{k}": v for k, v in _trl_names(m).items()})
-        return m
-
-    def validate_pairs(self) -> PreferenceMetrics:
-        """:meth:`validate` where there are held-out pairs."""
-        m = self.validate()
-        assert m is not None
         return m
 
     def step(self, batch: np.ndarray, lr: float) -> PreferenceMetrics:
@@ -292,7 +287,7 @@ def preference(
             run.log = open(a.log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
         if method == "dpo":
             _set_reference(run, resumed)
-        result.val_before = run.validate()
+        result.val_before = run.validate() if len(run.val) else None
         if resumed is not None:
             if not len(run.val):  # ggml-opt allocates AdamW's moments with its first graph
                 _logps(trainer, run.train, np.arange(1), False, None if run.train.ref is None else np.zeros(1))
@@ -345,8 +340,6 @@ def _set_reference(run: _PrefRun, resumed: tuple[Path, dict] | None) -> None:
 
 def _loop(run: _PrefRun, epochs: int, on_step: Callable[[int, PreferenceMetrics], Any] | None) -> None:
     """The optimizer steps, reports, validations and checkpoints of the run."""
-    from .schedule import lr_at
-
     a, r = run.a, run.result
     t0, first, n_tok = time.perf_counter(), r.steps, 0
     try:
@@ -371,7 +364,7 @@ def _loop(run: _PrefRun, epochs: int, on_step: Callable[[int, PreferenceMetrics]
                         file=sys.stderr, flush=True,
                     )  # fmt: skip
                 if a.steps_per_eval and r.steps % a.steps_per_eval == 0 and len(run.val):
-                    r.evals.append((r.steps, run.validate_pairs()))
+                    r.evals.append((r.steps, run.validate()))
                 if a.save_every and r.steps % a.save_every == 0:
                     run.checkpoint()
                 if on_step is not None:
@@ -379,4 +372,4 @@ def _loop(run: _PrefRun, epochs: int, on_step: Callable[[int, PreferenceMetrics]
     except KeyboardInterrupt:
         r.interrupted = True
     if r.steps > first and len(run.val) and not r.interrupted and (not r.evals or r.evals[-1][0] != r.steps):
-        r.evals.append((r.steps, run.validate_pairs()))
+        r.evals.append((r.steps, run.validate()))
