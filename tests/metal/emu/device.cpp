@@ -176,6 +176,8 @@ struct ggml_metal_pipeline_with_params ggml_metal_library_compile_pipeline(ggml_
     }
     ggml_metal_pipelines_add(lib->pipelines, name, ppl);
     res.pipeline = ppl;
+    static const bool trace = getenv("LB_MTL_TRACE") != nullptr;  // the tests read which kernels ran
+    if (trace) fprintf(stderr, "lb_mtl: pipeline %s (%s)\n", name, base);
     return res;
 }
 
