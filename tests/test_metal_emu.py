@@ -58,11 +58,12 @@ def backend_ops() -> Path:
     return exe
 
 
-def run_op(exe: Path, op: str, profile: str) -> tuple[int, int, str]:
-    """test-backend-ops -b MTL0 -o OP under PROFILE: (passed, total, output)."""
-    env = dict(os.environ, LB_MTL_PROFILE=profile)
-    p = subprocess.run([str(exe), "-b", "MTL0", "-o", op], capture_output=True, text=True, env=env,
-                       cwd=exe.parent, timeout=1800)  # fmt: skip
+def run_op(exe: Path, op: str, profile: str, params: str | None = None) -> tuple[int, int, str]:
+    """test-backend-ops -b MTL0 -o OP [-p PARAMS] under PROFILE, naming the pipelines it compiles
+    (LB_MTL_TRACE): (passed, total, output)."""
+    env = dict(os.environ, LB_MTL_PROFILE=profile, LB_MTL_TRACE="1")
+    cmd = [str(exe), "-b", "MTL0", "-o", op] + (["-p", params] if params else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=exe.parent, timeout=1800)
     out = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout + p.stderr)
     m = re.search(r"(\d+)/(\d+) tests passed", out)
     assert p.returncode == 0 and m, f"{op} on MTL0 ({profile}) rc={p.returncode}:\n{out[-3000:]}"
@@ -89,3 +90,25 @@ def test_op_on_mtl0_matches_the_cpu(backend_ops, op, profile):
     passed, total, out = run_op(backend_ops, op, profile)
     print(f"{op} {profile}: {passed}/{total}")
     assert total > 0 and passed == total, out[-3000:]
+
+
+def test_patch_0005_intel_profile_runs_simdgroup_reductions(backend_ops):
+    """Patch 0005: has_simdgroup_reduction on every Mac2-family GPU, so the Intel profile (no Metal3, not
+    Apple7) runs SOFT_MAX and RMS_NORM on MTL0; without it ggml-metal-device.m's supports_op sends every
+    case to the CPU ("not supported", no case run)."""
+    for op in ("SOFT_MAX", "RMS_NORM"):
+        passed, total, out = run_op(backend_ops, op, "intel")
+        assert total > 0 and passed == total, out[-2000:]
+        assert "not supported [MTL0]" not in out
+
+
+def test_profiles_take_their_kernels(backend_ops):
+    """What the profiles change in the encoding: the Apple profile's RMS_NORM rows of 4 floats take the
+    _4 kernels and SOFT_MAX its vector one; the same pipelines under the AMD profile, which has no simdgroup
+    matrices but reductions (Metal3), and every case agrees with the CPU under both."""
+    for profile in ("apple", "amd"):
+        passed, total, out = run_op(backend_ops, "RMS_NORM", profile)
+        assert passed == total > 0
+        assert "(kernel_rms_norm_f32_4)" in out and "(kernel_rms_norm_f32)" in out
+        passed, total, out = run_op(backend_ops, "SOFT_MAX", profile)
+        assert passed == total > 0 and "(kernel_soft_max_f32_4)" in out

@@ -43,7 +43,7 @@ TG_LOCAL_RE = re.compile(r"^(\s+)threadgroup\s+([\w:]+(?:\s*<[^;>]*>)?)\s+(\w+\s
 RANGE_INIT_RE = re.compile(r"\b([\w:]+)\s+(\w+)\[([^\]]+)\]\s*=\s*\{\s*\[\s*0\s*\.\.\.[^\]]*\]\s*=\s*([^}]+?)\s*\}\s*;")
 # explicit instantiations: `kernel type_t name<args>;` or `kernel void name<args>(param types);`
 INST_RE = re.compile(
-    r'template\s*\[\[\s*host_name\("([^"]+)"\)\s*\]\]\s*(?:kernel|__lb_kernel__)\s+(?:void\s+)?(?:[\w:]+\s+)?'
+    r'template\s*\[\[\s*host_name\(\s*"([^"]+)"\s*\)\s*\]\]\s*(?:kernel|__lb_kernel__)\s+(?:void\s+)?(?:[\w:]+\s+)?'
     r"(\w+\s*<[^;(]*>)\s*(?:\([^;]*\))?\s*;"
 )
 KERNEL_RE = re.compile(r"\b__lb_kernel__\s+void\s+(\w+)\s*\(")

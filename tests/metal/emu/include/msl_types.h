@@ -5,7 +5,7 @@
 //   - vectors (float4, half2, ...) are vec<T, N>: .x .y .z .w and [i], element-wise operators, a scalar on
 //     either side broadcast, explicit conversions between element types ((float4) h, float4(h)),
 //     constructors from scalars and vectors (float4(a.x, b, 0, 1)); float3 takes the room of a float4
-//     as in MSL (size and alignment 4 elements)
+//     as in MSL (4 elements); vectors are aligned as their elements (kernels cast unaligned pointers)
 //   - matrix<T, C, R>: C column vectors of R elements, m[c][r]
 // MSL specification 3.2, sections 2.1-2.3.
 #pragma once
@@ -140,7 +140,9 @@ template <typename A> constexpr int lanes_of() {
     if constexpr (is_vec<A>::value) return A::lanes; else return 1;
 }
 
-template <typename T, int N> struct alignas(sizeof(T) * (N == 3 ? 4 : N)) vec : vstore<T, N> {
+// (aligned as its element, not as MSL's vector: kernels cast device pointers at any element offset to
+// float4 * and the like, which a GPU reads; an aligned type would let the compiler fault on them)
+template <typename T, int N> struct vec : vstore<T, N> {
     static constexpr int lanes = N;
     typedef T elem;
     vec() = default;
