@@ -118,6 +118,7 @@ void ggml_metal_encoder_dispatch_threadgroups(ggml_metal_encoder_t encoder, int 
     d.thunk = encoder->pipeline->kernel->thunk;
     d.set_fc = encoder->pipeline->kernel->set_fc;
     d.fc = encoder->pipeline->fc.data();
+    d.name = encoder->pipeline->kernel->name;
     d.grid[0] = tg0; d.grid[1] = tg1; d.grid[2] = tg2;
     d.tptg[0] = tptg0; d.tptg[1] = tptg1; d.tptg[2] = tptg2;
     lbrt::run(d);

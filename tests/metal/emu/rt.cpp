@@ -1,7 +1,9 @@
 // The fiber scheduler under the Metal kernels run on the CPU (issue 57; tests only). See lb_msl_rt.h.
 #include "lb_msl_rt.h"
 
+#include <signal.h>
 #include <sys/mman.h>
+#include <ucontext.h>
 
 #include <atomic>
 #include <cstdint>
@@ -52,6 +54,8 @@ namespace {
 
 enum state { RUNNABLE, WAIT_TG, WAIT_SG, DONE };
 constexpr size_t STACK = 256 * 1024;
+constexpr size_t GUARD = 64 * 1024;
+constexpr unsigned char GUARD_BYTE = 0xcd;
 
 struct fiber {
     void * sp = nullptr;
@@ -134,7 +138,11 @@ void * fresh_stack(char * stack) {
 void run_group(group & g, unsigned gx, unsigned gy, unsigned gz) {
     const dispatch & d = *g.d;
     const unsigned nx = d.tptg[0], ny = d.tptg[1];
-    for (int i = 0; i < (int) g.tgmem.size(); ++i) std::memset(g.tgmem[i].data(), 0, g.tgmem[i].size());
+    for (int i = 0; i < (int) g.tgmem.size(); ++i) {
+        if (g.tgmem[i].empty()) continue;
+        std::memset(g.tgmem[i].data(), 0, d.tgmem_size[i]);
+        std::memset(g.tgmem[i].data() + d.tgmem_size[i], GUARD_BYTE, GUARD);
+    }
     for (auto & s : g.sg) { s = simdgroup(); }
     for (int t = 0; t < g.n; ++t) {
         fiber & f = g.f[t];
@@ -148,15 +156,30 @@ void run_group(group & g, unsigned gx, unsigned gy, unsigned gz) {
     }
     g.live = g.n;
     g.tg_arrived = 0;
+    // the threads run from the last to the first: a simdgroup's lanes run one after the other between
+    // two simdgroup operations, where a GPU runs them in lock step, and kernels let lane 0 do the serial
+    // part of a step on data all lanes write or read in the same step (fa_vec_common.metal's reduction
+    // across simdgroups reads ss[] in every lane, then lane 0 writes it): lane 0 last keeps that order
     while (g.live > 0) {
         bool ran = false;
-        for (int t = 0; t < g.n; ++t) {
+        for (int t = g.n - 1; t >= 0; --t) {
             if (g.f[t].st != RUNNABLE) continue;
             g.cur = t;
             lb_fiber_switch(&g.sched, g.f[t].sp);
             ran = true;
         }
         if (!ran) deadlock(g);
+    }
+    for (int i = 0; i < (int) g.tgmem.size(); ++i) {
+        if (g.tgmem[i].empty()) continue;
+        const unsigned char * guard = g.tgmem[i].data() + d.tgmem_size[i];
+        for (size_t k = GUARD; k-- > 0;) {
+            if (guard[k] != GUARD_BYTE) {
+                std::fprintf(stderr, "lbrt: %s wrote threadgroup memory [[threadgroup(%d)]] at byte %zu of %lu set by the host\n",
+                             d.name ? d.name : "a kernel", i, d.tgmem_size[i] + k, d.tgmem_size[i]);
+                std::abort();
+            }
+        }
     }
 }
 
@@ -174,7 +197,8 @@ void prepare(group & g, const dispatch & d) {
     }
     g.sg.assign((g.n + 31) / 32, simdgroup());
     g.tgmem.resize(MAX_TGMEM);
-    for (int i = 0; i < MAX_TGMEM; ++i) g.tgmem[i].assign(d.tgmem_size[i], 0);
+    // each threadgroup buffer with a guard of GUARD bytes after it (checked after every threadgroup)
+    for (int i = 0; i < MAX_TGMEM; ++i) g.tgmem[i].assign(d.tgmem_size[i] ? d.tgmem_size[i] + GUARD : 0, 0);
     if (d.set_fc) d.set_fc(d.fc);
 }
 
@@ -186,6 +210,54 @@ void block(state st) {
 }
 
 thread_local group tl_group;
+
+// An integer division by zero (or INT_MIN / -1) traps on x86 but not on a GPU, and kernels compute such
+// quotients they then leave unused (fa_common.metal's mask row pointer when there is no mask: iq2 %
+// ne32 with ne32 = 0). Inside a kernel, SIGFPE from DIV/IDIV gives quotient and remainder 0 and skips
+// the instruction; anywhere else it stays fatal.
+int div_length(const unsigned char * ip) {
+    int n = 0;
+    while (ip[n] == 0x66 || ip[n] == 0x67) ++n;  // operand/address size prefixes
+    if ((ip[n] & 0xf0) == 0x40) ++n;              // REX
+    if (ip[n] != 0xf6 && ip[n] != 0xf7) return 0;
+    const unsigned char modrm = ip[n + 1];
+    const int mod = modrm >> 6, rm = modrm & 7, reg = (modrm >> 3) & 7;
+    if (reg != 6 && reg != 7) return 0;           // DIV, IDIV
+    n += 2;
+    if (mod != 3 && rm == 4) {                    // SIB
+        const int base = ip[n] & 7;
+        ++n;
+        if (mod == 0 && base == 5) n += 4;
+    }
+    if (mod == 1) n += 1;
+    else if (mod == 2 || (mod == 0 && rm == 5)) n += 4;
+    return n;
+}
+
+void on_sigfpe(int sig, siginfo_t *, void * uc_void) {
+    auto * uc = static_cast<ucontext_t *>(uc_void);
+    const auto * ip = (const unsigned char *) uc->uc_mcontext.gregs[REG_RIP];
+    const int n = G ? div_length(ip) : 0;
+    if (n == 0) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    uc->uc_mcontext.gregs[REG_RAX] = 0;
+    uc->uc_mcontext.gregs[REG_RDX] = 0;
+    uc->uc_mcontext.gregs[REG_RIP] += n;
+}
+
+void install_sigfpe() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        struct sigaction sa = {};
+        sa.sa_sigaction = on_sigfpe;
+        sa.sa_flags = SA_SIGINFO;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGFPE, &sa, nullptr);
+    });
+}
 
 }  // namespace
 
@@ -223,6 +295,7 @@ void simd_collective(void * mine, void (*fn)(void * const *, void *), void * ud)
 }
 
 void run(const dispatch & d) {
+    install_sigfpe();
     const unsigned long n_groups = (unsigned long) d.grid[0] * d.grid[1] * d.grid[2];
     if (n_groups == 0 || d.tptg[0] * d.tptg[1] * d.tptg[2] == 0) return;
     static const int n_env = [] { const char * v = std::getenv("LB_MTL_THREADS"); return v ? std::atoi(v) : 0; }();

@@ -30,6 +30,7 @@ struct dispatch {
     unsigned long tgmem_size[MAX_TGMEM];
     unsigned grid[3];            // threadgroups per grid
     unsigned tptg[3];            // threads per threadgroup
+    const char * name;           // the pipeline's name (for messages)
 };
 
 // the current thread's position (valid inside a thunk)
