@@ -135,6 +135,12 @@ void * fresh_stack(char * stack) {
     std::abort();
 }
 
+// LB_MTL_LANE_ORDER=forward: first to last instead (to tell a kernel's reliance on lock step)
+bool forward_order() {
+    static const bool fwd = [] { const char * v = std::getenv("LB_MTL_LANE_ORDER"); return v && std::strcmp(v, "forward") == 0; }();
+    return fwd;
+}
+
 void run_group(group & g, unsigned gx, unsigned gy, unsigned gz) {
     const dispatch & d = *g.d;
     const unsigned nx = d.tptg[0], ny = d.tptg[1];
@@ -162,7 +168,8 @@ void run_group(group & g, unsigned gx, unsigned gy, unsigned gz) {
     // across simdgroups reads ss[] in every lane, then lane 0 writes it): lane 0 last keeps that order
     while (g.live > 0) {
         bool ran = false;
-        for (int t = g.n - 1; t >= 0; --t) {
+        for (int k = 0; k < g.n; ++k) {
+            const int t = forward_order() ? k : g.n - 1 - k;
             if (g.f[t].st != RUNNABLE) continue;
             g.cur = t;
             lb_fiber_switch(&g.sched, g.f[t].sp);
