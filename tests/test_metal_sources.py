@@ -49,7 +49,8 @@ def tools() -> dict:
 
 
 def patched_lines(rel: str) -> set[int]:
-    """Line numbers (in the patched tree) of the lines the series adds to ggml/src/ggml-metal/REL."""
+    """Line numbers (in the patched tree) of the lines the series adds to ggml/src/ggml-metal/REL. A file
+    that several patches touch: the lines an earlier patch added move with each later patch's hunks."""
     target = f"ggml/src/ggml-metal/{rel}"
     series = [ln.strip() for ln in (PATCHES / "series").read_text().splitlines() if ln.strip()[:1].isdigit()]
     lines: set[int] = set()
@@ -58,7 +59,13 @@ def patched_lines(rel: str) -> set[int]:
         for part in re.split(r"^diff --git ", text, flags=re.M)[1:]:
             if not part.startswith(f"a/{target} "):
                 continue
-            assert not lines, f"{rel} is patched twice: the line numbers would need the series applied in turn"
+            hunks = [tuple(int(g or 1) for g in m.groups()) for m in
+                     re.finditer(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", part, re.M)]  # fmt: skip
+
+            def moved(ln: int) -> int:
+                return ln + sum(nl - ol for os_, ol, _, nl in hunks if os_ + ol <= ln)
+
+            lines = {moved(ln) for ln in lines}
             new = 0
             for ln in part.splitlines():
                 m = re.match(r"@@ -\d+(?:,\d+)? \+(\d+)", ln)
