@@ -153,6 +153,19 @@ def test_patch_0006_mul_mv_ext_beyond_8_rows_without_simdgroup_mm(bin_dir):
         assert "kernel_mul_mv_ext" not in out and "(kernel_mul_mm_f32_f32)" in out
 
 
+def test_patch_0007_no_host_pointer_buffers_without_unified_memory(bin_dir):
+    """Patch 0007: ggml-metal.cpp advertises buffer_from_host_ptr (mmap-ed weights wrapped in place) only
+    with unified memory: the AMD profile's MTL0 does not, the Apple and Intel ones do."""
+    for profile, expected in (("apple", 1), ("amd", 0), ("intel", 1)):
+        env = dict(os.environ, LB_MTL_PROFILE=profile)
+        p = subprocess.run(
+            [str(bin_dir / "lb-caps")], capture_output=True, text=True, env=env, cwd=bin_dir, timeout=300
+        )
+        assert p.returncode == 0, p.stderr[-2000:]
+        line = next(ln for ln in p.stdout.splitlines() if ln.startswith("MTL0 |"))
+        assert f"buffer_from_host_ptr={expected}" in line, line
+
+
 def test_profiles_take_their_kernels(bin_dir):
     """What the profiles change in the encoding: RMS_NORM rows of 4 floats take the _4 kernels and SOFT_MAX
     its vector one under the Apple and the AMD profile alike, and every case agrees with the CPU."""
