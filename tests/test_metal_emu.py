@@ -28,7 +28,7 @@ FULL = os.environ.get("LLAMABIND_METAL_EMU") == "full"
 BUILD = ROOT / "build" / ("metal-emu-full" if FULL else "metal-emu")
 
 # the sample: these kernel files, these ops (every upstream test case of each)
-SAMPLE_KERNELS = ["binbcast", "norm", "softmax", "quantize", "conv", "rope", "mul_mv", "fa_aux", "fa_vec_f16"]
+SAMPLE_KERNELS = ["binbcast", "norm", "softmax", "quantize", "conv", "rope", "mul_mv", "reduce", "fa_aux", "fa_vec_f16"]
 SAMPLE_OPS = ["ADD", "CONCAT", "RMS_NORM", "SOFT_MAX", "IM2COL", "ROPE_BACK", "CPY"]
 # ROPE_BACK's F32 cases (the F16 ones add no kernel path)
 SAMPLE_PARAMS = {"ROPE_BACK": "type=f32"}
@@ -124,10 +124,23 @@ def test_flash_attn_ext_vec_stays_in_its_threadgroup_memory(bin_dir):
     Before it, dk96/dv64 (NE 4) wrote 128 bytes past the 1024 bytes of threadgroup memory the host sets,
     which rt.cpp's guard reports as an abort (`lbrt: kernel_flash_attn_ext_vec_f16_dk96_dv64 wrote
     threadgroup memory ...`); now every case runs and agrees with the CPU."""
-    for profile in ("apple", "amd"):
-        passed, total, out = run_op(bin_dir, "FLASH_ATTN_EXT", profile, FA_VEC_PARAMS)
-        assert total > 0 and passed == total, out[-2000:]
-        assert "(kernel_flash_attn_ext_vec_f16_dk96_dv64)" in out and "lbrt:" not in out
+    passed, total, out = run_op(bin_dir, "FLASH_ATTN_EXT", "apple", FA_VEC_PARAMS)  # (AMD, Intel: no FA)
+    assert total > 0 and passed == total, out[-2000:]
+    assert "(kernel_flash_attn_ext_vec_f16_dk96_dv64)" in out and "lbrt:" not in out
+
+
+def test_patch_0003_serial_dispatch_without_unified_memory(bin_dir):
+    """Patch 0003 against the fault it works around, modelled by device.cpp: without unified memory a
+    concurrent encoder's barriers do not order its dispatches (there: run in reverse). CUMSUM (a block
+    pass, then a pass adding each block's carry) on the AMD profile agrees with the CPU with 0003's serial
+    dispatch, and fails with concurrency forced on (GGML_METAL_CONCURRENCY_DISABLE=0: upstream's choice)."""
+    passed, total, out = run_op(bin_dir, "CUMSUM", "amd")
+    assert "use concurrency    = false" in out and total > 0 and passed == total, out[-2000:]
+    env = dict(os.environ, LB_MTL_PROFILE="amd", GGML_METAL_CONCURRENCY_DISABLE="0")
+    p = subprocess.run([str(bin_dir / "test-backend-ops"), "-b", "MTL0", "-o", "CUMSUM"], capture_output=True,
+                       text=True, env=env, cwd=bin_dir, timeout=1800)  # fmt: skip
+    out = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout + p.stderr)
+    assert "use concurrency    = true" in out and "FAIL" in out and p.returncode != 0, out[-2000:]
 
 
 def test_patch_0005_intel_profile_runs_simdgroup_reductions(bin_dir):

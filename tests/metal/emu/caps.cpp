@@ -10,9 +10,8 @@ int main() {
         ggml_backend_dev_t dev = ggml_backend_dev_get(i);
         ggml_backend_dev_props props;
         ggml_backend_dev_get_props(dev, &props);
-        printf("%s | %s | async=%d host_buffer=%d buffer_from_host_ptr=%d events=%d\n", props.name,
-               props.description, props.caps.async, props.caps.host_buffer, props.caps.buffer_from_host_ptr,
-               props.caps.events);
+        printf("%s | %s | async=%d host_buffer=%d buffer_from_host_ptr=%d events=%d\n", props.name, props.description,
+               props.caps.async, props.caps.host_buffer, props.caps.buffer_from_host_ptr, props.caps.events);
     }
     return 0;
 }

@@ -52,13 +52,17 @@ void ggml_metal_free(ggml_metal_t ctx) {
     delete ctx;
 }
 
-const char * ggml_metal_get_name(ggml_metal_t ctx) { return ctx->name; }
+const char * ggml_metal_get_name(ggml_metal_t ctx) {
+    return ctx->name;
+}
 void ggml_metal_synchronize(ggml_metal_t) {}
 
-void ggml_metal_set_tensor_async(ggml_metal_t, struct ggml_tensor * tensor, const void * data, size_t offset, size_t size) {
+void ggml_metal_set_tensor_async(ggml_metal_t, struct ggml_tensor * tensor, const void * data, size_t offset,
+                                 size_t size) {
     memcpy((char *) tensor->data + offset, data, size);
 }
-void ggml_metal_get_tensor_async(ggml_metal_t, const struct ggml_tensor * tensor, void * data, size_t offset, size_t size) {
+void ggml_metal_get_tensor_async(ggml_metal_t, const struct ggml_tensor * tensor, void * data, size_t offset,
+                                 size_t size) {
     memcpy(data, (const char *) tensor->data + offset, size);
 }
 bool ggml_metal_cpy_tensor_async(ggml_metal_t, ggml_metal_t, const struct ggml_tensor * src, struct ggml_tensor * dst) {
@@ -68,8 +72,9 @@ bool ggml_metal_cpy_tensor_async(ggml_metal_t, ggml_metal_t, const struct ggml_t
 
 enum ggml_status ggml_metal_graph_compute(ggml_metal_t ctx, struct ggml_cgraph * gf) {
     if (gf->n_nodes == 0) return GGML_STATUS_SUCCESS;
-    ggml_metal_op_t ctx_op = ggml_metal_op_init(ctx->dev, nullptr, gf, ctx->finfo, 0, gf->n_nodes,
-                                                ctx->use_concurrency, false, ctx->debug_graph);
+    // (device.cpp's encoder takes the device for the command buffer)
+    ggml_metal_op_t ctx_op = ggml_metal_op_init(ctx->dev, (ggml_metal_cmd_buf_t) ctx->dev, gf, ctx->finfo, 0,
+                                                gf->n_nodes, ctx->use_concurrency, false, ctx->debug_graph);
     for (int idx = 0; idx < ggml_metal_op_n_nodes(ctx_op); ++idx) {
         if (ctx->abort_callback && ctx->abort_callback(ctx->abort_callback_data)) {
             ggml_metal_op_free(ctx_op);
@@ -89,7 +94,9 @@ void ggml_metal_graph_optimize(ggml_metal_t ctx, struct ggml_cgraph * gf) {
 
 void ggml_metal_event_record(ggml_metal_t, ggml_metal_event_t) {}
 void ggml_metal_event_wait(ggml_metal_t, ggml_metal_event_t) {}
-ggml_metal_event_t ggml_metal_get_ev_cpy(ggml_metal_t ctx) { return ctx->ev_cpy; }
+ggml_metal_event_t ggml_metal_get_ev_cpy(ggml_metal_t ctx) {
+    return ctx->ev_cpy;
+}
 void ggml_metal_set_n_cb(ggml_metal_t, int) {}
 void ggml_metal_set_abort_callback(ggml_metal_t ctx, ggml_abort_callback abort_callback, void * user_data) {
     ctx->abort_callback = abort_callback;

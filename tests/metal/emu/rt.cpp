@@ -96,11 +96,13 @@ thread_local group * G = nullptr;
         void * ptr[32];
         for (int l = 0; l < 32; ++l) ptr[l] = s.ptr[l];
         s.fn(ptr, s.ud);
-        for (int t = 0; t < g.n; ++t) if (g.f[t].st == WAIT_SG && g.f[t].pos.sgitg == me.pos.sgitg) g.f[t].st = RUNNABLE;
+        for (int t = 0; t < g.n; ++t)
+            if (g.f[t].st == WAIT_SG && g.f[t].pos.sgitg == me.pos.sgitg) g.f[t].st = RUNNABLE;
         s.arrived = 0;
     }
     if (g.tg_arrived > 0 && g.tg_arrived == g.live) {
-        for (int t = 0; t < g.n; ++t) if (g.f[t].st == WAIT_TG) g.f[t].st = RUNNABLE;
+        for (int t = 0; t < g.n; ++t)
+            if (g.f[t].st == WAIT_TG) g.f[t].st = RUNNABLE;
         g.tg_arrived = 0;
     }
     void * dead;
@@ -137,7 +139,10 @@ void * fresh_stack(char * stack) {
 
 // LB_MTL_LANE_ORDER=forward: first to last instead (to tell a kernel's reliance on lock step)
 bool forward_order() {
-    static const bool fwd = [] { const char * v = std::getenv("LB_MTL_LANE_ORDER"); return v && std::strcmp(v, "forward") == 0; }();
+    static const bool fwd = [] {
+        const char * v = std::getenv("LB_MTL_LANE_ORDER");
+        return v && std::strcmp(v, "forward") == 0;
+    }();
     return fwd;
 }
 
@@ -149,13 +154,22 @@ void run_group(group & g, unsigned gx, unsigned gy, unsigned gz) {
         std::memset(g.tgmem[i].data(), 0, d.tgmem_size[i]);
         std::memset(g.tgmem[i].data() + d.tgmem_size[i], GUARD_BYTE, GUARD);
     }
-    for (auto & s : g.sg) { s = simdgroup(); }
+    for (auto & s : g.sg) {
+        s = simdgroup();
+    }
     for (int t = 0; t < g.n; ++t) {
         fiber & f = g.f[t];
-        f.pos.tgpig[0] = gx; f.pos.tgpig[1] = gy; f.pos.tgpig[2] = gz;
-        f.pos.tpitg[0] = t % nx; f.pos.tpitg[1] = (t / nx) % ny; f.pos.tpitg[2] = t / (nx * ny);
-        f.pos.tiitg = t; f.pos.sgitg = t / 32; f.pos.tiisg = t % 32;
-        for (int i = 0; i < MAX_TGMEM; ++i) f.pos.tgmem[i] = i < (int) g.tgmem.size() && !g.tgmem[i].empty() ? g.tgmem[i].data() : nullptr;
+        f.pos.tgpig[0] = gx;
+        f.pos.tgpig[1] = gy;
+        f.pos.tgpig[2] = gz;
+        f.pos.tpitg[0] = t % nx;
+        f.pos.tpitg[1] = (t / nx) % ny;
+        f.pos.tpitg[2] = t / (nx * ny);
+        f.pos.tiitg = t;
+        f.pos.sgitg = t / 32;
+        f.pos.tiisg = t % 32;
+        for (int i = 0; i < MAX_TGMEM; ++i)
+            f.pos.tgmem[i] = i < (int) g.tgmem.size() && !g.tgmem[i].empty() ? g.tgmem[i].data() : nullptr;
         g.sg[t / 32].live++;
         f.sp = fresh_stack(f.stack);
         f.st = RUNNABLE;
@@ -182,8 +196,10 @@ void run_group(group & g, unsigned gx, unsigned gy, unsigned gz) {
         const unsigned char * guard = g.tgmem[i].data() + d.tgmem_size[i];
         for (size_t k = GUARD; k-- > 0;) {
             if (guard[k] != GUARD_BYTE) {
-                std::fprintf(stderr, "lbrt: %s wrote threadgroup memory [[threadgroup(%d)]] at byte %zu of %lu set by the host\n",
-                             d.name ? d.name : "a kernel", i, d.tgmem_size[i] + k, d.tgmem_size[i]);
+                std::fprintf(
+                    stderr,
+                    "lbrt: %s wrote threadgroup memory [[threadgroup(%d)]] at byte %zu of %lu set by the host\n",
+                    d.name ? d.name : "a kernel", i, d.tgmem_size[i] + k, d.tgmem_size[i]);
                 std::abort();
             }
         }
@@ -198,7 +214,10 @@ void prepare(group & g, const dispatch & d) {
         g.f.resize(g.n);
         for (size_t i = old; i < g.f.size(); ++i) {
             void * p = mmap(nullptr, STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-            if (p == MAP_FAILED) { std::perror("lbrt: mmap"); std::abort(); }
+            if (p == MAP_FAILED) {
+                std::perror("lbrt: mmap");
+                std::abort();
+            }
             g.f[i].stack = (char *) p;
         }
     }
@@ -225,19 +244,21 @@ thread_local group tl_group;
 int div_length(const unsigned char * ip) {
     int n = 0;
     while (ip[n] == 0x66 || ip[n] == 0x67) ++n;  // operand/address size prefixes
-    if ((ip[n] & 0xf0) == 0x40) ++n;              // REX
+    if ((ip[n] & 0xf0) == 0x40) ++n;             // REX
     if (ip[n] != 0xf6 && ip[n] != 0xf7) return 0;
     const unsigned char modrm = ip[n + 1];
     const int mod = modrm >> 6, rm = modrm & 7, reg = (modrm >> 3) & 7;
-    if (reg != 6 && reg != 7) return 0;           // DIV, IDIV
+    if (reg != 6 && reg != 7) return 0;  // DIV, IDIV
     n += 2;
-    if (mod != 3 && rm == 4) {                    // SIB
+    if (mod != 3 && rm == 4) {  // SIB
         const int base = ip[n] & 7;
         ++n;
         if (mod == 0 && base == 5) n += 4;
     }
-    if (mod == 1) n += 1;
-    else if (mod == 2 || (mod == 0 && rm == 5)) n += 4;
+    if (mod == 1)
+        n += 1;
+    else if (mod == 2 || (mod == 0 && rm == 5))
+        n += 4;
     return n;
 }
 
@@ -268,12 +289,15 @@ void install_sigfpe() {
 
 }  // namespace
 
-const thread_pos & pos() { return G->f[G->cur].pos; }
+const thread_pos & pos() {
+    return G->f[G->cur].pos;
+}
 
 void threadgroup_barrier() {
     group & g = *G;
     if (++g.tg_arrived == g.live) {
-        for (int t = 0; t < g.n; ++t) if (g.f[t].st == WAIT_TG) g.f[t].st = RUNNABLE;
+        for (int t = 0; t < g.n; ++t)
+            if (g.f[t].st == WAIT_TG) g.f[t].st = RUNNABLE;
         g.tg_arrived = 0;
         return;
     }
@@ -284,9 +308,13 @@ void simd_collective(void * mine, void (*fn)(void * const *, void *), void * ud)
     group & g = *G;
     fiber & me = g.f[g.cur];
     simdgroup & s = g.sg[me.pos.sgitg];
-    if (s.arrived == 0) { for (int l = 0; l < 32; ++l) s.ptr[l] = nullptr; s.fn = fn; s.ud = ud; }
-    else if (s.fn != fn) {
-        std::fprintf(stderr, "lbrt: divergent simdgroup operations in simdgroup %u (lane %u)\n", me.pos.sgitg, me.pos.tiisg);
+    if (s.arrived == 0) {
+        for (int l = 0; l < 32; ++l) s.ptr[l] = nullptr;
+        s.fn = fn;
+        s.ud = ud;
+    } else if (s.fn != fn) {
+        std::fprintf(stderr, "lbrt: divergent simdgroup operations in simdgroup %u (lane %u)\n", me.pos.sgitg,
+                     me.pos.tiisg);
         std::abort();
     }
     s.ptr[me.pos.tiisg] = mine;
@@ -295,7 +323,8 @@ void simd_collective(void * mine, void (*fn)(void * const *, void *), void * ud)
         for (int l = 0; l < 32; ++l) ptr[l] = s.ptr[l];
         s.arrived = 0;
         fn(ptr, ud);
-        for (int t = 0; t < g.n; ++t) if (g.f[t].st == WAIT_SG && g.f[t].pos.sgitg == me.pos.sgitg) g.f[t].st = RUNNABLE;
+        for (int t = 0; t < g.n; ++t)
+            if (g.f[t].st == WAIT_SG && g.f[t].pos.sgitg == me.pos.sgitg) g.f[t].st = RUNNABLE;
         return;
     }
     block(WAIT_SG);
@@ -305,10 +334,13 @@ void run(const dispatch & d) {
     install_sigfpe();
     const unsigned long n_groups = (unsigned long) d.grid[0] * d.grid[1] * d.grid[2];
     if (n_groups == 0 || d.tptg[0] * d.tptg[1] * d.tptg[2] == 0) return;
-    static const int n_env = [] { const char * v = std::getenv("LB_MTL_THREADS"); return v ? std::atoi(v) : 0; }();
+    static const int n_env = [] {
+        const char * v = std::getenv("LB_MTL_THREADS");
+        return v ? std::atoi(v) : 0;
+    }();
     int n_threads = n_env > 0 ? n_env : (int) std::thread::hardware_concurrency();
     if ((unsigned long) n_threads > n_groups) n_threads = (int) n_groups;
-    std::atomic<unsigned long> next{0};
+    std::atomic<unsigned long> next{ 0 };
     auto work = [&] {
         group & g = tl_group;
         group * saved = G;
@@ -329,7 +361,7 @@ void run(const dispatch & d) {
 namespace {
 kernel_table * tables = nullptr;
 std::mutex tables_mu;
-}
+}  // namespace
 
 void register_table(kernel_table * t) {
     std::lock_guard<std::mutex> lk(tables_mu);
@@ -340,7 +372,8 @@ void register_table(kernel_table * t) {
 const kernel_entry * find_kernel(const char * name) {
     std::lock_guard<std::mutex> lk(tables_mu);
     for (const kernel_table * t = tables; t; t = t->next)
-        for (int i = 0; i < t->n; ++i) if (std::strcmp(t->entries[i].name, name) == 0) return &t->entries[i];
+        for (int i = 0; i < t->n; ++i)
+            if (std::strcmp(t->entries[i].name, name) == 0) return &t->entries[i];
     return nullptr;
 }
 
