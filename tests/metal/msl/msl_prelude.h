@@ -3,17 +3,7 @@
 // types (MSL specification 2.1-2.2; <metal_stdlib> declares the rest). See metal_stdlib beside it.
 #pragma once
 
-// no system header (-nostdinc: MSL has no C library)
-typedef __INT8_TYPE__ int8_t;
-typedef __INT16_TYPE__ int16_t;
-typedef __INT32_TYPE__ int32_t;
-typedef __INT64_TYPE__ int64_t;
-typedef __UINT8_TYPE__ uint8_t;
-typedef __UINT16_TYPE__ uint16_t;
-typedef __UINT32_TYPE__ uint32_t;
-typedef __UINT64_TYPE__ uint64_t;
-typedef __SIZE_TYPE__ size_t;
-typedef __PTRDIFF_TYPE__ ptrdiff_t;
+#include "msl_scalars.h"
 
 #define kernel
 #define device
@@ -28,10 +18,6 @@ typedef __PTRDIFF_TYPE__ ptrdiff_t;
 // kernels are left out of the parse
 typedef _Float16 half;
 typedef __bf16 bfloat;
-typedef unsigned char uchar;
-typedef unsigned short ushort;
-typedef unsigned int uint;
-typedef unsigned long ulong;
 
 #define LB_MSL_VECTORS(T)                                          \
     typedef T T##2 __attribute__((ext_vector_type(2)));            \
