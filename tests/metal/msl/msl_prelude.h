@@ -23,17 +23,7 @@ typedef __bf16 bfloat;
     typedef T T##2 __attribute__((ext_vector_type(2)));            \
     typedef T T##3 __attribute__((ext_vector_type(3)));            \
     typedef T T##4 __attribute__((ext_vector_type(4)));
-LB_MSL_VECTORS(float)
-LB_MSL_VECTORS(half)
-LB_MSL_VECTORS(bfloat)
-LB_MSL_VECTORS(int)
-LB_MSL_VECTORS(uint)
-LB_MSL_VECTORS(short)
-LB_MSL_VECTORS(ushort)
-LB_MSL_VECTORS(char)
-LB_MSL_VECTORS(uchar)
-LB_MSL_VECTORS(long)
-LB_MSL_VECTORS(ulong)
+LB_MSL_VECTOR_ELEMENTS(LB_MSL_VECTORS)
 #undef LB_MSL_VECTORS
 // packed vectors (MSL 2.2.3): the element layout without the vector alignment
 typedef char packed_char2 __attribute__((ext_vector_type(2)));

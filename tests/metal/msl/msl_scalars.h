@@ -16,3 +16,6 @@ typedef unsigned char uchar;
 typedef unsigned short ushort;
 typedef unsigned int uint;
 typedef unsigned long ulong;
+
+// the element types MSL has vectors of (float2 ... ulong4): LB_MSL_VECTOR_ELEMENTS(X) calls X(T) for each
+#define LB_MSL_VECTOR_ELEMENTS(X) X(float) X(half) X(bfloat) X(int) X(uint) X(short) X(ushort) X(char) X(uchar) X(long) X(ulong)

@@ -228,17 +228,7 @@ template <typename T, int C, int R> matrix<T, C, R> operator+(const matrix<T, C,
     typedef metal::vec<T, 2> T##2;     \
     typedef metal::vec<T, 3> T##3;     \
     typedef metal::vec<T, 4> T##4;
-LB_MSL_VECTORS(float)
-LB_MSL_VECTORS(half)
-LB_MSL_VECTORS(bfloat)
-LB_MSL_VECTORS(int)
-LB_MSL_VECTORS(uint)
-LB_MSL_VECTORS(short)
-LB_MSL_VECTORS(ushort)
-LB_MSL_VECTORS(char)
-LB_MSL_VECTORS(uchar)
-LB_MSL_VECTORS(long)
-LB_MSL_VECTORS(ulong)
+LB_MSL_VECTOR_ELEMENTS(LB_MSL_VECTORS)
 LB_MSL_VECTORS(bool)
 #undef LB_MSL_VECTORS
 
