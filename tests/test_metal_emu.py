@@ -9,7 +9,7 @@ simdgroup matrices), Intel UHD 630 (no Metal3, not Apple7).
 In CI a sample: the kernel files of the sample's ops (the build is the cost: g++ on the kernels) and
 their upstream test cases. LLAMABIND_METAL_EMU=full builds every kernel file plus libllama and runs the
 issue's whole op list under the three profiles and SmolLM2 on MTL0 (`LLAMABIND_METAL_EMU=full ./dev test
-tests/test_metal_emu.py`, ~40 min on 2 cores). Needs g++ >= 12 (_Float16) and cmake."""
+tests/test_metal_emu.py`, ~45 min on 2 cores). Needs g++ >= 12 (_Float16) and cmake."""
 
 from __future__ import annotations
 
