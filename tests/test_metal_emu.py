@@ -36,8 +36,9 @@ SAMPLE_PARAMS = {"ROPE_BACK": "type=f32"}
 FULL_OPS = SAMPLE_OPS + ["MUL", "GET_ROWS", "ROPE", "MUL_MAT", "SCALE", "SILU", "GELU", "SUB", "DIV", "SUM_ROWS"]
 PROFILES = ["apple", "amd", "intel"]
 # FLASH_ATTN_EXT: head size 64 (the vec kernel patch 0004 touches and the simdgroup-matrix one), K/V F16,
-# Q8_0, Q4_0. Head size 128's vec kernel (NE = 1) gives wrong results here (ERR ~0.88): not yet known
-# whether the emulator or the kernel is at fault (patches/README.md).
+# Q8_0, Q4_0. Head size 128's vec kernel (NE = 1) gives wrong results here (ERR ~0.88) although its scores,
+# softmax, V accumulation, partials and reduction agree with references computed inside the kernel from
+# the same inputs, and the same kernel instantiated with NE = 2 passes: unresolved (the closing note).
 FA_PARAMS = r"hsk=64,hsv=64,nh=4,nr23=\[1,1\],kv=512,nb=(1|3|35).*type_K=(f16|q8_0|q4_0)"
 # the vec kernel at K head 96, V head 64 (NE = 4: the O block's zeroing, patch 0056)
 FA_VEC_PARAMS = r"hsk=96,hsv=64,nh=4,nr23=\[1,1\],kv=512,nb=(1|3),"
