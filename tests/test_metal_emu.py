@@ -180,6 +180,7 @@ def test_patch_0007_no_host_pointer_buffers_without_unified_memory(bin_dir):
         assert f"buffer_from_host_ptr={expected}" in line, line
 
 
+@pytest.mark.skipif(not FULL, reason="CI's time: the patch tests cover the profiles' kernels; full runs it")
 def test_profiles_take_their_kernels(bin_dir):
     """What the profiles change in the encoding: RMS_NORM rows of 4 floats take the _4 kernels and SOFT_MAX
     its vector one under the Apple and the AMD profile alike, and every case agrees with the CPU."""
