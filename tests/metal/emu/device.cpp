@@ -126,9 +126,8 @@ struct ggml_metal_encoder {
 ggml_metal_encoder_t ggml_metal_encoder_init(ggml_metal_cmd_buf_t cmd_buf, bool concurrent) {
     auto * enc = new ggml_metal_encoder();
     // (context.cpp passes its device as the command buffer)
-    const auto * dev = static_cast<ggml_metal_device_t>(cmd_buf);
-    enc->stale_barriers =
-        concurrent && dev && !ggml_metal_device_get_props(const_cast<ggml_metal_device_t>(dev))->has_unified_memory;
+    auto * dev = static_cast<ggml_metal_device_t>(cmd_buf);
+    enc->stale_barriers = concurrent && dev && !ggml_metal_device_get_props(dev)->has_unified_memory;
     return enc;
 }
 
