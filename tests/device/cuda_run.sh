@@ -49,6 +49,7 @@
 #         gradient compositions, out_prod and the BF16 GEMM of quantized weights).
 # fa56ncu: (after fa56, or alone: it builds) FLASH_ATTN_BACK's kernels under Nsight Compute and SDPA's bf16 backward
 #         beside them (bench/attention_backward.py; LB_PIPES, LB_ATTN_ARGS).
+# fa56kernels: (after fa56) one 1B training step's kernels timed by Nsight Compute (bench/kernel_times.py).
 # fa56profile: (after fa56) bench/train_profile.py on the 1B: LB_MODES (default now,bf16: F32 products with composed
 #         attention, and the defaults: BF16 products, flash attention) at LB_PROFILE_1B (default 2048x4,4096x1).
 # train42: (carry .device) issue 42: the build, random-weight 1B and 135M llamas (Q4_0 and F32 copies in
@@ -66,7 +67,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: pref58, fa56, fa56ncu, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: pref58, fa56, fa56ncu, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -429,6 +430,15 @@ fa56ncu)
       python3 bench/attention_backward.py ${LB_ATTN_ARGS:-} --runners llamabind --reps 1 > "$OUT/ncu-pipe$p.txt" 2>&1
     echo "GGML_CUDA_FA_BACK_PIPE=$p"
     grep -E "fa_back_mma|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|Block Limit (Reg|Shared)|Stall" "$OUT/ncu-pipe$p.txt" | head -40
+  done
+  ;;
+fa56kernels)
+  # issue 56 (after fa56: the build and the 1B models): one training step's kernels timed by Nsight Compute
+  # (bench/kernel_times.py: gpu time per kernel, summed by kind), LB_KT (default "2048:4:bf16 2048:4:lora")
+  for spec in ${LB_KT:-2048:4:bf16 2048:4:lora}; do
+    IFS=: read -r ctx batch mode <<< "$spec"
+    python3 bench/kernel_times.py --model $MODELS/llama-1b-f32.gguf --ctx $ctx --batch $batch --mode $mode \
+      --out "$OUT/kernel-times-$mode-${ctx}x$batch.json" 2>&1 | tee "$OUT/kernel-times-$mode-${ctx}x$batch.txt" | head -60
   done
   ;;
 train42b)

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Where one fine-tuning step's GPU time goes, kernel by kernel (issue 56): the step is run under Nsight
+Compute with one metric (gpu__time_duration.sum: each kernel's time on the GPU, without the launch and
+synchronization that bench/train_profile.py's node-by-node profile adds), and the kernels are summed by
+kind: cuBLAS products, the F32 -> BF16 conversions of the products' operands, flash attention forward and
+backward, cross-entropy, AdamW, and the rest (element-wise, norms, copies) by kernel name.
+
+    python bench/kernel_times.py --model F32.gguf [--ctx 2048] [--batch 4] [--mode bf16|lora] [--out FILE.json]
+
+The worker (the same script with --worker, started under `ncu --profile-from-start off`) times three
+unprofiled steps after two warm-up steps (the median is printed as "step ms"), then runs one step between
+cudaProfilerStart and cudaProfilerStop: only that step's kernels are measured. Nsight Compute serializes the
+kernels it measures, so the kernels' sum is the step's GPU time without overlap (ggml runs one stream).
+Needs `ncu` on PATH and a CUDA build of llamabind. Prints tables and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import datetime
+import io
+import json
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# kinds by kernel name, first match wins (cuBLAS's kernels on Hopper: nvjet_*, sm90_xmma_*, cutlass_*)
+KINDS = (
+    ("flash attention backward", r"fa_back"),
+    ("flash attention forward", r"flash_attn|fattn"),
+    ("matrix products (cuBLAS)", r"gemm|nvjet|xmma|cutlass|sm\d\d_"),
+    ("F32 -> BF16 conversions", r"convert_unary<float, __nv_bfloat16>|convert_unary<float, nv_bfloat16>"),
+    ("cross-entropy", r"cross_entropy"),
+    ("AdamW", r"adamw"),
+)
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name):
+            return kind
+    return "element-wise, norms, copies"
+
+
+def _cudart() -> ctypes.CDLL:
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("libcudart not found")
+
+
+def worker(args) -> dict:
+    import numpy as np
+
+    import llamabind
+    from llamabind import train
+
+    rng = np.random.default_rng(0)
+    lora = args.mode == "lora"
+    kw_model = dict(use_mmap=lora, repack=not lora, n_gpu_layers=99, n_threads=8)
+    with llamabind.Model(args.model, **kw_model) as m:
+        wins = rng.integers(3, m.n_vocab, size=(args.batch, args.ctx + 1), dtype=np.int32)
+        kw = dict(ctx_size=args.ctx, batch_size=args.batch, lr=1e-5, n_threads=8)
+        if lora:
+            adapter = Path(tempfile.mkdtemp()) / "lora.gguf"
+            train.lora_init(m, adapter, rank=8, alpha=16.0)
+            kw.update(params="lora", adapter=m.load_lora(adapter), lr=1e-4)
+        with train.Trainer(m, **kw) as t:
+            for _ in range(2):
+                t.step(wins)
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                t.step(wins)
+                times.append(time.perf_counter() - t0)
+            rt = _cudart()
+            rt.cudaDeviceSynchronize()
+            rt.cudaProfilerStart()
+            t.step(wins)
+            rt.cudaDeviceSynchronize()
+            rt.cudaProfilerStop()
+    return dict(step_ms=1e3 * statistics.median(times), step_ms_all=[round(1e3 * x, 3) for x in times])
+
+
+def parse_ncu_csv(text: str) -> list[tuple[str, float]]:
+    """(kernel name, ms) per measured launch from `ncu --csv --print-units base` output."""
+    start = text.find('"ID"')
+    if start < 0:
+        raise RuntimeError("no CSV table in ncu's output:\n" + text[-2000:])
+    rows = []
+    for row in csv.DictReader(io.StringIO(text[start:])):
+        if row.get("Metric Name") == "gpu__time_duration.sum":
+            rows.append((row["Kernel Name"], float(row["Metric Value"].replace(",", "")) / 1e6))
+    return rows
+
+
+def summarize(launches: list[tuple[str, float]]) -> dict:
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list] = {}
+    for name, ms in launches:
+        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + ms
+        short = name.split("(")[0][:90]
+        e = by_name.setdefault(short, [0, 0.0, kind_of(name)])
+        e[0] += 1
+        e[1] += ms
+    kernels = sorted(({"kernel": k, "launches": v[0], "ms": v[1], "kind": v[2]} for k, v in by_name.items()),
+                     key=lambda r: -r["ms"])  # fmt: skip
+    return dict(total_ms=sum(ms for _, ms in launches), launches=len(launches),
+                by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), kernels=kernels)  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="an F32 GGUF (bench/make_model.py + train.to_f32)")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--mode", default="bf16", choices=("bf16", "lora"), help="full fine-tune or LoRA r8, defaults")
+    ap.add_argument("--top", type=int, default=30, help="kernels listed")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)))
+        return 0
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        ap.error("ncu (Nsight Compute) is not on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "ncu.csv"
+        cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
+               "--csv", "--print-units", "base", "--log-file", str(log),
+               sys.executable, __file__, "--worker", "--model", args.model, "--ctx", str(args.ctx),
+               "--batch", str(args.batch), "--mode", args.mode]  # fmt: skip
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        if p.returncode != 0 or not lines:
+            print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
+            return 1
+        res = json.loads(lines[-1][len("RESULT ") :])
+        res.update(summarize(parse_ncu_csv(log.read_text())))
+    res.update(mode=args.mode, ctx=args.ctx, batch=args.batch)
+    _print(res, args.top)
+    doc = dict(host=socket.gethostname(), date=datetime.date.today().isoformat(), args=vars(args), result=res)
+    out = Path(args.out) if args.out else HERE / "results" / f"kernel-times-{socket.gethostname()}-{doc['date']}.json"
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def _print(r: dict, top: int) -> None:
+    print(f"\n{r['mode']} {r['ctx']}x{r['batch']}: step {r['step_ms']:.1f} ms unprofiled (median of 3); "
+          f"{r['launches']} kernels, {r['total_ms']:.1f} ms on the GPU (serialized)")  # fmt: skip
+    print("\n| kind | ms per step | share |\n|---|---|---|")
+    for k, ms in r["by_kind"].items():
+        print(f"| {k} | {ms:.2f} | {100 * ms / r['total_ms']:.1f}% |")
+    print("\n| kernel | kind | launches | ms |\n|---|---|---|---|")
+    for e in r["kernels"][:top]:
+        print(f"| `{e['kernel']}` | {e['kind']} | {e['launches']} | {e['ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
