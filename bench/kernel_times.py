@@ -39,7 +39,7 @@ KINDS = (
     ("flash attention backward", r"fa_back"),
     ("flash attention forward", r"flash_attn|fattn"),
     ("matrix products (cuBLAS)", r"gemm|nvjet|xmma|cutlass|sm\d\d_"),
-    ("F32 -> BF16 conversions", r"convert_unary<float, __nv_bfloat16>|convert_unary<float, nv_bfloat16>"),
+    ("F32 -> BF16 conversions", r"convert_unary\w*<float, (__)?nv_bfloat16>"),
     ("cross-entropy", r"cross_entropy"),
     ("AdamW", r"adamw"),
 )

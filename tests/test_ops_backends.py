@@ -147,6 +147,35 @@ def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv):
 
 
 @pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize(
+    "shape,axes",
+    [((2, 3, 5, 8), (0, 2, 1, 3)), ((3, 7, 64), (1, 0, 2)), ((4, 5, 6), (2, 1, 0))],
+    ids=["rows-of-8", "rows-of-64", "scalar"],
+)
+def test_gpu_permute_copies_exactly(device, shape, axes):
+    """Patch 0057 (CUDA): a same-shape F32 copy whose rows stay contiguous and 16-byte aligned (the CONT of a
+    permuted gradient in training) moves 4 floats a thread; a permute made contiguous on the device equals
+    numpy's bit for bit. The last case moves the innermost axis: the scalar kernel."""
+    x = f32(*shape)
+    got = ops.permute(x, axes, backend=device)
+    np.testing.assert_array_equal(got, np.ascontiguousarray(np.transpose(x, axes)))
+
+
+@pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize("small,big", [((96,), (3000, 96)), ((2, 1, 40), (2, 700, 40)), ((1, 5), (20000, 5))], ids=str)
+def test_gpu_repeat_gradient_over_many_repeats(device, small, big):
+    """Patch 0057 (CUDA): REPEAT_BACK, the gradient of a broadcast (a norm weight's, summed over the tokens),
+    splits many repeats into chunks whose sums are added in a fixed order. Against float64: d/da sum(tile(a) *
+    w) is w summed over the tiles. F32 sums of up to 20,000 terms: 1e-4 relative is ~100x their rounding."""
+    a, w = f32(*small), f32(*big)
+    got = ops.grad(lambda a: ops.sum(ops.mul(ops.repeat(a, big), w)), backend=device)(a)
+    s = (1,) * (len(big) - len(small)) + small
+    split = [n for b, k in zip(big, s) for n in (b // k, k)]  # numpy.tile: the copies are the outer blocks
+    want = w.astype(np.float64).reshape(split).sum(axis=tuple(range(0, 2 * len(big), 2))).reshape(small)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", GPUS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.int16, np.int32], ids=str)
 def test_gpu_concat_every_dtype(device, dtype):  # PR #24724, #24747
     a = rng.integers(-50, 50, (3, 4, 5)).astype(dtype)

@@ -7,6 +7,7 @@ random-weight llama with an untied output matrix (bench/make_model.py tiny)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import gguf_tensors
 import numpy as np
 import pytest
-from conftest import GPU_BUILD
+from conftest import GPU_BUILD, gpu_skip_reason, run_python
 
 import llamabind
 from llamabind import train
@@ -208,3 +209,30 @@ def test_flash_attention_trains_without_an_attention_matrix(untied_f32):
     assert ("backward", "SOFT_MAX_BACK") in ops_of[False] and ("forward", "FLASH_ATTN_EXT") not in ops_of[False]
     np.testing.assert_allclose(losses[True][0], losses[False][0], rtol=1e-5)
     np.testing.assert_allclose(losses[True][1], losses[False][1], rtol=1e-4)
+
+
+_STEPS = """
+import sys, numpy as np, llamabind
+from llamabind import train
+w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
+with llamabind.Model(sys.argv[1], use_mmap=False) as m, train.Trainer(m, batch_size=2, lr=1e-3) as t:
+    print(repr([t.step(w)[0] for _ in range(4)]))
+"""
+
+
+@pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+def test_bf16_copies_reused_within_a_step_change_nothing(f32_path):
+    """Patch 0057 (CUDA): the BF16 products of a mixed-precision step convert an activation once for the
+    products that read it one after another (the Q/K/V products of one input, a MUL_MAT's two backward
+    OUT_PRODs of one gradient); the copy is the conversion's own result, so four steps (bf16, flash attention,
+    fully offloaded) give the same losses, bit for bit, as with every conversion made anew
+    (GGML_CUDA_BF16_REUSE=0, each run its own process: the variable is read once). A copy reused after its
+    source was overwritten, or across steps, would change them."""
+    losses = {}
+    for reuse in ("1", "0"):
+        p = run_python(_STEPS.replace("sys.argv[1]", repr(str(f32_path))), timeout=600,
+                       env={**os.environ, "GGML_CUDA_BF16_REUSE": reuse})  # fmt: skip
+        assert p.returncode == 0, p.stderr[-2000:]
+        losses[reuse] = p.stdout.strip().splitlines()[-1]
+    print(losses)
+    assert losses["1"] == losses["0"]
