@@ -29,10 +29,10 @@ BUILD = ROOT / "build" / ("metal-emu-full" if FULL else "metal-emu")
 
 # the sample: these kernel files, these ops (every upstream test case of each)
 SAMPLE_KERNELS = ["binbcast", "norm", "softmax", "quantize", "conv", "rope", "mul_mv", "reduce", "fa_aux", "fa_vec_f16"]
-SAMPLE_OPS = ["ADD", "CONCAT", "RMS_NORM", "SOFT_MAX", "IM2COL", "ROPE_BACK", "CPY"]
+SAMPLE_OPS = ["ADD", "CONCAT", "RMS_NORM", "RMS_NORM_BACK", "SOFT_MAX", "SOFT_MAX_BACK", "IM2COL", "ROPE_BACK", "CPY"]
 # ROPE_BACK's F32 cases (the F16 ones add no kernel path)
 SAMPLE_PARAMS = {"ROPE_BACK": "type=f32"}
-# the issue's list; SOFT_MAX_BACK and RMS_NORM_BACK have no Metal kernel at the pin (not supported on MTL0)
+# the issue's list (RMS_NORM_BACK and SOFT_MAX_BACK: patch 0058's kernels; none at the pin)
 FULL_OPS = SAMPLE_OPS + ["MUL", "GET_ROWS", "ROPE", "MUL_MAT", "SCALE", "SILU", "GELU", "SUB", "DIV", "SUM_ROWS"]
 PROFILES = ["apple", "amd", "intel"]
 # FLASH_ATTN_EXT: head size 64 (the vec kernel patch 0004 touches and the simdgroup-matrix one), K/V F16,
