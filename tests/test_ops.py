@@ -104,6 +104,16 @@ def test_scale_clamp_silu_back():
     close(ops.silu_back(dy, x), f64(dy) * s * (1 + f64(x) * (1 - s)))
 
 
+@pytest.mark.parametrize("dt", [F32, F16], ids=["f32", "f16"])
+def test_swiglu(dt):
+    a, b = rnd(5, 24, dtype=dt), rnd(5, 24, dtype=dt, seed=7)
+    out = ops.swiglu(a, b)
+    assert out.shape == a.shape and out.dtype == dt
+    close(out, f64(a) / (1 + np.exp(-f64(a))) * f64(b), dt)
+    with pytest.raises(ValueError, match="same shape"):
+        ops.swiglu(a, b[:, :3])
+
+
 # ---- reductions and products
 
 

@@ -162,7 +162,9 @@ def test_gpu_permute_copies_exactly(device, shape, axes):
 
 
 @pytest.mark.parametrize("device", GPUS)
-@pytest.mark.parametrize("small,big", [((96,), (3000, 96)), ((2, 1, 40), (2, 700, 40)), ((1, 5), (20000, 5))], ids=str)
+@pytest.mark.parametrize(
+    "small,big", [((96,), (3000, 96)), ((2, 1, 40), (2, 700, 40)), ((1, 5), (20000, 5)), ((3, 1), (6, 4000))], ids=str
+)
 def test_gpu_repeat_gradient_over_many_repeats(device, small, big):
     """Patch 0057 (CUDA): REPEAT_BACK, the gradient of a broadcast (a norm weight's, summed over the tokens),
     splits many repeats into chunks whose sums are added in a fixed order. Against float64: d/da sum(tile(a) *
@@ -173,6 +175,23 @@ def test_gpu_repeat_gradient_over_many_repeats(device, small, big):
     split = [n for b, k in zip(big, s) for n in (b // k, k)]  # numpy.tile: the copies are the outer blocks
     want = w.astype(np.float64).reshape(split).sum(axis=tuple(range(0, 2 * len(big), 2))).reshape(small)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize("shape", [(64, 300), (7, 33)], ids=str)
+def test_gpu_swiglu_gradients_match_cpu(device, shape):
+    """Patch 0059 (CUDA): the four nodes of a split SwiGLU's backward (MUL, SILU_BACK, SILU, MUL) run as one
+    kernel with the unfused kernels' arithmetic; the gradients of both inputs against the CPU's by NMSE
+    (limit 1e-6: the same F32 formulas, the GPU's fast exp)."""
+    a, b, w = f32(*shape), f32(*shape), f32(*shape)
+
+    def loss(a, b):
+        return ops.sum(ops.mul(ops.swiglu(a, b), w))
+
+    got = ops.grad(loss, argnums=(0, 1), backend=device)(a, b)
+    want = ops.grad(loss, argnums=(0, 1), backend="cpu")(a, b)
+    for name, g, r in zip("ab", got, want):
+        assert ops.nmse(g, r) < 1e-6, f"d{name} on {device}: NMSE {ops.nmse(g, r):.3g}"
 
 
 @pytest.mark.parametrize("device", GPUS)

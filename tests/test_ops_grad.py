@@ -154,6 +154,20 @@ def test_backward_ops_against_finite_differences():
     np.testing.assert_allclose(ops.soft_max_back(dy, y), fd_grad(dot(ops.soft_max), [x], 0), rtol=2e-2, atol=2e-3)
 
 
+def test_swiglu_gradients_against_finite_differences():
+    """ggml's backward of a split SwiGLU (silu_back of dy*b for the gate, silu(a)*dy for the up projection;
+    on CUDA one fused kernel, patch 0059) against central differences of the float64-summed loss."""
+    a, b, w = rnd(3, 7), rnd(3, 7, seed=1), rnd(3, 7, seed=2)
+
+    def loss(a, b):
+        return ops.sum(ops.mul(ops.swiglu(a, b), w))
+
+    ga, gb = ops.grad(loss, argnums=(0, 1))(a, b)
+    f = lambda a, b: float((ops.swiglu(a, b).astype(np.float64) * w).sum())  # noqa: E731
+    np.testing.assert_allclose(ga, fd_grad(f, [a, b], 0), rtol=2e-2, atol=2e-3)
+    np.testing.assert_allclose(gb, fd_grad(f, [a, b], 1), rtol=2e-2, atol=2e-3)
+
+
 @pytest.mark.parametrize(
     "mode,sections",
     [("normal", None), ("neox", None), ("mrope", [4, 2, 2, 0]), ("imrope", [4, 2, 2, 0]), ("vision", [4, 4, 0, 0])],

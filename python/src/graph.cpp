@@ -184,6 +184,9 @@ static void check_backward(ggml_cgraph * gf) {
             case GGML_OP_FLASH_ATTN_EXT:  // ggml_flash_attn_ext_back: not for the mask, nor with sinks
                 ok = !src_needs[3] && n->src[4] == nullptr;
                 break;
+            case GGML_OP_GLU:  // the split SwiGLU only (ggml_swiglu_split: ops.swiglu)
+                ok = ggml_get_glu_op(n) == GGML_GLU_OP_SWIGLU && n->src[1] != nullptr;
+                break;
             case GGML_OP_UNARY: {
                 const ggml_unary_op u = ggml_get_unary_op(n);
                 ok = u == GGML_UNARY_OP_ABS || u == GGML_UNARY_OP_SGN || u == GGML_UNARY_OP_NEG ||

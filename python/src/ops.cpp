@@ -57,6 +57,7 @@ const std::unordered_map<std::string, OpDef> & table() {
         { "sigmoid", { 1, 0, 0, 0, [](const Args & a) { return ggml_sigmoid(a.ctx, a.s[0]); } } },
         { "tanh", { 1, 0, 0, 0, [](const Args & a) { return ggml_tanh(a.ctx, a.s[0]); } } },
         { "silu_back", { 2, 0, 0, 0, [](const Args & a) { return ggml_silu_back(a.ctx, a.s[0], a.s[1]); } } },
+        { "swiglu", { 2, 0, 0, 0, [](const Args & a) { return ggml_swiglu_split(a.ctx, a.s[0], a.s[1]); } } },
         // matrix products
         { "mul_mat", { 2, 0, 0, 0, [](const Args & a) { return ggml_mul_mat(a.ctx, a.s[0], a.s[1]); } } },
         { "out_prod", { 2, 0, 0, 0, [](const Args & a) { return ggml_out_prod(a.ctx, a.s[0], a.s[1]); } } },

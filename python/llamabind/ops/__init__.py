@@ -46,6 +46,7 @@ from .math import (
     sub,
     sum,
     sum_rows,
+    swiglu,
     tanh,
 )
 from .nn import (
@@ -141,6 +142,7 @@ __all__ = [
     "sub",
     "sum",
     "sum_rows",
+    "swiglu",
     "tanh",
     "timestep_embedding",
     "to_device",

@@ -123,6 +123,21 @@ def silu_back(dy, x, *, backend: str | None = None):
     return apply(_silu_back, (dy, x), {}, backend)
 
 
+def _swiglu(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    expect(a.shape == b.shape, f"swiglu: a {a.shape} and b {b.shape} must have the same shape")
+    for n, t in (("a", a), ("b", b)):
+        expect_dtype("swiglu", n, t, (F32, F16), g.device)
+    expect(a.dtype == b.dtype, "swiglu: a and b must have the same dtype")
+    return g.op("swiglu", [a, b], shape=a.shape)
+
+
+def swiglu(a, b, *, backend: str | None = None):
+    """SwiGLU, the activation of llama-style FFNs: ``silu(a) * b`` element-wise, a the gate and b the up
+    projection (wraps ggml_swiglu_split). a, b: same shape, float32 or float16; same shape and dtype out.
+    Differentiable in both (ggml's backward of a split SwiGLU); raises ValueError for other shapes or dtypes."""
+    return apply(_swiglu, (a, b), {}, backend)
+
+
 # ---- reductions
 
 
