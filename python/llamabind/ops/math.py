@@ -109,12 +109,21 @@ def clamp(a, min: float, max: float, *, backend: str | None = None):
     return apply(_clamp, (a,), {"min": lo, "max": hi}, backend)
 
 
-def _silu_back(g: Graph, dy: Tensor, x: Tensor) -> Tensor:
-    expect(dy.shape == x.shape, f"silu_back: dy {dy.shape} and x {x.shape} must have the same shape")
-    for n, t in (("dy", dy), ("x", x)):
-        expect_dtype("silu_back", n, t, (F32, F16), g.device)
-    expect(dy.dtype == x.dtype, "silu_back: dy and x must have the same dtype")
-    return g.op("silu_back", [dy, x], shape=x.shape)
+def _same_shape_pair(op: str, names: tuple[str, str]):
+    """The graph builder of a two-input element-wise op whose inputs share one shape and one dtype (float32 or
+    float16)."""
+
+    def build(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+        expect(a.shape == b.shape, f"{op}: {names[0]} {a.shape} and {names[1]} {b.shape} must have the same shape")
+        for n, t in zip(names, (a, b)):
+            expect_dtype(op, n, t, (F32, F16), g.device)
+        expect(a.dtype == b.dtype, f"{op}: {names[0]} and {names[1]} must have the same dtype")
+        return g.op(op, [a, b], shape=a.shape)
+
+    return build
+
+
+_silu_back = _same_shape_pair("silu_back", ("dy", "x"))
 
 
 def silu_back(dy, x, *, backend: str | None = None):
@@ -123,12 +132,7 @@ def silu_back(dy, x, *, backend: str | None = None):
     return apply(_silu_back, (dy, x), {}, backend)
 
 
-def _swiglu(g: Graph, a: Tensor, b: Tensor) -> Tensor:
-    expect(a.shape == b.shape, f"swiglu: a {a.shape} and b {b.shape} must have the same shape")
-    for n, t in (("a", a), ("b", b)):
-        expect_dtype("swiglu", n, t, (F32, F16), g.device)
-    expect(a.dtype == b.dtype, "swiglu: a and b must have the same dtype")
-    return g.op("swiglu", [a, b], shape=a.shape)
+_swiglu = _same_shape_pair("swiglu", ("a", "b"))
 
 
 def swiglu(a, b, *, backend: str | None = None):
