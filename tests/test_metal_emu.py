@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, VENDOR
+from conftest import ROOT, VENDOR, build_wheel, new_venv, outside_env
 
 EMU = ROOT / "tests" / "metal" / "emu"
 FULL = os.environ.get("LLAMABIND_METAL_EMU") == "full"
@@ -190,6 +190,37 @@ def test_profiles_take_their_kernels(bin_dir):
         assert "(kernel_rms_norm_f32_4)" in out and "(kernel_rms_norm_f32)" in out
         passed, total, out = run_op(bin_dir, "SOFT_MAX", profile)
         assert passed == total > 0 and "(kernel_soft_max_f32_4)" in out
+
+
+@pytest.fixture(scope="module")
+def portable_python(tmp_path_factory) -> Path:
+    """A fresh virtual environment with llamabind's portable wheel (GGML_BACKEND_DL: ggml's backends are
+    modules it loads, GGML_BACKEND_PATH one more; the build directory and CPU variants of test_portable.py) and
+    what the op tests import; returns its python."""
+    tmp = tmp_path_factory.mktemp("portable-mtl")
+    whl = build_wheel(tmp / "wheels", "-Cbuild-dir=build/portable-{wheel_tag}", "-Ccmake.define.LLAMABIND_PORTABLE=ON",
+                      "-Ccmake.define.GGML_CPU_VARIANTS=sandybridge;haswell", timeout=5400)  # fmt: skip
+    return new_venv(tmp / "venv", str(whl), "pytest", "hypothesis", "ml_dtypes", "gguf")
+
+
+@pytest.mark.skipif(not FULL, reason="builds the portable wheel and a venv: LLAMABIND_METAL_EMU=full")
+@pytest.mark.parametrize("profile", PROFILES)
+def test_llamabind_op_tests_on_mtl0(bin_dir, portable_python, profile):
+    """llamabind's own op tests with the emulated Metal device as their backend: the portable build loads
+    libggml-metal.so through GGML_BACKEND_PATH, and LLAMABIND_TEST_BACKEND=metal runs every op call of
+    tests/test_ops.py, test_ops_grad.py and test_ops_errors.py on MTL0, each checked against the CPU by NMSE
+    (conftest), plus test_ops_backends.py's device-vs-CPU cases. Ops Metal does not run skip with their clear
+    TypeError. Found patches 0060 (GROUP_NORM wrote the first batch only) and 0061 (argmax ties, -inf rows);
+    runs patch 0058's RMS_NORM_BACK and SOFT_MAX_BACK inside ggml's backward graphs."""
+    env = {**outside_env(), "GGML_BACKEND_PATH": str(bin_dir / "libggml-metal.so"), "LB_MTL_PROFILE": profile,
+           "LLAMABIND_TEST_BACKEND": "metal"}  # fmt: skip
+    tests = [f"tests/{m}.py" for m in ("test_ops", "test_ops_grad", "test_ops_errors", "test_ops_backends")]
+    p = subprocess.run([str(portable_python), "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)  # fmt: skip
+    out = p.stdout + p.stderr
+    m = re.search(r"(\d+) passed", out)
+    print(f"{profile}: {out.strip().splitlines()[-1]}")
+    assert p.returncode == 0 and m and int(m.group(1)) >= 150, out[-4000:]
 
 
 def test_the_emulator_catches_a_broken_kernel(tmp_path):

