@@ -20,7 +20,8 @@ METAL = [p for p in SERIES if "-metal-" in p]
 
 
 def test_series_is_well_formed_dep3():
-    assert len(METAL) == 9  # 0003-0007, 0056, 0058, 0060, 0061 (tests/test_metal_emu.py runs them in the emulated backend)
+    # 0003-0007, 0056, 0058, 0060, 0061 (tests/test_metal_emu.py runs them in the emulated backend)
+    assert len(METAL) == 9
     for name in SERIES:
         text = (PATCHES / name).read_text()
         header = text.split("\n---\n", 1)[0]
