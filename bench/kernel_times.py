@@ -110,9 +110,10 @@ def summarize(launches: list[tuple[str, float]]) -> dict:
     by_kind: dict[str, float] = {}
     by_name: dict[str, list] = {}
     for name, ms in launches:
-        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + ms
+        kind = kind_of(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
         short = name.split("(")[0][:90]
-        e = by_name.setdefault(short, [0, 0.0, kind_of(name)])
+        e = by_name.setdefault(short, [0, 0.0, kind])
         e[0] += 1
         e[1] += ms
     kernels = sorted(({"kernel": k, "launches": v[0], "ms": v[1], "kind": v[2]} for k, v in by_name.items()),

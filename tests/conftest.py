@@ -274,6 +274,20 @@ def build_wheel(
     return whl
 
 
+# the portable wheel's CPU variants in CI (test_portable.py's docstring says why these two); "all" builds every one
+PORTABLE_CI_VARIANTS = ["sandybridge", "haswell"]
+PORTABLE_ALL_VARIANTS = os.environ.get("LLAMABIND_PORTABLE_VARIANTS") == "all"
+
+
+def build_portable_wheel(out_dir: Path) -> Path:
+    """llamabind's portable wheel (LLAMABIND_PORTABLE: shared ggml/llama, GGML_BACKEND_DL, the CPU variants
+    above) into out_dir, from the build directory build/portable-{wheel_tag} that test_portable.py and
+    test_metal_emu.py share (the second build is a cache hit)."""
+    variants = "" if PORTABLE_ALL_VARIANTS else ";".join(PORTABLE_CI_VARIANTS)
+    return build_wheel(out_dir, "-Cbuild-dir=build/portable-{wheel_tag}", "-Ccmake.define.LLAMABIND_PORTABLE=ON",
+                       f"-Ccmake.define.GGML_CPU_VARIANTS={variants}", timeout=5400)  # fmt: skip
+
+
 def build_requirements() -> list[str]:
     """pyproject.toml's [build-system].requires (tools/requirements.py: the one list) plus cmake and ninja."""
     sys.path.insert(0, str(ROOT / "tools"))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, VENDOR, build_wheel, new_venv, outside_env
+from conftest import ROOT, VENDOR, build_portable_wheel, new_venv, outside_env
 
 EMU = ROOT / "tests" / "metal" / "emu"
 FULL = os.environ.get("LLAMABIND_METAL_EMU") == "full"
@@ -194,12 +194,10 @@ def test_profiles_take_their_kernels(bin_dir):
 
 @pytest.fixture(scope="module")
 def portable_python(tmp_path_factory) -> Path:
-    """A fresh virtual environment with llamabind's portable wheel (GGML_BACKEND_DL: ggml's backends are
-    modules it loads, GGML_BACKEND_PATH one more; the build directory and CPU variants of test_portable.py) and
-    what the op tests import; returns its python."""
+    """A fresh virtual environment with llamabind's portable wheel (conftest.build_portable_wheel: ggml's
+    backends are modules it loads, GGML_BACKEND_PATH one more) and what the op tests import; returns its python."""
     tmp = tmp_path_factory.mktemp("portable-mtl")
-    whl = build_wheel(tmp / "wheels", "-Cbuild-dir=build/portable-{wheel_tag}", "-Ccmake.define.LLAMABIND_PORTABLE=ON",
-                      "-Ccmake.define.GGML_CPU_VARIANTS=sandybridge;haswell", timeout=5400)  # fmt: skip
+    whl = build_portable_wheel(tmp / "wheels")
     return new_venv(tmp / "venv", str(whl), "pytest", "hypothesis", "ml_dtypes", "gguf")
 
 

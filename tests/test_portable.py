@@ -27,15 +27,24 @@ import sys
 import zipfile
 
 import pytest
-from conftest import VENDOR, build_requirements, build_wheel, new_venv, outside_env
+from conftest import (
+    PORTABLE_ALL_VARIANTS,
+    PORTABLE_CI_VARIANTS,
+    VENDOR,
+    build_portable_wheel,
+    build_requirements,
+    build_wheel,
+    new_venv,
+    outside_env,
+)
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux", reason="x86-64 Linux only"),
 ]
 NO_AVX2_CPU = "SandyBridge"  # qemu's model: SSE4.2 + AVX; no AVX2, FMA, F16C
-CI_VARIANTS = ["sandybridge", "haswell"]
-ALL = os.environ.get("LLAMABIND_PORTABLE_VARIANTS") == "all"
+CI_VARIANTS = PORTABLE_CI_VARIANTS
+ALL = PORTABLE_ALL_VARIANTS
 PROBE = """
 import json, sys, llamabind
 m = llamabind.Model(sys.argv[1], n_ctx=128, n_threads=2)
@@ -65,13 +74,7 @@ def qemu() -> str:
 @pytest.fixture(scope="module")
 def portable_venv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("portable")
-    whl = build_wheel(
-        tmp / "wheels",
-        "-Cbuild-dir=build/portable-{wheel_tag}",
-        "-Ccmake.define.LLAMABIND_PORTABLE=ON",
-        f"-Ccmake.define.GGML_CPU_VARIANTS={'' if ALL else ';'.join(CI_VARIANTS)}",  # set either way: cached
-        timeout=5400,
-    )
+    whl = build_portable_wheel(tmp / "wheels")
     py = new_venv(tmp / "venv", str(whl))
     return whl, py
 
