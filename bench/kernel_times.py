@@ -11,6 +11,10 @@ The worker (the same script with --worker, started under `ncu --profile-from-sta
 unprofiled steps after two warm-up steps (the median is printed as "step ms"), then runs one step between
 cudaProfilerStart and cudaProfilerStop: only that step's kernels are measured. Nsight Compute serializes the
 kernels it measures, so the kernels' sum is the step's GPU time without overlap (ggml runs one stream).
+With --graph, ncu times the step's CUDA graph as one workload instead (--graph-profiling graph): the GPU time
+of the step with the gaps between its kernels; beside the unprofiled step's wall time, llama_opt_get_stats' host
+part (inputs set on the host; the eval: input copies, graph launch, the wait for the loss) and the SM clock and
+power nvidia-smi sampled while the unprofiled steps ran, it says how much of a step is not kernels.
 Needs `ncu` on PATH and a CUDA build of llamabind. Prints tables and writes JSON.
 """
 
@@ -81,17 +85,54 @@ def worker(args) -> dict:
             for _ in range(2):
                 t.step(wins)
             times = []
-            for _ in range(3):
+            s0 = t.stats()
+            smi = _clock_sampler()
+            for _ in range(args.steps):
                 t0 = time.perf_counter()
                 t.step(wins)
                 times.append(time.perf_counter() - t0)
+            clocks = _clock_summary(smi)
+            s1 = t.stats()
             rt = _cudart()
             rt.cudaDeviceSynchronize()
             rt.cudaProfilerStart()
             t.step(wins)
             rt.cudaDeviceSynchronize()
             rt.cudaProfilerStop()
-    return dict(step_ms=1e3 * statistics.median(times), step_ms_all=[round(1e3 * x, 3) for x in times])
+    # llama_opt_get_stats: the host's part of a step (inputs set on the host) and the eval (the graph's input
+    # copies, its launch and the wait for the loss), per step
+    per = {k: (s1[k] - s0[k]) / args.steps for k in ("t_build_ms", "t_alloc_ms", "t_inputs_ms", "t_eval_ms")}
+    return dict(step_ms=1e3 * statistics.median(times), step_ms_all=[round(1e3 * x, 3) for x in times],
+                opt_stats_ms=per, clocks=clocks)  # fmt: skip
+
+
+def _clock_sampler():
+    """nvidia-smi sampling the SM clock and power every 100 ms while the timed steps run (None without it)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    q = "--query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+    return subprocess.Popen([smi, q, "--format=csv,noheader,nounits", "-lms", "100"], stdout=subprocess.PIPE, text=True)
+
+
+def _clock_summary(p) -> dict | None:
+    """Median SM clock (MHz), its maximum, power (W) and the throttle reasons seen over the samples."""
+    if p is None:
+        return None
+    p.terminate()
+    rows = []
+    for line in p.communicate()[0].splitlines():
+        f = [x.strip() for x in line.split(",")]
+        try:
+            rows.append((float(f[0]), float(f[1]), float(f[2]), float(f[3]), f[4]))
+        except (ValueError, IndexError):
+            continue
+    if not rows:
+        return None
+    return dict(samples=len(rows), sm_mhz_median=statistics.median(r[0] for r in rows),
+                sm_mhz_min=min(r[0] for r in rows), sm_mhz_max_rated=rows[0][1],
+                power_w_median=statistics.median(r[2] for r in rows), temp_c_max=max(r[3] for r in rows),
+                event_reasons=sorted({r[4] for r in rows}))  # fmt: skip
 
 
 def parse_ncu_csv(text: str) -> list[tuple[str, float]]:
@@ -102,7 +143,8 @@ def parse_ncu_csv(text: str) -> list[tuple[str, float]]:
     rows = []
     for row in csv.DictReader(io.StringIO(text[start:])):
         if row.get("Metric Name") == "gpu__time_duration.sum":
-            rows.append((row["Kernel Name"], float(row["Metric Value"].replace(",", "")) / 1e6))
+            name = row.get("Kernel Name") or row.get("Workload Name") or row.get("Function Name") or "?"
+            rows.append((name, float(row["Metric Value"].replace(",", "")) / 1e6))
     return rows
 
 
@@ -129,6 +171,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--mode", default="bf16", choices=("bf16", "lora"), help="full fine-tune or LoRA r8, defaults")
     ap.add_argument("--top", type=int, default=30, help="kernels listed")
+    ap.add_argument("--steps", type=int, default=5, help="unprofiled steps timed (after two warm-up steps)")
+    ap.add_argument("--graph", action="store_true",
+                    help="time the profiled step's CUDA graph as one workload (ncu --graph-profiling graph): its GPU "
+                         "time with the gaps between its kernels, against the step's wall time")  # fmt: skip
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -141,17 +187,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "ncu.csv"
         cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
-               "--csv", "--print-units", "base", "--log-file", str(log),
-               sys.executable, __file__, "--worker", "--model", args.model, "--ctx", str(args.ctx),
-               "--batch", str(args.batch), "--mode", args.mode]  # fmt: skip
+               *(["--graph-profiling", "graph"] if args.graph else []), "--csv", "--print-units", "base",
+               "--log-file", str(log), sys.executable, __file__, "--worker", "--model", args.model,
+               "--ctx", str(args.ctx), "--batch", str(args.batch), "--mode", args.mode,
+               "--steps", str(args.steps)]  # fmt: skip
         p = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         if p.returncode != 0 or not lines:
             print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
             return 1
         res = json.loads(lines[-1][len("RESULT ") :])
+        if args.out:  # ncu's own table beside the JSON
+            shutil.copy(log, Path(args.out).with_suffix(".ncu.csv"))
         res.update(summarize(parse_ncu_csv(log.read_text())))
-    res.update(mode=args.mode, ctx=args.ctx, batch=args.batch)
+    res.update(mode=args.mode, ctx=args.ctx, batch=args.batch, graph=args.graph)
     _print(res, args.top)
     doc = dict(host=socket.gethostname(), date=datetime.date.today().isoformat(), args=vars(args), result=res)
     out = Path(args.out) if args.out else HERE / "results" / f"kernel-times-{socket.gethostname()}-{doc['date']}.json"
@@ -161,8 +210,12 @@ def main() -> int:
 
 
 def _print(r: dict, top: int) -> None:
-    print(f"\n{r['mode']} {r['ctx']}x{r['batch']}: step {r['step_ms']:.1f} ms unprofiled (median of 3); "
-          f"{r['launches']} kernels, {r['total_ms']:.1f} ms on the GPU (serialized)")  # fmt: skip
+    what = "CUDA graphs / workloads" if r.get("graph") else "kernels"
+    print(f"\n{r['mode']} {r['ctx']}x{r['batch']}: step {r['step_ms']:.1f} ms unprofiled (median of "
+          f"{len(r['step_ms_all'])}); {r['launches']} {what}, "
+          f"{r['total_ms']:.1f} ms on the GPU (serialized)")  # fmt: skip
+    print("per step, llama_opt_get_stats:", {k: round(v, 2) for k, v in r["opt_stats_ms"].items()})
+    print("clocks while the unprofiled steps ran:", r.get("clocks"))
     print("\n| kind | ms per step | share |\n|---|---|---|")
     for k, ms in r["by_kind"].items():
         print(f"| {k} | {ms:.2f} | {100 * ms / r['total_ms']:.1f}% |")

@@ -196,7 +196,8 @@ def test_flash_attention_trains_without_an_attention_matrix(untied_f32):
     layer) and its backward FLASH_ATTN_BACK, and no soft_max of KQ (the n_kv x n_tokens matrices the
     composed attention keeps); the step's loss equals the composed attention's (F32 on the CPU: the
     order of the sums differs, 1e-5 relative) and so does the gradient's effect: a second step's
-    loss equal to 1e-4 relative."""
+    loss equal to 1e-4 relative. Patch 0062: the gradients of Q, K and V through their split into one
+    stream per window (views of the whole tensors) are reshapes, not ACC into a SCALE(x, 0) zero tensor."""
     w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
     losses, ops_of = {}, {}
     for flash in (True, False):
@@ -209,6 +210,8 @@ def test_flash_attention_trains_without_an_attention_matrix(untied_f32):
     assert ops_of[True][("backward", "FLASH_ATTN_BACK")] == 2 * 2
     assert not any(op.startswith("SOFT_MAX") for _, op in ops_of[True])
     assert ("backward", "SOFT_MAX_BACK") in ops_of[False] and ("forward", "FLASH_ATTN_EXT") not in ops_of[False]
+    for flash in (True, False):
+        assert ("backward", "ACC") not in ops_of[flash] and ("backward", "SCALE") not in ops_of[flash]
     np.testing.assert_allclose(losses[True][0], losses[False][0], rtol=1e-5)
     np.testing.assert_allclose(losses[True][1], losses[False][1], rtol=1e-4)
 

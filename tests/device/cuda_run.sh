@@ -49,7 +49,8 @@
 #         gradient compositions, out_prod and the BF16 GEMM of quantized weights).
 # fa56ncu: (after fa56, or alone: it builds) FLASH_ATTN_BACK's kernels under Nsight Compute and SDPA's bf16 backward
 #         beside them (bench/attention_backward.py; LB_PIPES, LB_ATTN_ARGS).
-# fa56kernels: (after fa56) one 1B training step's kernels timed by Nsight Compute (bench/kernel_times.py).
+# fa56kernels: (after fa56) one 1B training step's kernels timed by Nsight Compute (bench/kernel_times.py);
+#         LB_KT_GRAPH=1: its CUDA graph too, as one workload, beside the host's part and the SM clock.
 # fa56profile: (after fa56) bench/train_profile.py on the 1B: LB_MODES (default now,bf16: F32 products with composed
 #         attention, and the defaults: BF16 products, flash attention) at LB_PROFILE_1B (default 2048x4,4096x1).
 # train42: (carry .device) issue 42: the build, random-weight 1B and 135M llamas (Q4_0 and F32 copies in
@@ -439,6 +440,10 @@ fa56kernels)
     IFS=: read -r ctx batch mode <<< "$spec"
     python3 bench/kernel_times.py --model $MODELS/llama-1b-f32.gguf --ctx $ctx --batch $batch --mode $mode \
       --out "$OUT/kernel-times-$mode-${ctx}x$batch.json" 2>&1 | tee "$OUT/kernel-times-$mode-${ctx}x$batch.txt" | head -60
+    # LB_KT_GRAPH=1: the same step's CUDA graph timed as one workload (the gaps between kernels included)
+    [ -n "${LB_KT_GRAPH:-}" ] && python3 bench/kernel_times.py --graph --model $MODELS/llama-1b-f32.gguf --ctx $ctx \
+      --batch $batch --mode $mode --out "$OUT/kernel-times-graph-$mode-${ctx}x$batch.json" 2>&1 \
+      | tee "$OUT/kernel-times-graph-$mode-${ctx}x$batch.txt" | head -30
   done
   ;;
 train42b)
