@@ -93,17 +93,63 @@ def worker(args) -> dict:
                 times.append(time.perf_counter() - t0)
             clocks = _clock_summary(smi)
             s1 = t.stats()
-            rt = _cudart()
-            rt.cudaDeviceSynchronize()
-            rt.cudaProfilerStart()
-            t.step(wins)
-            rt.cudaDeviceSynchronize()
-            rt.cudaProfilerStop()
+            if args.trace:
+                traced = _traced_steps(t, wins, args.trace)
+            else:
+                rt = _cudart()
+                rt.cudaDeviceSynchronize()
+                rt.cudaProfilerStart()
+                t.step(wins)
+                rt.cudaDeviceSynchronize()
+                rt.cudaProfilerStop()
     # llama_opt_get_stats: the host's part of a step (inputs set on the host) and the eval (the graph's input
     # copies, its launch and the wait for the loss), per step
     per = {k: (s1[k] - s0[k]) / args.steps for k in ("t_build_ms", "t_alloc_ms", "t_inputs_ms", "t_eval_ms")}
     return dict(step_ms=1e3 * statistics.median(times), step_ms_all=[round(1e3 * x, 3) for x in times],
-                opt_stats_ms=per, clocks=clocks)  # fmt: skip
+                opt_stats_ms=per, clocks=clocks, **({"trace": traced} if args.trace else {}))  # fmt: skip
+
+
+def _traced_steps(t, wins, path: str, n: int = 2) -> list[dict]:
+    """n steps traced by CUPTI through torch.profiler (it records every kernel, copy and CUDA runtime call of
+    the process, ggml's included), the Chrome trace written to ``path``; per step: its wall time, the time the
+    GPU was busy (the union of kernels, copies and memsets), the idle gaps over 0.2 ms (where, and the runtime
+    call the host was in then) and the host's runtime calls by total time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            with record_function(f"step{i}"):
+                t.step(wins)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    ev = json.load(open(path))["traceEvents"]
+    steps = sorted((e for e in ev if e.get("cat") == "user_annotation" and e.get("name", "").startswith("step")),
+                   key=lambda e: e["ts"])  # fmt: skip
+    gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))  # fmt: skip
+    api = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    out = []
+    for s in steps:
+        a, b = s["ts"], s["ts"] + s["dur"]
+        busy, gaps, end = 0.0, [], a
+        for g0, g1, _ in (g for g in gpu if g[1] > a and g[0] < b):
+            g0, g1 = max(g0, a), min(g1, b)
+            if g0 - end > 200:
+                host = [x["name"] for x in api if x["ts"] <= g0 and x["ts"] + x["dur"] >= end]
+                gaps.append(dict(at_ms=round((end - a) / 1e3, 2), ms=round((g0 - end) / 1e3, 2), host=host[:3]))
+            busy += max(0.0, g1 - max(g0, end))
+            end = max(end, g1)
+        calls: dict[str, list] = {}
+        for x in (x for x in api if a <= x["ts"] < b):
+            c = calls.setdefault(x["name"], [0, 0.0])
+            c[0] += 1
+            c[1] += x["dur"] / 1e3
+        top = sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]
+        out.append(dict(wall_ms=s["dur"] / 1e3, gpu_busy_ms=busy / 1e3, tail_idle_ms=max(0.0, b - end) / 1e3,
+                        gaps=gaps, runtime_calls={k: [v[0], round(v[1], 2)] for k, v in top}))  # fmt: skip
+    return out
 
 
 def _clock_sampler():
@@ -176,10 +222,25 @@ def main() -> int:
                     help="time the profiled step's CUDA graph as one workload (ncu --graph-profiling graph): its GPU "
                          "time with the gaps between its kernels, against the step's wall time")  # fmt: skip
     ap.add_argument("--out", default=None)
+    ap.add_argument("--trace", default=None, metavar="FILE.json",
+                    help="no Nsight Compute: trace two steps with CUPTI (torch.profiler), write the Chrome trace "
+                         "to FILE and print where the GPU was idle")  # fmt: skip
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(args)))
+        return 0
+    if args.trace:
+        res = worker(args)
+        print(json.dumps({k: res[k] for k in ("step_ms", "opt_stats_ms", "clocks")}))
+        for i, st in enumerate(res["trace"]):
+            print(f"traced step {i}: wall {st['wall_ms']:.1f} ms, GPU busy {st['gpu_busy_ms']:.1f} ms, idle at the end "
+                  f"{st['tail_idle_ms']:.1f} ms, {len(st['gaps'])} gaps > 0.2 ms")  # fmt: skip
+            for g in st["gaps"][:25]:
+                print(f"  idle {g['ms']:.2f} ms at {g['at_ms']:.2f} ms (host in {g['host']})")
+            print("  runtime calls (count, ms):", st["runtime_calls"])
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(args=vars(args), result=res), indent=1))
         return 0
     ncu = shutil.which("ncu")
     if ncu is None:
