@@ -72,6 +72,34 @@ def test_graphs_are_built_once_per_shape(f32_path, wins, monkeypatch):
     assert kept[-1] < kept[0]  # and it trains
 
 
+def _kept_run(path, flash: bool) -> tuple[list[float], dict]:
+    rng = np.random.default_rng(7)
+    w = [rng.integers(3, 200, size=(2, 257), dtype=np.int32) for _ in range(6)]
+    lab = np.ascontiguousarray(w[3][:, 1:])
+    lab[:, :100] = -1  # another layout: the labelled positions differ
+    with llamabind.Model(path, use_mmap=False, n_threads=2) as m:
+        with train.Trainer(m, batch_size=2, lr=1e-3, n_threads=2, flash_attn=flash) as t:
+            out = [t.evaluate(w[0])[0], t.step(w[1])[0], t.step(w[2])[0], t.step(w[3], lab)[0]]
+            out += [t.step(w[4])[0], t.evaluate(w[0])[0], t.step(w[5])[0], t.step(w[1])[0]]
+            return out, t.stats()
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_kept_batches_train_as_rebuilt_ones(untied_f32, flash, monkeypatch):
+    """patch 0063: a training step whose windows have the last step's layout reuses its ubatch, memory
+    state and KQ mask (only the tokens are written); steps with other windows, a validation pass between
+    them (another graph allocation: the mask is written again) and a step with masked labels (another
+    layout: the full path) give the same losses, bit for bit, as with LLAMA_OPT_KEEP_BATCH=0, which
+    prepares every batch anew. Same process, same kernels on both sides."""
+    kept, st = _kept_run(untied_f32, flash)
+    monkeypatch.setenv("LLAMA_OPT_KEEP_BATCH", "0")
+    fresh, st0 = _kept_run(untied_f32, flash)
+    print(kept, st, st0)
+    assert st["n_kept_batches"] >= 3 and st0["n_kept_batches"] == 0
+    assert kept == fresh
+    assert len(set(kept[1:5])) == 4  # the windows differed: each step its own loss
+
+
 _RPC_STEPS = """
 import json, sys, numpy as np, llamabind
 from llamabind import ops, train

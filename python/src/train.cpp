@@ -350,6 +350,8 @@ static nb::dict opt_stats(Context & c) {
     d["t_alloc_ms"] = s.t_alloc_ms;
     d["t_inputs_ms"] = s.t_inputs_ms;
     d["t_eval_ms"] = s.t_eval_ms;
+    d["t_prepare_ms"] = s.t_prepare_ms;
+    d["n_kept_batches"] = s.n_kept_batches;
     return d;
 }
 

@@ -191,8 +191,11 @@ class Trainer:
     def stats(self) -> dict[str, float]:
         """Where the time went since the first step (llama_opt_get_stats, patch 0032): ``n_evals``
         (micro-batches run), ``n_graph_builds`` (forward graphs built), ``n_opt_builds``
-        (backward/optimizer graphs built), ``n_graph_allocs`` (scheduler allocations), and
-        milliseconds ``t_build_ms``, ``t_alloc_ms``, ``t_inputs_ms``, ``t_eval_ms`` (compute)."""
+        (backward/optimizer graphs built), ``n_graph_allocs`` (scheduler allocations),
+        ``n_kept_batches`` (micro-batches that reused the last one's ubatch and memory state: the same
+        layout of windows and labelled positions, patch 0063), and milliseconds ``t_prepare_ms`` (the
+        batch and memory state on the host), ``t_build_ms``, ``t_alloc_ms``, ``t_inputs_ms``,
+        ``t_eval_ms`` (compute)."""
         return self.optimizer.stats()
 
     def profile(self) -> list[dict[str, Any]]:
