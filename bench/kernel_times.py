@@ -124,7 +124,7 @@ def _traced_steps(t, wins, path: str, n: int = 2) -> list[dict]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     prof.export_chrome_trace(path)
-    ev = json.load(open(path))["traceEvents"]
+    ev = json.loads(Path(path).read_text())["traceEvents"]
     steps = sorted((e for e in ev if e.get("cat") == "user_annotation" and e.get("name", "").startswith("step")),
                    key=lambda e: e["ts"])  # fmt: skip
     gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev

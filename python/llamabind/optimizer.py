@@ -101,8 +101,9 @@ class Optimizer:
         _core.opt_set_state(self._native, as_int(iter, "iter", 1), flat)
 
     def stats(self) -> dict[str, Any]:
-        """llama_opt_get_stats (patch 0032): n_evals, n_graph_builds, n_opt_builds, n_graph_allocs,
-        and t_build_ms, t_alloc_ms, t_inputs_ms, t_eval_ms since llama_opt_init."""
+        """llama_opt_get_stats (patches 0032, 0063): n_evals, n_graph_builds, n_opt_builds, n_graph_allocs,
+        n_kept_batches (int counts) and t_prepare_ms, t_build_ms, t_alloc_ms, t_inputs_ms, t_eval_ms
+        (float milliseconds) since llama_opt_init."""
         return dict(_core.opt_stats(self._native))
 
     def profile(self) -> list[tuple[str, str, float, int]]:

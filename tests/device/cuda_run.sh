@@ -411,7 +411,8 @@ fa56)
     tests/test_qlora.py $PYTEST_ARGS -k "${LB_KERNEL_K:-flash or gradients or out_prod or many_columns}" 2>&1 \
     | tee "$OUT/fa56-kernel-tests.log" | tail -12
   echo "kernel tests in $((SECONDS - t0)) s"
-  # LB_TRAIN_K: fine-tuning tests that need no SmolLM2 (the tiny random-weight llama) on CUDA0, e.g. "kept_batches"
+  # LB_TRAIN_K: tests/test_train_graphs.py on CUDA0, e.g. "kept_batches"; even its tiny random-weight llama takes
+  # SmolLM2's tokenizer, so SmolLM2 must be joined first (.device-a's part in /tmp, then .device-b: see train42b)
   [ -n "${LB_TRAIN_K:-}" ] && LLAMABIND_REQUIRE_GPU=1 python3 -m pytest tests/test_train_graphs.py $PYTEST_ARGS \
     -k "$LB_TRAIN_K" 2>&1 | tee "$OUT/fa56-train-tests.log" | tail -6
   ;;
