@@ -35,13 +35,13 @@ SAMPLE_PARAMS = {"ROPE_BACK": "type=f32"}
 # the issue's list (RMS_NORM_BACK and SOFT_MAX_BACK: patch 0058's kernels; none at the pin)
 FULL_OPS = SAMPLE_OPS + ["MUL", "GET_ROWS", "ROPE", "MUL_MAT", "SCALE", "SILU", "GELU", "SUB", "DIV", "SUM_ROWS"]
 PROFILES = ["apple", "amd", "intel"]
-# FLASH_ATTN_EXT: head size 64 (the vec kernel patch 0004 touches and the simdgroup-matrix one), K/V F16,
-# Q8_0, Q4_0. Head size 128's vec kernel (NE = 1) gives wrong results here (ERR ~0.88) although its scores,
-# softmax, V accumulation, partials and reduction agree with references computed inside the kernel from
-# the same inputs, and the same kernel instantiated with NE = 2 passes: unresolved (the closing note).
-FA_PARAMS = r"hsk=64,hsv=64,nh=4,nr23=\[1,1\],kv=512,nb=(1|3|35).*type_K=(f16|q8_0|q4_0)"
+# FLASH_ATTN_EXT: head sizes 64 and 128 (the vec kernel patch 0004 touches, NE = 2 and NE = 1, and the
+# simdgroup-matrix one), K/V F16, Q8_0, Q4_0
+FA_PARAMS = r"hsk=(64|128),hsv=(64|128),nh=4,nr23=\[1,1\],kv=512,nb=(1|3|35).*type_K=(f16|q8_0|q4_0)"
 # the vec kernel at K head 96, V head 64 (NE = 4: the O block's zeroing, patch 0056)
 FA_VEC_PARAMS = r"hsk=96,hsv=64,nh=4,nr23=\[1,1\],kv=512,nb=(1|3),"
+# the vec kernel at head size 128 (NE = 1), F16 K/V, one query
+FA128_VEC_PARAMS = r"hsk=128,hsv=128,nh=4,nr23=\[1,1\],kv=512,nb=1,.*type_K=f16"
 
 
 def _gxx_ok() -> bool:
@@ -116,8 +116,21 @@ def test_flash_attn_ext_on_mtl0(bin_dir):
     attention only to GPUs with simdgroup matrices: "not supported" under AMD and Intel): the vec kernel
     (patch 0004's simd_max in float) and the simdgroup-matrix one agree with the CPU."""
     passed, total, out = run_op(bin_dir, "FLASH_ATTN_EXT", "apple", FA_PARAMS)
+    assert "(kernel_flash_attn_ext_vec_f16_dk128_dv128)" in out
     assert total > 0 and passed == total, out[-3000:]
     assert "(kernel_flash_attn_ext_vec_f16_dk64_dv64)" in out
+
+
+def test_flash_attn_ext_vec_head_128_runs_lane_0_last(bin_dir):
+    """The vec kernel at head size 128 (NE = 1: every lane reads all 32 scores ss[] for its V columns, then
+    lane 0, leaving the KV loop, writes S and M into ss[0..1]) agrees with the CPU: the emulator runs every
+    step between two simdgroup operations (or barriers) from the last lane to lane 0, as the lanes of a
+    GPU's lock step see it. Before rt.cpp restarted its pass after each, the lane that completed an
+    operation ran its next step first: lane 0 wrote ss[0..1] before lanes 1-31 read their scores (ERR
+    ~0.9 on every case)."""
+    passed, total, out = run_op(bin_dir, "FLASH_ATTN_EXT", "apple", FA128_VEC_PARAMS)
+    assert "(kernel_flash_attn_ext_vec_f16_dk128_dv128)" in out
+    assert total > 0 and passed == total, out[-3000:]
 
 
 def test_flash_attn_ext_vec_stays_in_its_threadgroup_memory(bin_dir):
@@ -142,6 +155,42 @@ def test_patch_0003_serial_dispatch_without_unified_memory(bin_dir):
                        text=True, env=env, cwd=bin_dir, timeout=1800)  # fmt: skip
     out = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout + p.stderr)
     assert "use concurrency    = true" in out and "FAIL" in out and p.returncode != 0, out[-2000:]
+
+
+def fa_mask_nmse(bins: Path, profile: str, fault: str) -> float | None:
+    """lb-fa-mask (tests/metal/emu/fa_mask.cpp): one FLASH_ATTN_EXT whose mask turns -INF inside a 32-key
+    block, MTL0 against the CPU under PROFILE with LB_MTL_FAULT_HALF_SIMD_MAX=FAULT: the NMSE, or None
+    where MTL0 does not offer the op."""
+    env = dict(os.environ, LB_MTL_PROFILE=profile, LB_MTL_FAULT_HALF_SIMD_MAX=fault)
+    p = subprocess.run([str(bins / "lb-fa-mask"), "MTL0"], capture_output=True, text=True, env=env, cwd=bins,
+                       timeout=600)  # fmt: skip
+    if "not supported" in p.stderr:
+        return None
+    m = re.search(r"nmse=(\S+)", p.stdout)
+    assert p.returncode == 0 and m, p.stdout + p.stderr[-2000:]
+    return float(m.group(1))
+
+
+def test_patch_0004_block_skip_under_the_rdna_fault(bin_dir, tmp_path):
+    """Patch 0004 against the fault it works around, modelled by the emulator's simd_max: over half values
+    it gives -INF when a lane holds -INF (RDNA; on under the AMD profile, and under any profile with
+    LB_MTL_FAULT_HALF_SIMD_MAX=1). The pin offers flash attention only to GPUs with simdgroup matrices, so
+    the AMD profile never runs the kernel (lb-fa-mask: not supported) and the fault is switched on under the
+    Apple profile. With the patch (the tree's kernels) the vec kernel agrees with the CPU with the fault on
+    and off; a copy of the kernels with 0004's line reverted (half simd_max of the mask) agrees with the
+    fault off and skips the block of keys 192..223 (finite and -INF lanes) with it on: NMSE ~7e-2."""
+    assert fa_mask_nmse(bin_dir, "amd", "1") is None
+    for fault in ("0", "1"):
+        assert fa_mask_nmse(bin_dir, "apple", fault) < 1e-4
+    kernels = tmp_path / "kernels"
+    shutil.copytree(VENDOR / "ggml" / "src" / "ggml-metal" / "kernels", kernels)
+    src = (kernels / "fa_vec_common.metal").read_text()
+    patched = "if (simd_max((float) sm[qq*C + tiisg]) > -MAXHALF) {"
+    assert src.count(patched) == 1
+    (kernels / "fa_vec_common.metal").write_text(src.replace(patched, "if (simd_max(sm[qq*C + tiisg]) > -MAXHALF) {"))
+    bins = build(tmp_path / "build", ["fa_aux", "fa_vec_f16"], kernel_dir=kernels)
+    assert fa_mask_nmse(bins, "apple", "0") < 1e-4
+    assert fa_mask_nmse(bins, "apple", "1") > 1e-2
 
 
 def test_patch_0005_intel_profile_runs_simdgroup_reductions(bin_dir):

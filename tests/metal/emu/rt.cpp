@@ -79,6 +79,7 @@ struct group {
     std::vector<std::vector<unsigned char>> tgmem;
     void * sched = nullptr;
     int n = 0, live = 0, tg_arrived = 0, cur = -1;
+    bool resumed = false;  // a barrier or simdgroup operation released its threads: the pass starts over
 };
 
 thread_local group * G = nullptr;
@@ -99,11 +100,13 @@ thread_local group * G = nullptr;
         for (int t = 0; t < g.n; ++t)
             if (g.f[t].st == WAIT_SG && g.f[t].pos.sgitg == me.pos.sgitg) g.f[t].st = RUNNABLE;
         s.arrived = 0;
+        g.resumed = true;
     }
     if (g.tg_arrived > 0 && g.tg_arrived == g.live) {
         for (int t = 0; t < g.n; ++t)
             if (g.f[t].st == WAIT_TG) g.f[t].st = RUNNABLE;
         g.tg_arrived = 0;
+        g.resumed = true;
     }
     void * dead;
     lb_fiber_switch(&dead, g.sched);  // never resumed
@@ -178,11 +181,15 @@ void run_group(group & g, unsigned gx, unsigned gy, unsigned gz) {
     g.tg_arrived = 0;
     // the threads run from the last to the first: a simdgroup's lanes run one after the other between
     // two simdgroup operations, where a GPU runs them in lock step, and kernels let lane 0 do the serial
-    // part of a step on data all lanes write or read in the same step (fa_vec_common.metal's reduction
-    // across simdgroups reads ss[] in every lane, then lane 0 writes it): lane 0 last keeps that order
+    // part of a step on data all lanes read in the same step (fa_vec_common.metal: every lane reads the
+    // scores ss[] for its V columns, then lane 0, leaving the loop, writes S and M into ss[0..1]). Lane 0
+    // last keeps that order in every step: the thread that completes a barrier or simdgroup operation
+    // yields too, and the pass starts over from the last thread (else that thread would run its next
+    // step first, ahead of the lanes it released)
     while (g.live > 0) {
         bool ran = false;
-        for (int k = 0; k < g.n; ++k) {
+        g.resumed = false;
+        for (int k = 0; k < g.n && !g.resumed; ++k) {
             const int t = forward_order() ? k : g.n - 1 - k;
             if (g.f[t].st != RUNNABLE) continue;
             g.cur = t;
@@ -289,6 +296,16 @@ void install_sigfpe() {
 
 }  // namespace
 
+bool half_simd_max_fault() {
+    static const bool on = [] {
+        const char * v = std::getenv("LB_MTL_FAULT_HALF_SIMD_MAX");
+        if (v && *v) return std::strcmp(v, "0") != 0;
+        const char * profile = std::getenv("LB_MTL_PROFILE");
+        return profile && std::strcmp(profile, "amd") == 0;
+    }();
+    return on;
+}
+
 const thread_pos & pos() {
     return G->f[G->cur].pos;
 }
@@ -299,6 +316,8 @@ void threadgroup_barrier() {
         for (int t = 0; t < g.n; ++t)
             if (g.f[t].st == WAIT_TG) g.f[t].st = RUNNABLE;
         g.tg_arrived = 0;
+        g.resumed = true;
+        block(RUNNABLE);  // (run_group's order from here)
         return;
     }
     block(WAIT_TG);
@@ -325,6 +344,8 @@ void simd_collective(void * mine, void (*fn)(void * const *, void *), void * ud)
         fn(ptr, ud);
         for (int t = 0; t < g.n; ++t)
             if (g.f[t].st == WAIT_SG && g.f[t].pos.sgitg == me.pos.sgitg) g.f[t].st = RUNNABLE;
+        g.resumed = true;
+        block(RUNNABLE);  // (run_group's order from here)
         return;
     }
     block(WAIT_SG);
