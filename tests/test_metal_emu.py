@@ -26,6 +26,8 @@ from conftest import ROOT, VENDOR, build_portable_wheel, new_venv, outside_env
 EMU = ROOT / "tests" / "metal" / "emu"
 FULL = os.environ.get("LLAMABIND_METAL_EMU") == "full"
 BUILD = ROOT / "build" / ("metal-emu-full" if FULL else "metal-emu")
+# every pipeline the run's dispatches compiled, "<kernel file> <kernel>" a line (LB_MTL_TRACE_FILE)
+RAN = BUILD / "ran-kernels.txt"
 
 # the sample: these kernel files, these ops (every upstream test case of each)
 SAMPLE_KERNELS = ["binbcast", "norm", "softmax", "quantize", "conv", "rope", "mul_mv", "reduce", "fa_aux", "fa_vec_f16"]
@@ -72,13 +74,16 @@ def bin_dir() -> Path:
     """The test build brought up to date: its bin/ holds test-backend-ops and libggml-metal.so."""
     if not _gxx_ok():
         pytest.skip("needs g++ >= 12 and cmake")
-    return build(BUILD, None if FULL else SAMPLE_KERNELS, llama=FULL)
+    bins = build(BUILD, None if FULL else SAMPLE_KERNELS, llama=FULL)
+    RAN.unlink(missing_ok=True)
+    return bins
 
 
 def run_op(bin_dir: Path, op: str, profile: str, params: str | None = None) -> tuple[int, int, str]:
     """test-backend-ops -b MTL0 -o OP [-p PARAMS] under PROFILE, naming the pipelines it compiles
     (LB_MTL_TRACE): (passed, total, output)."""
-    env = dict(os.environ, LB_MTL_PROFILE=profile, LB_MTL_TRACE="1", LLAMA_TEST_FA_VEC_DISABLE="1")
+    env = dict(os.environ, LB_MTL_PROFILE=profile, LB_MTL_TRACE="1", LLAMA_TEST_FA_VEC_DISABLE="1",
+               LB_MTL_TRACE_FILE=str(RAN))  # fmt: skip
     cmd = [str(bin_dir / "test-backend-ops"), "-b", "MTL0", "-o", op] + (["-p", params] if params else [])
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=bin_dir, timeout=3600)
     out = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout + p.stderr)
@@ -161,7 +166,7 @@ def fa_mask_nmse(bins: Path, profile: str, fault: str) -> float | None:
     """lb-fa-mask (tests/metal/emu/fa_mask.cpp): one FLASH_ATTN_EXT whose mask turns -INF inside a 32-key
     block, MTL0 against the CPU under PROFILE with LB_MTL_FAULT_HALF_SIMD_MAX=FAULT: the NMSE, or None
     where MTL0 does not offer the op."""
-    env = dict(os.environ, LB_MTL_PROFILE=profile, LB_MTL_FAULT_HALF_SIMD_MAX=fault)
+    env = dict(os.environ, LB_MTL_PROFILE=profile, LB_MTL_FAULT_HALF_SIMD_MAX=fault, LB_MTL_TRACE_FILE=str(RAN))
     p = subprocess.run([str(bins / "lb-fa-mask"), "MTL0"], capture_output=True, text=True, env=env, cwd=bins,
                        timeout=600)  # fmt: skip
     if "not supported" in p.stderr:
@@ -260,7 +265,7 @@ def test_llamabind_op_tests_on_mtl0(bin_dir, portable_python, profile):
     TypeError. Found patches 0060 (GROUP_NORM wrote the first batch only) and 0061 (argmax ties, -inf rows);
     runs patch 0058's RMS_NORM_BACK and SOFT_MAX_BACK inside ggml's backward graphs."""
     env = {**outside_env(), "GGML_BACKEND_PATH": str(bin_dir / "libggml-metal.so"), "LB_MTL_PROFILE": profile,
-           "LLAMABIND_TEST_BACKEND": "metal"}  # fmt: skip
+           "LLAMABIND_TEST_BACKEND": "metal", "LB_MTL_TRACE_FILE": str(RAN)}  # fmt: skip
     tests = [f"tests/{m}.py" for m in ("test_ops", "test_ops_grad", "test_ops_errors", "test_ops_backends")]
     p = subprocess.run([str(portable_python), "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)  # fmt: skip
@@ -298,7 +303,7 @@ def test_smollm2_generates_on_mtl0_as_on_the_cpu(bin_dir, model_path, tmp_path):
 
     f32 = tmp_path / "smollm2-f32.gguf"
     train.to_f32(model_path, f32)
-    env = dict(os.environ, LB_MTL_PROFILE="apple")
+    env = dict(os.environ, LB_MTL_PROFILE="apple", LB_MTL_TRACE_FILE=str(RAN))
     prompt = "The three primary colors are"
     texts, logits = [], []
     for ngl in ("0", "99"):
@@ -318,3 +323,26 @@ def test_smollm2_generates_on_mtl0_as_on_the_cpu(bin_dir, model_path, tmp_path):
     print(f"logits NMSE {nmse:.3g}")
     assert nmse < 1e-4
     assert list(np.argsort(-cpu)[:5]) == list(np.argsort(-mtl)[:5])
+
+
+# the kernel files of the issue's ops (test-backend-ops above) and of llamabind's op tests on MTL0
+MUST_RUN = ["binbcast", "conv", "fa_aux", "fa_f16", "fa_vec_f16", "mul_mm", "mul_mv", "norm", "quantize", "reduce",
+            "rope", "softmax", "unary"]  # fmt: skip
+
+
+@pytest.mark.skipif(not FULL, reason="counts what the full run's dispatches ran")
+def test_kernel_files_that_ran(bin_dir):
+    """Which of kernels/*.metal had a kernel dispatched in this full run (every test above appends the
+    pipelines it compiled to RAN): at least the files of the issue's ops and of llamabind's op tests; prints
+    the count and the files that did not run (their ops are outside both lists: see tests/metal/emu/README.md).
+    The two fragments (fa_common.metal, fa_vec_common.metal) run inside the fa_*.metal that include them."""
+    kernel_dir = VENDOR / "ggml" / "src" / "ggml-metal" / "kernels"
+    files = sorted(f.name for f in kernel_dir.glob("*.metal"))
+    lines = RAN.read_text().split("\n") if RAN.exists() else []
+    ran = {ln.split()[0] for ln in lines if ln.strip()}
+    if any(f.startswith("fa_") and f != "fa_aux.metal" and "vec" not in f for f in ran):
+        ran.add("fa_common.metal")
+    if any(f.startswith("fa_vec_") for f in ran):
+        ran.add("fa_vec_common.metal")
+    print(f"{len(ran & set(files))} of {len(files)} kernel files ran; not run: {sorted(set(files) - ran)}")
+    assert {f"{k}.metal" for k in MUST_RUN} <= ran, sorted({f"{k}.metal" for k in MUST_RUN} - ran)

@@ -250,8 +250,15 @@ struct ggml_metal_pipeline_with_params ggml_metal_library_compile_pipeline(ggml_
     }
     ggml_metal_pipelines_add(lib->pipelines, name, ppl);
     res.pipeline = ppl;
-    static const bool trace = getenv("LB_MTL_TRACE") != nullptr;  // the tests read which kernels ran
-    if (trace) fprintf(stderr, "lb_mtl: pipeline %s (%s)\n", name, base);
+    // the tests read which kernels ran: LB_MTL_TRACE on stderr, LB_MTL_TRACE_FILE appended to (kernel file, base)
+    static const bool trace = getenv("LB_MTL_TRACE") != nullptr;
+    if (trace) fprintf(stderr, "lb_mtl: pipeline %s (%s) %s\n", name, base, k->source);
+    if (const char * path = getenv("LB_MTL_TRACE_FILE")) {
+        if (FILE * f = fopen(path, "a")) {
+            fprintf(f, "%s %s\n", k->source, base);
+            fclose(f);
+        }
+    }
     return res;
 }
 

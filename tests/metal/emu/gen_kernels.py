@@ -160,8 +160,8 @@ def translate(src: str, stem: str, where: Path, ggml_metal: Path) -> str:
             f"    (void) p;\n    {call}(\n        {args});\n}}\n"
         )
     out.append("const lbrt::kernel_entry lb_entries[] = {\n")
-    out += [f'    {{"{host}", lb_thunk_{i}, lb_set_fc}},\n' for i, (host, _) in enumerate(kernels)]
-    out.append("    {nullptr, nullptr, nullptr}};\n")
+    out += [f'    {{"{host}", lb_thunk_{i}, lb_set_fc, "{stem}.metal"}},\n' for i, (host, _) in enumerate(kernels)]
+    out.append("    {nullptr, nullptr, nullptr, nullptr}};\n")
     out.append(f"lbrt::kernel_table lb_table{{lb_entries, {len(kernels)}, nullptr}};\n")
     out.append("struct lb_reg { lb_reg() { lbrt::register_table(&lb_table); } } lb_reg_;\n}  // namespace\n")
     out.append(f"}}  // namespace lb_k_{stem}\n")

@@ -74,6 +74,7 @@ struct kernel_entry {
     const char * name;
     thunk_fn thunk;
     set_fc_fn set_fc;
+    const char * source;  // the kernel file (e.g. "norm.metal")
 };
 struct kernel_table {
     const kernel_entry * entries;
