@@ -9,7 +9,8 @@ simdgroup matrices), Intel UHD 630 (no Metal3, not Apple7).
 In CI a sample: the kernel files of the sample's ops (the build is the cost: g++ on the kernels) and
 their upstream test cases. LLAMABIND_METAL_EMU=full builds every kernel file plus libllama and runs the
 issue's whole op list under the three profiles and SmolLM2 on MTL0 (`LLAMABIND_METAL_EMU=full ./dev test
-tests/test_metal_emu.py`, ~45 min on 2 cores). Needs g++ >= 12 (_Float16) and cmake."""
+tests/test_metal_emu.py`, 25 min on 2 cores with the build from ccache). Needs g++ >= 12 (_Float16) and
+cmake."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ SAMPLE_PARAMS = {"ROPE_BACK": "type=f32"}
 FULL_OPS = SAMPLE_OPS + ["MUL", "GET_ROWS", "ROPE", "MUL_MAT", "SCALE", "SILU", "GELU", "SUB", "DIV", "SUM_ROWS"]
 PROFILES = ["apple", "amd", "intel"]
 # FLASH_ATTN_EXT: head sizes 64 and 128 (the vec kernel patch 0004 touches, NE = 2 and NE = 1, and the
-# simdgroup-matrix one), K/V F16, Q8_0, Q4_0
-FA_PARAMS = r"hsk=(64|128),hsv=(64|128),nh=4,nr23=\[1,1\],kv=512,nb=(1|3|35).*type_K=(f16|q8_0|q4_0)"
+# simdgroup-matrix one), K/V of every type the vec kernels take
+FA_PARAMS = r"hsk=(64|128),hsv=(64|128),nh=4,nr23=\[1,1\],kv=512,nb=(1|3|35).*type_K=(f16|bf16|f32|q8_0|q4_.|q5_.)"
 # the vec kernel at K head 96, V head 64 (NE = 4: the O block's zeroing, patch 0056)
 FA_VEC_PARAMS = r"hsk=96,hsv=64,nh=4,nr23=\[1,1\],kv=512,nb=(1|3),"
 # the vec kernel at head size 128 (NE = 1), F16 K/V, one query
@@ -325,16 +326,41 @@ def test_smollm2_generates_on_mtl0_as_on_the_cpu(bin_dir, model_path, tmp_path):
     assert list(np.argsort(-cpu)[:5]) == list(np.argsort(-mtl)[:5])
 
 
+# ops outside the issue's list, for the kernel files only they use (Mamba, RWKV, Qwen3-Next, triangular
+# matrices), under the Apple profile; SOLVE_TRI under LB_MTL_LANE_ORDER=forward (below)
+OTHER_OPS = ["SSM_CONV", "SSM_SCAN", "RWKV_WKV6", "RWKV_WKV7", "GATED_DELTA_NET", "TRI"]
+
+
+@pytest.mark.skipif(not FULL, reason="the kernel files of these ops are built with LLAMABIND_METAL_EMU=full")
+def test_other_kernel_files_run_on_mtl0(bin_dir):
+    """Each of OTHER_OPS agrees with the CPU on MTL0 (Apple profile). SOLVE_TRI runs with the lanes first to
+    last: kernel_solve_tri_f32's lane 0 writes x[r] right after the step's simd_sum and lanes 1-31 read it
+    in the same step, which lock step orders write first; the emulator's default order (lane 0 last in
+    each step, which the flash-attention vec kernel's reads-then-write needs) fails it (ERR 1-60)."""
+    for op in OTHER_OPS:
+        passed, total, out = run_op(bin_dir, op, "apple")
+        print(f"{op}: {passed}/{total}")
+        assert total > 0 and passed == total, out[-2000:]
+    env = dict(os.environ, LB_MTL_PROFILE="apple", LB_MTL_LANE_ORDER="forward", LB_MTL_TRACE_FILE=str(RAN))
+    p = subprocess.run([str(bin_dir / "test-backend-ops"), "-b", "MTL0", "-o", "SOLVE_TRI"], capture_output=True,
+                       text=True, env=env, cwd=bin_dir, timeout=1800)  # fmt: skip
+    out = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout + p.stderr)
+    m = re.search(r"(\d+)/(\d+) tests passed", out)
+    assert p.returncode == 0 and m and m.group(1) == m.group(2) != "0", out[-2000:]
+
+
 # the kernel files of the issue's ops (test-backend-ops above) and of llamabind's op tests on MTL0
 MUST_RUN = ["binbcast", "conv", "fa_aux", "fa_f16", "fa_vec_f16", "mul_mm", "mul_mv", "norm", "quantize", "reduce",
-            "rope", "softmax", "unary"]  # fmt: skip
+            "rope", "softmax", "unary"] + ["fa_vec_f32", "fa_vec_q4_0", "fa_vec_q4_1", "fa_vec_q5_0", "fa_vec_q5_1",
+            "fa_vec_q8_0", "gated_delta_net", "solve_tri", "ssm", "tri", "wkv"]  # fmt: skip
 
 
 @pytest.mark.skipif(not FULL, reason="counts what the full run's dispatches ran")
 def test_kernel_files_that_ran(bin_dir):
     """Which of kernels/*.metal had a kernel dispatched in this full run (every test above appends the
-    pipelines it compiled to RAN): at least the files of the issue's ops and of llamabind's op tests; prints
-    the count and the files that did not run (their ops are outside both lists: see tests/metal/emu/README.md).
+    pipelines it compiled to RAN): the files of the issue's ops, of llamabind's op tests, of OTHER_OPS and
+    every vec flash-attention file; prints the count and the files that did not run (tests/metal/emu/README.md
+    says why).
     The two fragments (fa_common.metal, fa_vec_common.metal) run inside the fa_*.metal that include them."""
     kernel_dir = VENDOR / "ggml" / "src" / "ggml-metal" / "kernels"
     files = sorted(f.name for f in kernel_dir.glob("*.metal"))
