@@ -40,6 +40,7 @@ struct lb_profile {
     std::vector<int> families;
     size_t max_tg_mem;
     enum ggml_metal_device_id id;
+    bool half_simd_max_fault;  // RDNA's (patch 0004): lbrt::half_simd_max_fault()
 };
 
 static const lb_profile lb_profiles[] = {
@@ -49,14 +50,22 @@ static const lb_profile lb_profiles[] = {
       { 1001, 1002, 1003, 1004, 1005, MTLGPUFamilyApple6, MTLGPUFamilyApple7, 1008, MTLGPUFamilyMac2,
         MTLGPUFamilyMetal3_GGML },
       32768,
-      GGML_METAL_DEVICE_M2_MAX },
+      GGML_METAL_DEVICE_M2_MAX,
+      false },
     { "amd",
       "AMD Radeon Pro 5300M (emulated)",
       false,
       { MTLGPUFamilyMac2, MTLGPUFamilyMetal3_GGML },
       65536,
-      GGML_METAL_DEVICE_GENERIC },
-    { "intel", "Intel(R) UHD Graphics 630 (emulated)", true, { MTLGPUFamilyMac2 }, 65536, GGML_METAL_DEVICE_GENERIC },
+      GGML_METAL_DEVICE_GENERIC,
+      true },
+    { "intel",
+      "Intel(R) UHD Graphics 630 (emulated)",
+      true,
+      { MTLGPUFamilyMac2 },
+      65536,
+      GGML_METAL_DEVICE_GENERIC,
+      false },
 };
 
 static const lb_profile & lb_current_profile() {
@@ -311,6 +320,9 @@ const char * ggml_metal_device_id_token(enum ggml_metal_device_id id) {
 ggml_metal_device_t ggml_metal_device_init(int device, int n_devices) {
     auto * dev = new ggml_metal_device();
     dev->profile = &lb_current_profile();
+    // the profile's GPU faults; LB_MTL_FAULT_HALF_SIMD_MAX=1/0 switches RDNA's on/off under any profile
+    const char * fault = getenv("LB_MTL_FAULT_HALF_SIMD_MAX");
+    lbrt::set_half_simd_max_fault(fault && *fault ? strcmp(fault, "0") != 0 : dev->profile->half_simd_max_fault);
     dev->props.device = device;
     dev->props.device_phys = 0;
     dev->props.device_virt = device;

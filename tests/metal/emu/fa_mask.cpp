@@ -6,7 +6,6 @@
 // F32 precision; inputs from a fixed seed.
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
-#include "ggml-cpu.h"
 
 #include <cmath>
 #include <cstdio>

@@ -296,14 +296,16 @@ void install_sigfpe() {
 
 }  // namespace
 
+namespace {
+bool g_half_simd_max_fault = false;  // set by the device's init, before any dispatch
+}  // namespace
+
+void set_half_simd_max_fault(bool on) {
+    g_half_simd_max_fault = on;
+}
+
 bool half_simd_max_fault() {
-    static const bool on = [] {
-        const char * v = std::getenv("LB_MTL_FAULT_HALF_SIMD_MAX");
-        if (v && *v) return std::strcmp(v, "0") != 0;
-        const char * profile = std::getenv("LB_MTL_PROFILE");
-        return profile && std::strcmp(profile, "amd") == 0;
-    }();
-    return on;
+    return g_half_simd_max_fault;
 }
 
 const thread_pos & pos() {

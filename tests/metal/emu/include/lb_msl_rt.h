@@ -12,8 +12,9 @@ namespace lbrt {
 // the current thread's barriers and simdgroup operations (msl: threadgroup_barrier, simd_*)
 void threadgroup_barrier();
 // The hardware fault patch 0004 works around, modelled: simd_max over half values is -INF on RDNA when a
-// lane holds -INF. On under the AMD profile (an RDNA GPU), and under any profile with
-// LB_MTL_FAULT_HALF_SIMD_MAX=1 (=0: off): at the pin only the Apple profile is offered the kernel it hits.
+// lane holds -INF. device.cpp sets it from the profile (on for the AMD one, an RDNA GPU) or
+// LB_MTL_FAULT_HALF_SIMD_MAX=1/0: at the pin only the Apple profile is offered the kernel it hits.
+void set_half_simd_max_fault(bool on);
 bool half_simd_max_fault();
 // Runs fn(lanes, ud) once every active lane of the caller's simdgroup has called, with lanes[i] = the
 // `mine` of lane i (nullptr for lanes that have returned); then all of them go on.
