@@ -128,12 +128,28 @@ def test_gpu_gradients_match_cpu(device, name, f, x):
     ],
     ids=["window", "gqa-d128", "f16-ragged"],
 )
-def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv):
-    """Patch 0051: FLASH_ATTN_BACK on the device (CUDA: BF16 tensor-core operands, F32 accumulation)
-    against the CPU's F32 kernel (patch 0050), dq, dk and dv under a causal mask. NMSE limit 1e-4:
-    BF16 rounds each operand to 8 significant bits (relative error 2^-9); the sums of a few hundred
-    such products keep the error of each output near 1e-3 relative, NMSE ~1e-5 (measured on an
-    H100: 0.9-2.2e-5); a wrong tile or index is O(1)."""
+@pytest.mark.parametrize("dq_order", ["atomic", "fixed"])
+def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv, dq_order, monkeypatch):
+    """Patches 0051 and 0065: FLASH_ATTN_BACK on the device (CUDA: BF16 tensor-core operands, F32
+    accumulation) against the CPU's F32 kernel (patch 0050), dq, dk and dv under a causal mask, with dQ
+    summed both ways CUDA has: added by atomics in the dK/dV kernel (the default) and in a fixed order
+    by a second sweep (GGML_CUDA_FA_BACK_DETERMINISTIC=1). NMSE limit 1e-4: BF16 rounds each operand to
+    8 significant bits (relative error 2^-9); the sums of a few hundred such products keep the error of
+    each output near 1e-3 relative, NMSE ~1e-5 (measured on an H100: 0.9-2.2e-5); a wrong tile or index
+    is O(1)."""
+    if dq_order == "fixed":
+        if not device.startswith("CUDA"):
+            pytest.skip("the fixed-order dQ is CUDA's setting")
+        monkeypatch.setenv("GGML_CUDA_FA_BACK_DETERMINISTIC", "1")
+    got, want = _flash_attention_gradients(device, b, h, hk, n, m, d, kv)
+    for name, g, r in zip("qkv", got, want):
+        e = ops.nmse(g, r)
+        print(f"d{name}: NMSE {e:.2e}")
+        assert e < 1e-4, f"d{name} on {device}: NMSE {e:.3g}"
+
+
+def _flash_attention_gradients(device, b, h, hk, n, m, d, kv, cpu=True):
+    """dq, dk, dv of sum(flash_attn_ext(q, k, v, causal mask) * w) on device (and on the CPU, or None)."""
     rng = np.random.default_rng(n + m + d)
     q = rng.standard_normal((b, h, n, d)).astype(np.float32)
     k, v = (rng.standard_normal((b, hk, m, d)).astype(kv) for _ in range(2))
@@ -149,11 +165,22 @@ def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv):
         got = ops.grad(loss, argnums=(0, 1, 2), backend=device)(*args)
     except TypeError as err:  # no backward for this on the device: a clear error, never a crash
         pytest.skip(str(err))
-    want = ops.grad(loss, argnums=(0, 1, 2), backend="cpu")(*args)
-    for name, g, r in zip("qkv", got, want):
-        e = ops.nmse(g, r)
-        print(f"d{name}: NMSE {e:.2e}")
-        assert e < 1e-4, f"d{name} on {device}: NMSE {e:.3g}"
+    return got, ops.grad(loss, argnums=(0, 1, 2), backend="cpu")(*args) if cpu else None
+
+
+@pytest.mark.parametrize("device", [g for g in GPUS if g.startswith("CUDA")] or ["CUDA0"])
+def test_gpu_flash_attention_fixed_order_is_deterministic(device, monkeypatch):
+    """Patch 0065 (CUDA): with GGML_CUDA_FA_BACK_DETERMINISTIC=1 each gradient element is summed by one
+    warp in a fixed order, so two runs give the same bits (the default adds dQ's parts by atomics, in
+    whatever order the blocks reach them). Two sequences of 300 rows, grouped-query heads: 5 key blocks
+    add to each query block's dQ."""
+    if device not in GPUS:
+        pytest.skip(f"no {device}")
+    monkeypatch.setenv("GGML_CUDA_FA_BACK_DETERMINISTIC", "1")
+    first, _ = _flash_attention_gradients(device, 2, 8, 2, 300, 300, 64, np.float32, cpu=False)
+    again, _ = _flash_attention_gradients(device, 2, 8, 2, 300, 300, 64, np.float32, cpu=False)
+    for name, a, b in zip("qkv", first, again):
+        np.testing.assert_array_equal(a, b, err_msg=f"d{name}")
 
 
 @pytest.mark.parametrize("device", GPUS)
