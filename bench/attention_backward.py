@@ -1,4 +1,4 @@
-"""Flash attention's backward alone, llamabind (ggml's FLASH_ATTN_BACK, patches 0050/0051) beside PyTorch's
+"""Flash attention's backward alone, llamabind (ggml's FLASH_ATTN_BACK, patches 0050, 0051 and 0065) beside PyTorch's
 scaled_dot_product_attention (bf16, its flash backward) at one training shape: the kernel-level ratio behind
 bench/train.py's long-context rows (issue 56).
 

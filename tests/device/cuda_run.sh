@@ -48,7 +48,7 @@
 #         1B llamas in /tmp/lb-models, then the new kernels on CUDA0 (FLASH_ATTN_BACK against the CPU, the
 #         gradient compositions, out_prod and the BF16 GEMM of quantized weights).
 # fa56ncu: (after fa56, or alone: it builds) FLASH_ATTN_BACK's kernels under Nsight Compute and SDPA's bf16 backward
-#         beside them (bench/attention_backward.py; LB_PIPES, LB_ATTN_ARGS).
+#         beside them (bench/attention_backward.py; LB_FA_DET, LB_PIPES, LB_ATTN_ARGS).
 # fa56kernels: (after fa56) one 1B training step's kernels timed by Nsight Compute (bench/kernel_times.py);
 #         LB_KT_GRAPH=1: its CUDA graph too, as one workload, beside the host's part and the SM clock.
 # fa56profile: (after fa56) bench/train_profile.py on the 1B: LB_MODES (default now,bf16: F32 products with composed
@@ -428,13 +428,18 @@ fa56ncu)
   # issue 56 (after the build; LB_NO_TOOLS=1): FLASH_ATTN_BACK's kernels under Nsight Compute (duration, SM and memory
   # throughput, occupancy, warp stalls) with and without cp.async pipelining, and PyTorch SDPA's bf16 backward at the
   # same shape (bench/attention_backward.py, default 4 x 32 (8) x 2048 x 64)
+  # LB_FA_DET (default "0 1"): GGML_CUDA_FA_BACK_DETERMINISTIC, dQ by atomics in the dK/dV kernel (0, patch 0065) or
+  # the fixed-order pair (1); LB_PIPES (default "1 0"): GGML_CUDA_FA_BACK_PIPE
   python3 bench/attention_backward.py ${LB_ATTN_ARGS:-} --out "$OUT/attention-backward.json" 2>&1 | tee "$OUT/attention-backward.txt"
+  for det in ${LB_FA_DET:-0 1}; do
   for p in ${LB_PIPES:-1 0}; do
-    GGML_CUDA_FA_BACK_PIPE=$p ncu -k regex:fa_back_mma --launch-count 2 --section SpeedOfLight --section Occupancy \
-      --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      python3 bench/attention_backward.py ${LB_ATTN_ARGS:-} --runners llamabind --reps 1 > "$OUT/ncu-pipe$p.txt" 2>&1
-    echo "GGML_CUDA_FA_BACK_PIPE=$p"
-    grep -E "fa_back_mma|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|Block Limit (Reg|Shared)|Stall" "$OUT/ncu-pipe$p.txt" | head -40
+    GGML_CUDA_FA_BACK_DETERMINISTIC=$det GGML_CUDA_FA_BACK_PIPE=$p ncu -k regex:fa_back_mma --launch-count 2 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      python3 bench/attention_backward.py ${LB_ATTN_ARGS:-} --runners llamabind --reps 1 > "$OUT/ncu-det$det-pipe$p.txt" 2>&1
+    echo "GGML_CUDA_FA_BACK_DETERMINISTIC=$det GGML_CUDA_FA_BACK_PIPE=$p"
+    grep -E "fa_back_mma|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|Block Limit (Reg|Shared)|Stall" "$OUT/ncu-det$det-pipe$p.txt" | head -40
+  done
   done
   ;;
 fa56kernels)
