@@ -70,7 +70,7 @@ def worker_llamabind(args) -> dict:
             m, text, ctx_size=args.ctx, lr=LR_LORA if lora else LR_FULL, val_split=0.1, progress=False,
             n_threads=args.threads, lora_rank=RANK if lora else None, shuffle=False, batch_size=args.batch,
             iters=args.steps, on_step=lambda step, loss: times.append(time.perf_counter()),
-            precision=args.worker_precision, flash_attn=flash,
+            precision=args.worker_precision, flash_attn=flash, gradient_checkpointing=args.worker_gc,
         )  # fmt: skip
     e = r.epochs[-1]
     tok_per_step = args.batch * args.ctx
@@ -230,7 +230,8 @@ def main() -> int:
         "--runners",
         default="full,lora,qlora,finetune",
         help="full, lora, lora-f16, lora-bf16, qlora (the defaults: precision bf16, flash attention on a GPU), "
-        "full-f32, lora-f32, qlora-f32 (F32 products, composed attention), finetune",
+        "full-f32, lora-f32, qlora-f32 (F32 products, composed attention), full-gc, lora-gc, qlora-gc (recomputed "
+        "activations: gradient checkpointing), finetune",
     )
     ap.add_argument("--torch", default=None, help="python with torch + transformers (+ peft for the LoRA row)")
     ap.add_argument("--torch-device", default="cpu")
@@ -247,6 +248,7 @@ def main() -> int:
     ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-precision", default="bf16", help=argparse.SUPPRESS)
     ap.add_argument("--worker-flash", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-gc", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         args.mode, args.ctx, args.batch = args.worker, args.worker_ctx, args.worker_batch
@@ -276,10 +278,11 @@ def main() -> int:
         doc = (ROOT / "vendor/llama.cpp/docs/build.md").read_text(encoding="utf-8")
         data.write_text((doc * (args.chars // len(doc) + 1))[: args.chars])
 
-        def ours(mode: str, model: Path, ctx: int, batch: int, f32: bool = False) -> dict:
+        def ours(mode: str, model: Path, ctx: int, batch: int, f32: bool = False, gc: bool = False) -> dict:
             cmd = [sys.executable, __file__, "--worker", mode, "--model", str(model), "--data", str(data)]
             if f32:  # the F32 products and composed attention (before issue 56), for the same run's ratio
                 cmd += ["--worker-precision", "f32", "--worker-flash", "off"]
+            cmd += ["--worker-gc"] if gc else []
             cmd += ["--threads", str(args.threads), "--worker-ctx", str(ctx), "-ngl", str(args.ngl)]
             cmd += ["--worker-batch", str(batch)] + (["--steps", str(args.steps)] if args.steps else [])
             try:
@@ -304,12 +307,15 @@ def main() -> int:
                 base["lora-bf16"] = ("lora", half.get("lora-bf16"), f"LoRA r{RANK} (BF16 base)")
                 base["qlora"] = ("lora", quant, f"QLoRA r{RANK} ({qtype} base)")
                 for r in runners:
+                    gc_run = r.endswith("-gc")  # full-gc, lora-gc, qlora-gc: recomputed activations
+                    r = r.removesuffix("-gc")
                     f32_run = r.endswith("-f32")  # full-f32, lora-f32, qlora-f32: F32 products, no flash attention
                     if r.removesuffix("-f32") in base:
                         mode, path, what = base[r.removesuffix("-f32")]
                         what += " f32, composed attention" if f32_run else ""
+                        what += " recomputed activations" if gc_run else ""
                         rows[f"llamabind {what}, ctx {ctx}, batch {b}"] = {
-                            **ours(mode, path, ctx, b, f32_run),
+                            **ours(mode, path, ctx, b, f32_run, gc_run),
                             "fpt": fpt[mode == "lora"],
                         }
             if args.torch:

@@ -155,8 +155,9 @@ def test_bad_input_is_a_clear_error(model_path, f32_path, text, tmp_path):
 
 def test_cli_finetune(tiny_q8, text, tmp_path):
     """`python -m llamabind finetune`: a full fine-tune of a quantized model (converted to F32 first)
-    and a LoRA, their output files, the exit status 2 and message of bad arguments; on the tiny
-    random-weight model (the CLI's plumbing: what trains is train.finetune, tested above)."""
+    and a LoRA (with --gradient-checkpointing), their output files, the exit status 2 and message of bad
+    arguments; on the tiny random-weight model (the CLI's plumbing: what trains is train.finetune, tested
+    above; recomputation: tests/test_train_graphs.py)."""
     model_path = tiny_q8
     data = tmp_path / "data.txt"
     data.write_text(text[:4000], encoding="utf-8")
@@ -179,7 +180,7 @@ def test_cli_finetune(tiny_q8, text, tmp_path):
     lora = tmp_path / "lora.gguf"
     p = subprocess.run(
         [*cmd[:-1], str(lora), "--lora-rank", "4", "--lora-targets", "attn_v", "--val-split", "0.25", "--no-progress"]
-        + ["--batch", "3"],
+        + ["--batch", "3", "--gradient-checkpointing"],
         capture_output=True,
         text=True,
         timeout=900,

@@ -36,7 +36,7 @@ def test_training_args_accept_or_name_the_field(settings_):
         assert any(name in str(e) for name in settings_) or "batch_size" in str(e), (settings_, e)
         return
     assert a.checked() == a
-    for name in ("shuffle", "train_embeddings", "progress"):
+    for name in ("shuffle", "train_embeddings", "progress", "gradient_checkpointing"):
         assert isinstance(getattr(a, name), bool)
     for name in ("ctx_size", "batch_size", "grad_accum", "epochs", "seed", "warmup"):
         assert isinstance(getattr(a, name), int) and not isinstance(getattr(a, name), bool)

@@ -244,6 +244,44 @@ def test_flash_attention_trains_without_an_attention_matrix(untied_f32):
     np.testing.assert_allclose(losses[True][1], losses[False][1], rtol=1e-4)
 
 
+def _recompute_run(path, flash: bool, recompute: bool, out) -> tuple[list[float], dict, dict]:
+    w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
+    with llamabind.Model(path, use_mmap=False, n_threads=2) as m:
+        kw = dict(flash_attn=flash, gradient_checkpointing=recompute, lr=1e-3, profile=True, n_threads=2)
+        with train.Trainer(m, batch_size=2, **kw) as t:
+            losses = [t.step(w)[0] for _ in range(3)]
+            ops_of = {(r["phase"], r["op"]): r["nodes"] for r in t.profile()}
+            stats = t.stats()
+        m.save(out)
+    return losses, ops_of, stats
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_recomputed_activations_train_the_same_weights(untied_f32, flash, tmp_path):
+    """Patch 0066: with gradient_checkpointing the backward pass reads recomputed copies of each layer's
+    forward nodes, only the layers' outputs kept from the forward pass: the profile's backward phase holds
+    6 of every layer's 7 weight products again (not ffn_down: its output only joins the residual stream, whose
+    gradient needs no forward value) and its attention (FLASH_ATTN_EXT, or the composed attention's KQ and KQV
+    products), the graphs' compute buffer is smaller,
+    and three steps' losses and the trained weights equal the run that keeps the activations bit for bit
+    (the same CPU kernels recompute the same values in the same order)."""
+    kept = _recompute_run(untied_f32, flash, False, tmp_path / "kept.gguf")
+    again = _recompute_run(untied_f32, flash, True, tmp_path / "recomputed.gguf")
+    print(kept[0], again[0], kept[2]["compute_buffer_bytes"], again[2]["compute_buffer_bytes"])
+    assert again[0] == kept[0]
+    assert kept[0][2] < kept[0][0]  # and it trains
+    a, b = gguf_tensors.read(tmp_path / "kept.gguf"), gguf_tensors.read(tmp_path / "recomputed.gguf")
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(np.asarray(b[name].data), np.asarray(a[name].data), err_msg=name)
+    n_layer, steps = 2, 3
+    ops = ("MUL_MAT", "FLASH_ATTN_EXT")
+    extra = {op: again[1].get(("backward", op), 0) - kept[1].get(("backward", op), 0) for op in ops}
+    assert extra["MUL_MAT"] == (6 if flash else 8) * n_layer * steps, extra
+    assert extra["FLASH_ATTN_EXT"] == (n_layer * steps if flash else 0), extra
+    assert again[2]["compute_buffer_bytes"] < kept[2]["compute_buffer_bytes"]
+
+
 _STEPS = """
 import sys, numpy as np, llamabind
 from llamabind import train

@@ -26,7 +26,9 @@ class Optimizer:
     ValueError/TypeError for bad arguments or a context that is not a training one. ``loss``:
     ``"cross_entropy"`` (next-token), or ``"dpo"`` / ``"orpo"``: a preference loss over windows that
     alternate a pair's chosen and rejected answer (an even n_seq_max; llama_opt_params.build_loss, patch
-    0054), ``beta`` > 0 DPO's beta or ORPO's lambda."""
+    0054), ``beta`` > 0 DPO's beta or ORPO's lambda. ``recompute``: gradient checkpointing, only the layers'
+    outputs kept for the backward pass, the rest recomputed there (llama_opt_params.recompute_activations,
+    patch 0066)."""
 
     def __init__(
         self,
@@ -40,12 +42,14 @@ class Optimizer:
         precision: str = "f32",
         loss: str = "cross_entropy",
         beta: float = 0.1,
+        recompute: bool = False,
     ):
         self.context = context
         self._native = context._llama_context
         _core.opt_init(
             self._native, optimizer, as_float(lr, "lr"), as_float(weight_decay, "weight_decay"), params,
             as_int(grad_accum, "grad_accum", 1), bool(embeddings), precision, loss, as_float(beta, "beta"),
+            bool(recompute),
         )  # fmt: skip
 
     def eval(
@@ -101,9 +105,10 @@ class Optimizer:
         _core.opt_set_state(self._native, as_int(iter, "iter", 1), flat)
 
     def stats(self) -> dict[str, Any]:
-        """llama_opt_get_stats (patches 0032, 0063): n_evals, n_graph_builds, n_opt_builds, n_graph_allocs,
-        n_kept_batches (int counts) and t_prepare_ms, t_build_ms, t_alloc_ms, t_inputs_ms, t_eval_ms
-        (float milliseconds) since llama_opt_init."""
+        """llama_opt_get_stats (patches 0032, 0063, 0066): n_evals, n_graph_builds, n_opt_builds, n_graph_allocs,
+        n_kept_batches (int counts), t_prepare_ms, t_build_ms, t_alloc_ms, t_inputs_ms, t_eval_ms
+        (float milliseconds) since llama_opt_init, and compute_buffer_bytes (int: the largest of the
+        graphs' compute buffers, summed over the backends)."""
         return dict(_core.opt_stats(self._native))
 
     def profile(self) -> list[tuple[str, str, float, int]]:

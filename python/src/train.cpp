@@ -115,7 +115,7 @@ static bool all_but_token_embd(const ggml_tensor * t, void *) {
 // the adapters' are flagged here (ggml_set_param) before it, which is all ggml's backward pass looks at.
 static void opt_init(Context & c, const std::string & optimizer, float lr, float wd, const std::string & params,
                      int grad_accum, bool embeddings, const std::string & precision, const std::string & loss,
-                     float beta) {
+                     float beta, bool recompute) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (c.train) raise_value("opt_init was already called on this context (llama_opt_init runs once)");
@@ -175,6 +175,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     p.n_grad_accum = (uint32_t) grad_accum;  // patch 0025: ggml-opt's opt_period
     // patch 0052: products of F32 tensors in BF16 where the backend can (ggml-cuda, patch 0051)
     p.prec_products = precision == "bf16" ? GGML_PREC_BF16 : GGML_PREC_UNDEFINED;
+    // patch 0066: gradient checkpointing, only the layers' outputs kept for the backward pass
+    p.recompute_activations = recompute;
     if (st->pref) {  // patch 0054: the loss of each ubatch's pairs of sequences
         p.build_loss = pref_build_loss;
         p.build_loss_ud = st->pref.get();
@@ -352,6 +354,7 @@ static nb::dict opt_stats(Context & c) {
     d["t_eval_ms"] = s.t_eval_ms;
     d["t_prepare_ms"] = s.t_prepare_ms;
     d["n_kept_batches"] = s.n_kept_batches;
+    d["compute_buffer_bytes"] = s.compute_buffer_bytes;  // patch 0066
     return d;
 }
 
@@ -536,13 +539,16 @@ void register_train(nb::module_ & m) {
     m.def("opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
           nb::arg("params") = "model", nb::arg("grad_accum") = 1, nb::arg("embeddings") = true,
           nb::arg("precision") = "f32", nb::arg("loss") = "cross_entropy", nb::arg("beta") = 0.1f,
+          nb::arg("recompute") = false,
           "llama_opt_init on a training context, ggml-opt's AdamW or SGD. params 'model': every F32 weight "
           "(llama_opt_param_filter_all; token_embd unless embeddings is false, patch 0033); 'lora': only the A/B "
           "tensors of the adapters applied to the context. grad_accum: opt_steps per optimizer step (their "
           "gradients averaged; llama_opt_params.n_grad_accum, patch 0025). precision 'bf16': products of F32 "
           "tensors in BF16 with F32 accumulation where the backend has them (llama_opt_params.prec_products, "
           "patch 0052); 'f32': F32. loss 'dpo' or 'orpo' (beta: DPO's beta, ORPO's lambda): a preference loss over "
-          "windows that alternate chosen, rejected (llama_opt_params.build_loss, patch 0054).");
+          "windows that alternate chosen, rejected (llama_opt_params.build_loss, patch 0054). recompute: keep only "
+          "the layers' outputs for the backward pass, recompute the rest (llama_opt_params.recompute_activations, "
+          "patch 0066).");
     m.def("lora_write", &lora_write, nb::arg("path"), nb::arg("arch"), nb::arg("alpha"), nb::arg("tensors"),
           "Write a LoRA adapter GGUF: [(name, float32 (rows, cols))], names ending .lora_a / .lora_b.");
     m.def("lora_save", &lora_save, nb::arg("adapter"), nb::arg("path"),

@@ -115,6 +115,7 @@ def _training_args(args, ckpt_dir):
         lora_targets=tuple(args.lora_targets.split(",")), lr_schedule=args.lr_schedule, warmup=args.warmup,
         min_lr=args.min_lr, steps_per_eval=args.steps_per_eval, steps_per_report=args.steps_per_report, log=args.log,
         checkpoint_dir=ckpt_dir, save_every=args.save_every, precision=precision, flash_attn=flash,
+        gradient_checkpointing=args.gradient_checkpointing,
     )  # fmt: skip
 
 
@@ -294,6 +295,11 @@ def _finetune_parser(sub) -> None:
         default="auto",
         help="flash attention in training, with its backward pass: auto (on when the model runs on a GPU), on, "
         "off (default: auto)",
+    )
+    f.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each layer's activations in the backward pass: less memory, one more forward pass",
     )
     add_threads(f)
     f.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")

@@ -82,6 +82,9 @@ class TrainingArgs:
             output layer is on a GPU, off on the CPU; True asks for it anywhere (llama.cpp turns it
             off, with a log line, where a layer's device has no backward pass); False: composed
             attention (KQ, soft_max, KQV).
+        gradient_checkpointing: recompute each layer's activations in the backward pass instead of
+            keeping them from the forward pass (patch 0066): only the layers' outputs stay in memory,
+            for one more forward pass's compute (PyTorch's / transformers' gradient checkpointing).
         steps_per_eval: also validate every N steps.
         steps_per_report: print step, loss, lr, tokens/s and ETA to stderr every N steps.
         log: a JSONL file, one object per step and per validation.
@@ -111,6 +114,7 @@ class TrainingArgs:
     lora_targets: Sequence[str] = field(default=("attn_q", "attn_v"))
     precision: str | None = None
     flash_attn: bool | None = None
+    gradient_checkpointing: bool = False
     steps_per_eval: int | None = None
     steps_per_report: int | None = None
     log: str | os.PathLike | None = None
@@ -193,6 +197,7 @@ class TrainingArgs:
             val_split=as_float(self.val_split, "val_split", 0.0, 0.9),
             seed=as_int(self.seed, "seed", 0),
             shuffle=_bool(self.shuffle, "shuffle"),
+            gradient_checkpointing=_bool(self.gradient_checkpointing, "gradient_checkpointing"),
             train_embeddings=_bool(self.train_embeddings, "train_embeddings"),
             lora_rank=rank,
             lora_alpha=alpha,

@@ -110,7 +110,7 @@ class Trainer:
                 self.context.set_lora(adapter, 1.0)
             self.optimizer = Optimizer(
                 self.context, a.optimizer, a.lr, a.weight_decay, params, self.grad_accum, a.train_embeddings,
-                a.precision or ("bf16" if model.output_offloaded else "f32"), loss, beta,
+                a.precision or ("bf16" if model.output_offloaded else "f32"), loss, beta, a.gradient_checkpointing,
             )  # fmt: skip
         except BaseException:
             self.context.close()
@@ -195,7 +195,8 @@ class Trainer:
         ``n_kept_batches`` (micro-batches that reused the last one's ubatch and memory state: the same
         layout of windows and labelled positions, patch 0063), and milliseconds ``t_prepare_ms`` (the
         batch and memory state on the host), ``t_build_ms``, ``t_alloc_ms``, ``t_inputs_ms``,
-        ``t_eval_ms`` (compute)."""
+        ``t_eval_ms`` (compute); ``compute_buffer_bytes``: the largest of the graphs' compute buffers
+        (activations and the backward pass's temporaries, summed over the backends; patch 0066)."""
         return self.optimizer.stats()
 
     def profile(self) -> list[dict[str, Any]]:
