@@ -128,12 +128,14 @@ def test_gpu_gradients_match_cpu(device, name, f, x):
     ],
     ids=["window", "gqa-d128", "f16-ragged"],
 )
-@pytest.mark.parametrize("dq_order", ["atomic", "fixed"])
+@pytest.mark.parametrize("dq_order", ["atomic", "atomic-per-kv-head", "fixed"])
 def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv, dq_order, monkeypatch):
-    """Patches 0051 and 0065: FLASH_ATTN_BACK on the device (CUDA: BF16 tensor-core operands, F32
+    """Patches 0051, 0065 and 0067: FLASH_ATTN_BACK on the device (CUDA: BF16 tensor-core operands, F32
     accumulation) against the CPU's F32 kernel (patch 0050), dq, dk and dv under a causal mask, with dQ
-    summed both ways CUDA has: added by atomics in the dK/dV kernel (the default) and in a fixed order
-    by a second sweep (GGML_CUDA_FA_BACK_DETERMINISTIC=1). NMSE limit 1e-4: BF16 rounds each operand to
+    summed each way CUDA has: added by atomics in the dK/dV kernel, whose blocks take one query head each
+    and add dK and dV by atomics too (the default), or one K/V head each (GGML_CUDA_FA_BACK_SPLIT=0; the
+    same where h == hk), and in a fixed order by a second sweep (GGML_CUDA_FA_BACK_DETERMINISTIC=1).
+    NMSE limit 1e-4: BF16 rounds each operand to
     8 significant bits (relative error 2^-9); the sums of a few hundred such products keep the error of
     each output near 1e-3 relative, NMSE ~1e-5 (measured on an H100: 0.9-2.2e-5); a wrong tile or index
     is O(1)."""
@@ -141,6 +143,10 @@ def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv, 
         if not device.startswith("CUDA"):
             pytest.skip("the fixed-order dQ is CUDA's setting")
         monkeypatch.setenv("GGML_CUDA_FA_BACK_DETERMINISTIC", "1")
+    if dq_order == "atomic-per-kv-head":
+        if not device.startswith("CUDA") or h == hk:
+            pytest.skip("a CUDA setting for grouped-query heads")
+        monkeypatch.setenv("GGML_CUDA_FA_BACK_SPLIT", "0")
     got, want = _flash_attention_gradients(device, b, h, hk, n, m, d, kv)
     for name, g, r in zip("qkv", got, want):
         e = ops.nmse(g, r)
