@@ -134,6 +134,8 @@ torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
 torch.backends.cudnn.allow_tf32 = prec == "tf32"
 p = Path(cfg["model"])
 m = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).to(dev).train()
+if cfg.get("gc"):  # each decoder layer's activations recomputed in the backward pass
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 if cfg["lora"]:
     from peft import LoraConfig, get_peft_model
     m = get_peft_model(m, LoraConfig(r=cfg["rank"], lora_alpha=2 * cfg["rank"], lora_dropout=0.0,
@@ -239,7 +241,8 @@ def main() -> int:
         "--torch-runs",
         default="f32",
         help="f32, tf32, bf16 (full fine-tunes; bf16: autocast, SDPA's flash attention), lora (peft, f32), "
-        "lora-tf32, lora-bf16 (peft under bf16 autocast)",
+        "lora-tf32, lora-bf16 (peft under bf16 autocast); a -gc suffix (bf16-gc, lora-bf16-gc): transformers' "
+        "gradient checkpointing",
     )
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=["full", "lora"], default=None, help=argparse.SUPPRESS)
@@ -322,19 +325,21 @@ def main() -> int:
                 with llamabind.Model(f32, vocab_only=True) as v:
                     win = train.windows(v.tokenize(data.read_text(encoding="utf-8"), add_special=True), ctx)
                 n_train = int(len(win) * 0.9)
-                for run in args.torch_runs.split(","):
+                for run_gc in args.torch_runs.split(","):
+                    run = run_gc.removesuffix("-gc")
                     for b in batches:
                         lora = run.startswith("lora")
                         steps = args.steps or -(-n_train // b)
                         cfg = dict(model=str(f32), threads=args.threads, lr=LR_LORA if lora else LR_FULL, lora=lora,
                                    rank=RANK, windows=win.tolist(), n_train=n_train, batch=b, steps=steps,
-                                   device=args.torch_device, precision=run[5:] or "f32" if lora else run)  # fmt: skip
+                                   device=args.torch_device, precision=run[5:] or "f32" if lora else run,
+                                   gc=run_gc != run)  # fmt: skip
                         job = tmpd / "torch-job.json"  # the windows: too long for a command line
                         job.write_text(json.dumps(cfg))
                         name = f"PyTorch {args.torch_device} " + (
                             f"LoRA r{RANK} (peft, {cfg['precision']})" if lora else f"full {run}"
                         )
-                        name += f", ctx {ctx}, batch {b}"
+                        name += (" gradient checkpointing" if run_gc != run else "") + f", ctx {ctx}, batch {b}"
                         try:
                             out, _, gpu_mb = run_process([args.torch, "-c", TORCH_WORKER, str(job)])
                             rows[name] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}

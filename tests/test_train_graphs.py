@@ -15,7 +15,7 @@ from pathlib import Path
 import gguf_tensors
 import numpy as np
 import pytest
-from conftest import GPU_BUILD, gpu_skip_reason, run_python
+from conftest import CUT_LAYERS, GPU_BUILD, gpu_skip_reason, run_python
 
 import llamabind
 from llamabind import train
@@ -289,6 +289,46 @@ w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
 with llamabind.Model(sys.argv[1], use_mmap=False) as m, train.Trainer(m, batch_size=2, lr=1e-3) as t:
     print(repr([t.step(w)[0] for _ in range(4)]))
 """
+
+
+_CAST_STEPS = """
+import json, sys, tempfile, numpy as np, llamabind
+from pathlib import Path
+from llamabind import train
+w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
+with llamabind.Model(sys.argv[1], use_mmap=False) as m:
+    kw = {}
+    if sys.argv[2] == "lora":
+        path = Path(tempfile.mkdtemp()) / "init.gguf"
+        train.lora_init(m, path, 8, 16.0, ("attn_q", "attn_v"), 0)
+        kw = dict(params="lora", adapter=m.load_lora(path))
+    with train.Trainer(m, batch_size=2, lr=1e-3, profile=True, **kw) as t:
+        losses = [t.step(w)[0] for _ in range(3)]
+        cpy = sum(r["nodes"] for r in t.profile() if r["phase"] == "forward" and r["op"] == "CPY")
+        print(json.dumps(dict(losses=losses, cpy=cpy, buf=t.stats()["compute_buffer_bytes"])))
+"""
+
+
+@pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+@pytest.mark.parametrize("params", ["model", "lora"])
+def test_bf16_product_inputs_train_the_same_steps(f32_path, params):
+    """Patch 0068 (CUDA): in a mixed-precision training graph (bf16, every layer on the GPU) the F32 input
+    of each F32 weight's product is cast to BF16 once (ggml_cast: 4 per layer and the output layer's, the
+    Q/K/V products of one input reading one cast) and the backward pass keeps the cast rather than the F32
+    input. The products read the values the BF16 product rounded the F32 input to before, with the same
+    cuBLAS calls, so three steps (full fine-tune, and LoRA r8 on attn_q/attn_v) give the same losses bit
+    for bit as with the casts off (LLAMA_OPT_BF16_INPUTS=0), and the graphs' compute buffer is smaller
+    (the F32 inputs freed after their casts; each run its own process)."""
+    runs = {}
+    for cast in ("1", "0"):
+        code = _CAST_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
+        p = run_python(code, timeout=600, env={**os.environ, "LLAMA_OPT_BF16_INPUTS": cast})
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs[cast] = json.loads(p.stdout.strip().splitlines()[-1])
+    print(runs)
+    assert runs["1"]["losses"] == runs["0"]["losses"]
+    assert runs["1"]["cpy"] - runs["0"]["cpy"] == 3 * (4 * CUT_LAYERS + 1)  # three steps' casts
+    assert runs["1"]["buf"] < runs["0"]["buf"]
 
 
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())

@@ -429,16 +429,19 @@ fa56ncu)
   # throughput, occupancy, warp stalls) with and without cp.async pipelining, and PyTorch SDPA's bf16 backward at the
   # same shape (bench/attention_backward.py, default 4 x 32 (8) x 2048 x 64)
   # LB_FA_DET (default "0 1"): GGML_CUDA_FA_BACK_DETERMINISTIC, dQ by atomics in the dK/dV kernel (0, patch 0065) or
-  # the fixed-order pair (1); LB_PIPES (default "1 0"): GGML_CUDA_FA_BACK_PIPE
+  # the fixed-order pair (1); LB_PIPES (default "1 0"): GGML_CUDA_FA_BACK_PIPE; LB_SPLITS (default "1"):
+  # GGML_CUDA_FA_BACK_SPLIT (patch 0067: dK/dV blocks per query head, 1, or per K/V head, 0)
   python3 bench/attention_backward.py ${LB_ATTN_ARGS:-} --out "$OUT/attention-backward.json" 2>&1 | tee "$OUT/attention-backward.txt"
   for det in ${LB_FA_DET:-0 1}; do
   for p in ${LB_PIPES:-1 0}; do
-    GGML_CUDA_FA_BACK_DETERMINISTIC=$det GGML_CUDA_FA_BACK_PIPE=$p ncu -k regex:fa_back_mma --launch-count 2 \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+  for sp in ${LB_SPLITS:-1}; do
+    GGML_CUDA_FA_BACK_DETERMINISTIC=$det GGML_CUDA_FA_BACK_PIPE=$p GGML_CUDA_FA_BACK_SPLIT=$sp ncu -k regex:fa_back_mma \
+      --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      python3 bench/attention_backward.py ${LB_ATTN_ARGS:-} --runners llamabind --reps 1 > "$OUT/ncu-det$det-pipe$p.txt" 2>&1
-    echo "GGML_CUDA_FA_BACK_DETERMINISTIC=$det GGML_CUDA_FA_BACK_PIPE=$p"
-    grep -E "fa_back_mma|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|Block Limit (Reg|Shared)|Stall" "$OUT/ncu-det$det-pipe$p.txt" | head -40
+      python3 bench/attention_backward.py ${LB_ATTN_ARGS:-} --runners llamabind --reps 1 > "$OUT/ncu-det$det-pipe$p-split$sp.txt" 2>&1
+    echo "GGML_CUDA_FA_BACK_DETERMINISTIC=$det GGML_CUDA_FA_BACK_PIPE=$p GGML_CUDA_FA_BACK_SPLIT=$sp"
+    grep -E "fa_back_mma|Duration|SM Active Cycles|Elapsed Cycles|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|Block Limit (Reg|Shared)|Stall" "$OUT/ncu-det$det-pipe$p-split$sp.txt" | head -40
+  done
   done
   done
   ;;
