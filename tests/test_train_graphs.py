@@ -317,12 +317,15 @@ def test_bf16_product_inputs_train_the_same_steps(f32_path, params):
     Q/K/V products of one input reading one cast) and the backward pass keeps the cast rather than the F32
     input. The products read the values the BF16 product rounded the F32 input to before, with the same
     cuBLAS calls, so three steps (full fine-tune, and LoRA r8 on attn_q/attn_v) give the same losses bit
-    for bit as with the casts off (LLAMA_OPT_BF16_INPUTS=0), and the graphs' compute buffer is smaller
-    (the F32 inputs freed after their casts; each run its own process)."""
+    for bit as without them (LLAMA_OPT_BF16_INPUTS=1 against 0; the default is off), and the graphs'
+    compute buffer is smaller (the F32 inputs freed after their casts). Each run its own process, the flash
+    attention backward in its fixed order (GGML_CUDA_FA_BACK_DETERMINISTIC=1: its atomics' order would
+    change the later steps' last bits)."""
     runs = {}
     for cast in ("1", "0"):
         code = _CAST_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
-        p = run_python(code, timeout=600, env={**os.environ, "LLAMA_OPT_BF16_INPUTS": cast})
+        env = {**os.environ, "LLAMA_OPT_BF16_INPUTS": cast, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+        p = run_python(code, timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
         runs[cast] = json.loads(p.stdout.strip().splitlines()[-1])
     print(runs)
@@ -337,12 +340,13 @@ def test_bf16_copies_reused_within_a_step_change_nothing(f32_path):
     products that read it one after another (the Q/K/V products of one input, a MUL_MAT's two backward
     OUT_PRODs of one gradient); the copy is the conversion's own result, so four steps (bf16, flash attention,
     fully offloaded) give the same losses, bit for bit, as with every conversion made anew
-    (GGML_CUDA_BF16_REUSE=0, each run its own process: the variable is read once). A copy reused after its
-    source was overwritten, or across steps, would change them."""
+    (GGML_CUDA_BF16_REUSE=0, each run its own process: the variable is read once; the flash attention
+    backward in its fixed order, GGML_CUDA_FA_BACK_DETERMINISTIC=1). A copy reused after its source was
+    overwritten, or across steps, would change them."""
     losses = {}
     for reuse in ("1", "0"):
-        p = run_python(_STEPS.replace("sys.argv[1]", repr(str(f32_path))), timeout=600,
-                       env={**os.environ, "GGML_CUDA_BF16_REUSE": reuse})  # fmt: skip
+        env = {**os.environ, "GGML_CUDA_BF16_REUSE": reuse, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+        p = run_python(_STEPS.replace("sys.argv[1]", repr(str(f32_path))), timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
         losses[reuse] = p.stdout.strip().splitlines()[-1]
     print(losses)
