@@ -49,6 +49,8 @@
 #         gradient compositions, out_prod and the BF16 GEMM of quantized weights).
 # fa56ncu: (after fa56, or alone: it builds) FLASH_ATTN_BACK's kernels under Nsight Compute and SDPA's bf16 backward
 #         beside them (bench/attention_backward.py; LB_FA_DET, LB_PIPES, LB_ATTN_ARGS).
+# fa67ab: (after fa56) patch 0068's casts and patch 0067's split on and off as bench/train.py rows in one lease, then
+#         the step's kernels with the casts (LB_BENCH, LB_AB "cast:split ...", default "0:1 1:1 0:0").
 # fa56kernels: (after fa56) one 1B training step's kernels timed by Nsight Compute (bench/kernel_times.py);
 #         LB_KT_GRAPH=1: its CUDA graph too, as one workload, beside the host's part and the SM clock.
 # fa56profile: (after fa56) bench/train_profile.py on the 1B: LB_MODES (default now,bf16: F32 products with composed
@@ -68,7 +70,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: pref58, fa56, fa56ncu, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: pref58, fa56, fa56ncu, fa67ab, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -444,6 +446,25 @@ fa56ncu)
   done
   done
   done
+  ;;
+fa67ab)
+  # issue 56 (after fa56: the build and the 1B models): patch 0068's casts (LLAMA_OPT_BF16_INPUTS) against none, and
+  # patch 0067's dK/dV split (GGML_CUDA_FA_BACK_SPLIT) against a block per K/V head, as bench/train.py rows in one
+  # lease (LB_BENCH, default "1b:2048:4 1b:4096:1"; runners full,lora; PyTorch bf16 and peft bf16 once), then
+  # the step's kernels with the casts (bench/kernel_times.py, 2048 x 4 full) to set beside fa56kernels' without
+  for spec in ${LB_BENCH:-1b:2048:4 1b:4096:1}; do
+    IFS=: read -r sz ctx batches <<< "$spec"
+    for combo in ${LB_AB:-0:1 1:1 0:0}; do
+      IFS=: read -r cast split <<< "$combo"
+      LLAMA_OPT_BF16_INPUTS=$cast GGML_CUDA_FA_BACK_SPLIT=$split python3 bench/train.py -ngl 99 --threads 8 \
+        --model $MODELS/llama-$sz-q4_0.gguf --chars ${LB_CHARS:-400000} --ctx $ctx --batch $batches --steps ${LB_STEPS:-6} \
+        --runners full,lora $([ "$combo" = "0:1" ] && echo --torch python3 --torch-device cuda --torch-runs bf16,lora-bf16) \
+        --out "$OUT/train-$sz-ctx$ctx-cast$cast-split$split.json" 2>&1 | grep -E "^\| (llama|PyTorch)|rror" \
+        | sed "s/^/cast=$cast split=$split /" | tee -a "$OUT/bench-train-ab.txt"
+    done
+  done
+  LLAMA_OPT_BF16_INPUTS=1 python3 bench/kernel_times.py --model $MODELS/llama-1b-f32.gguf --ctx 2048 --batch 4 --mode bf16 \
+    --out "$OUT/kernel-times-bf16-2048x4-cast.json" 2>&1 | tee "$OUT/kernel-times-bf16-2048x4-cast.txt" | head -45
   ;;
 fa56kernels)
   # issue 56 (after fa56: the build and the 1B models): one training step's kernels timed by Nsight Compute
