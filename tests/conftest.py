@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal as _signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -141,6 +143,29 @@ def require_tool(name: str) -> Path:
             pytest.fail(msg)
         pytest.skip(msg)
     return p
+
+
+METAL_PACKAGES = ["clang", "libgnustep-base-dev"]
+
+
+def metal_toolchain() -> str | None:
+    """clang, clang++ and GNUstep's Foundation headers, for the Metal sources' checks (test_metal_sources)
+    and the emulator's kernel generator (test_metal_emu: clang++ -E): apt-get install as root where they are
+    missing (a new machine has neither). None when present, else what is missing."""
+
+    def have() -> bool:
+        return bool(shutil.which("clang") and shutil.which("clang++")) and Path(
+            "/usr/include/GNUstep/Foundation/Foundation.h").exists()  # fmt: skip
+
+    if not have() and os.geteuid() == 0 and shutil.which("apt-get"):
+        cmd = ["apt-get", "install", "-y", "-qq", *METAL_PACKAGES]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if p.returncode != 0:  # a stale package list: update once, then again
+            subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=900)
+            subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if not have():
+        return f"needs clang and GNUstep's Foundation headers (apt-get install {' '.join(METAL_PACKAGES)})"
+    return None
 
 
 @contextlib.contextmanager

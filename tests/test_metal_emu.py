@@ -9,8 +9,8 @@ simdgroup matrices), Intel UHD 630 (no Metal3, not Apple7).
 In CI a sample: the kernel files of the sample's ops (the build is the cost: g++ on the kernels) and
 their upstream test cases. LLAMABIND_METAL_EMU=full builds every kernel file plus libllama and runs the
 issue's whole op list under the three profiles and SmolLM2 on MTL0 (`LLAMABIND_METAL_EMU=full ./dev test
-tests/test_metal_emu.py`, 25 min on 2 cores with the build from ccache). Needs g++ >= 12 (_Float16) and
-cmake."""
+tests/test_metal_emu.py`, 25 min on 2 cores with the build from ccache). Needs g++ >= 12 (_Float16),
+cmake and clang++ (installed with apt-get when run as root)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, VENDOR, build_portable_wheel, new_venv, outside_env
+from conftest import ROOT, VENDOR, build_portable_wheel, metal_toolchain, new_venv, outside_env
 
 EMU = ROOT / "tests" / "metal" / "emu"
 FULL = os.environ.get("LLAMABIND_METAL_EMU") == "full"
@@ -55,6 +55,16 @@ def _gxx_ok() -> bool:
     return int(out.split(".")[0]) >= 12
 
 
+def _require_toolchain() -> None:
+    """Skip without g++ >= 12 and cmake, or without clang++ (tests/metal/emu/gen_kernels.py preprocesses the
+    kernels with it; conftest.metal_toolchain installs it as root, on a new machine before the first build)."""
+    if not _gxx_ok():
+        pytest.skip("needs g++ >= 12 and cmake")
+    missing = metal_toolchain()
+    if missing:
+        pytest.skip(missing)
+
+
 def build(build_dir: Path, kernels: list[str] | None, llama: bool = False, kernel_dir: Path | None = None) -> Path:
     """Configures and builds tests/metal/emu over the vendored tree (KERNELS: the kernel files, all when
     None; KERNEL_DIR: their sources, the tree's by default); returns bin/."""
@@ -73,8 +83,7 @@ def build(build_dir: Path, kernels: list[str] | None, llama: bool = False, kerne
 @pytest.fixture(scope="module")
 def bin_dir() -> Path:
     """The test build brought up to date: its bin/ holds test-backend-ops and libggml-metal.so."""
-    if not _gxx_ok():
-        pytest.skip("needs g++ >= 12 and cmake")
+    _require_toolchain()
     bins = build(BUILD, None if FULL else SAMPLE_KERNELS, llama=FULL)
     RAN.unlink(missing_ok=True)
     return bins
@@ -279,8 +288,7 @@ def test_llamabind_op_tests_on_mtl0(bin_dir, portable_python, profile):
 def test_the_emulator_catches_a_broken_kernel(tmp_path):
     """The comparison can fail: a copy of the kernels whose binbcast.metal subtracts where it adds, built
     into a separate module, makes test-backend-ops report ADD cases as FAIL on MTL0."""
-    if not _gxx_ok():
-        pytest.skip("needs g++ >= 12 and cmake")
+    _require_toolchain()
     kernels = tmp_path / "kernels"
     shutil.copytree(VENDOR / "ggml" / "src" / "ggml-metal" / "kernels", kernels)
     src = (kernels / "binbcast.metal").read_text()

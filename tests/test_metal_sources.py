@@ -15,12 +15,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, VENDOR
+from conftest import ROOT, VENDOR, metal_toolchain
 
 METAL = VENDOR / "ggml" / "src" / "ggml-metal"
 STUBS = ROOT / "tests" / "metal"
 PATCHES = ROOT / "patches"
-PACKAGES = ["clang", "libgnustep-base-dev"]
 
 
 def _unavailable(msg: str):
@@ -31,16 +30,11 @@ def _unavailable(msg: str):
 
 @pytest.fixture(scope="module")
 def tools() -> dict:
-    """clang, clang++, g++ and GNUstep's headers (apt-get install as root where they are missing)."""
-    have = shutil.which("clang") and Path("/usr/include/GNUstep/Foundation/Foundation.h").exists()
-    if not have and os.geteuid() == 0 and shutil.which("apt-get"):
-        cmd = ["apt-get", "install", "-y", "-qq", *PACKAGES]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        if p.returncode != 0:  # a stale package list: update once, then again
-            subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=900)
-            subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if not (shutil.which("clang") and Path("/usr/include/GNUstep/Foundation/Foundation.h").exists()):
-        _unavailable(f"needs clang and GNUstep's Foundation headers (apt-get install {' '.join(PACKAGES)})")
+    """clang, clang++, g++ and GNUstep's headers (conftest.metal_toolchain: apt-get install as root where they
+    are missing)."""
+    missing = metal_toolchain()
+    if missing:
+        _unavailable(missing)
     gcc_objc = sorted(Path("/usr/lib/gcc/x86_64-linux-gnu").glob("*/include/objc/objc.h"))
     if not gcc_objc:
         _unavailable("needs gcc's Objective-C runtime headers (objc/objc.h), which libgnustep-base-dev brings")
