@@ -327,19 +327,20 @@ def main() -> int:
                 n_train = int(len(win) * 0.9)
                 for run_gc in args.torch_runs.split(","):
                     run = run_gc.removesuffix("-gc")
+                    gc = run_gc != run  # bf16-gc, lora-bf16-gc: transformers' gradient checkpointing
                     for b in batches:
                         lora = run.startswith("lora")
                         steps = args.steps or -(-n_train // b)
                         cfg = dict(model=str(f32), threads=args.threads, lr=LR_LORA if lora else LR_FULL, lora=lora,
                                    rank=RANK, windows=win.tolist(), n_train=n_train, batch=b, steps=steps,
                                    device=args.torch_device, precision=run[5:] or "f32" if lora else run,
-                                   gc=run_gc != run)  # fmt: skip
+                                   gc=gc)  # fmt: skip
                         job = tmpd / "torch-job.json"  # the windows: too long for a command line
                         job.write_text(json.dumps(cfg))
                         name = f"PyTorch {args.torch_device} " + (
                             f"LoRA r{RANK} (peft, {cfg['precision']})" if lora else f"full {run}"
                         )
-                        name += (" gradient checkpointing" if run_gc != run else "") + f", ctx {ctx}, batch {b}"
+                        name += (" gradient checkpointing" if gc else "") + f", ctx {ctx}, batch {b}"
                         try:
                             out, _, gpu_mb = run_process([args.torch, "-c", TORCH_WORKER, str(job)])
                             rows[name] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
