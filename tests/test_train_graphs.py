@@ -317,14 +317,16 @@ def test_bf16_product_inputs_train_the_same_steps(f32_path, params):
     Q/K/V products of one input reading one cast) and the backward pass keeps the cast rather than the F32
     input. The products read the values the BF16 product rounded the F32 input to before, with the same
     cuBLAS calls, so three steps (full fine-tune, and LoRA r8 on attn_q/attn_v) give the same losses bit
-    for bit as without them (LLAMA_OPT_BF16_INPUTS=1 against 0; the default is off), and the graphs'
+    for bit as without them (the default against LLAMA_OPT_BF16_INPUTS=0; both with the FFN's activations
+    in F32, LLAMA_OPT_BF16_FFN=0: those round the values, see the next test), and the graphs'
     compute buffer is smaller (the F32 inputs freed after their casts). Each run its own process, the flash
     attention backward in its fixed order (GGML_CUDA_FA_BACK_DETERMINISTIC=1: its atomics' order would
     change the later steps' last bits)."""
     runs = {}
     for cast in ("1", "0"):
         code = _CAST_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
-        env = {**os.environ, "LLAMA_OPT_BF16_INPUTS": cast, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+        env = {**os.environ, "LLAMA_OPT_BF16_FFN": "0", "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+        env["LLAMA_OPT_BF16_INPUTS"] = cast
         p = run_python(code, timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
         runs[cast] = json.loads(p.stdout.strip().splitlines()[-1])
@@ -332,6 +334,41 @@ def test_bf16_product_inputs_train_the_same_steps(f32_path, params):
     assert runs["1"]["losses"] == runs["0"]["losses"]
     assert runs["1"]["cpy"] - runs["0"]["cpy"] == 3 * (4 * CUT_LAYERS + 1)  # three steps' casts
     assert runs["1"]["buf"] < runs["0"]["buf"]
+
+
+@pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+@pytest.mark.parametrize("params", ["model", "lora"])
+def test_bf16_ffn_activations_train_as_f32_ones_within_bf16_rounding(f32_path, params):
+    """Patch 0069 (CUDA): a mixed-precision training graph keeps the FFN's gate and up activations in BF16
+    (two casts a layer, SwiGLU and its backward on BF16, the down product's input SwiGLU's BF16 result), as
+    autocast's Linear returns them. Three runs, each its own process, the flash backward in fixed order:
+    the default (ggml-cuda writes the gate and up products in BF16 through cuBLAS, the SwiGLU backward one
+    kernel over BF16 g and u), the same graph with ggml-cuda's fusions off (GGML_CUDA_DISABLE_FUSION=1: F32
+    products, the CPY kernel's rounding, SILU_BACK over a BF16 g, MUL of F32 by BF16: other kernels for the
+    same arithmetic) and the FFN in F32 (LLAMA_OPT_BF16_FFN=0). The fused and unfused runs' losses agree to
+    2e-4 relative (the products' rounding points are the same; cuBLAS may sum in another order for a BF16
+    result); against F32 activations each step's loss within 2e-3 relative (BF16 keeps 8 significant bits,
+    2^-9 relative per value, averaged over thousands in each logit) and it trains (the third loss below the
+    first). The casts add two CPY nodes a layer to each forward pass and the compute buffer is smaller."""
+    runs = {}
+    for name, extra in (
+        ("bf16", {}),
+        ("unfused", {"GGML_CUDA_DISABLE_FUSION": "1"}),
+        ("f32", {"LLAMA_OPT_BF16_FFN": "0"}),
+    ):
+        code = _CAST_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
+        env = {**os.environ, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1", **extra}
+        p = run_python(code, timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs[name] = json.loads(p.stdout.strip().splitlines()[-1])
+    print(runs)
+    bf16, unfused, f32 = (np.array(runs[k]["losses"]) for k in ("bf16", "unfused", "f32"))
+    np.testing.assert_allclose(bf16, unfused, rtol=2e-4)
+    np.testing.assert_allclose(bf16, f32, rtol=2e-3)
+    assert not np.array_equal(bf16, f32)  # the activations were rounded: the path ran
+    assert bf16[2] < bf16[0]
+    assert runs["bf16"]["cpy"] - runs["f32"]["cpy"] == 3 * 2 * CUT_LAYERS  # three steps' casts
+    assert runs["bf16"]["buf"] < runs["f32"]["buf"]
 
 
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())

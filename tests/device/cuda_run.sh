@@ -51,6 +51,8 @@
 #         beside them (bench/attention_backward.py; LB_FA_DET, LB_PIPES, LB_ATTN_ARGS).
 # fa67ab: (after fa56) patch 0068's casts and patch 0067's split on and off as bench/train.py rows in one lease, then
 #         the step's kernels with the casts (LB_BENCH, LB_AB "cast:split ...", default "0:1 1:1 0:0").
+# fa69:   (after fa56) patch 0069's FFN activations in BF16 against F32 as bench/train.py rows (LB_BENCH, LB_FFN).
+# fa69tests: (after fa69, SmolLM2's parts in /tmp or .device-b) the casts' and FFN activations' GPU tests.
 # fa56kernels: (after fa56) one 1B training step's kernels timed by Nsight Compute (bench/kernel_times.py);
 #         LB_KT_GRAPH=1: its CUDA graph too, as one workload, beside the host's part and the SM clock.
 # fa56profile: (after fa56) bench/train_profile.py on the 1B: LB_MODES (default now,bf16: F32 products with composed
@@ -70,7 +72,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: pref58, fa56, fa56ncu, fa67ab, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -90,7 +92,9 @@ python3 -m llamabind info
 join_model() {
   local f=$LLAMABIND_CACHE/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
   mkdir -p "$(dirname $f)"
-  cat /tmp/smollm2.part-a .device-b/smollm2.part-b > $f
+  local b=.device-b/smollm2.part-b
+  [ -f $b ] || b=/tmp/smollm2.part-b  # copied there by an earlier call that carried .device-b
+  cat /tmp/smollm2.part-a $b > $f
   sha256sum $f | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 && echo "SmolLM2 sha256 ok"
 }
 # random-weight models for the bench calls, written in the background: micro (per-call cost) and
@@ -465,6 +469,33 @@ fa67ab)
   done
   LLAMA_OPT_BF16_INPUTS=1 python3 bench/kernel_times.py --model $MODELS/llama-1b-f32.gguf --ctx 2048 --batch 4 --mode bf16 \
     --out "$OUT/kernel-times-bf16-2048x4-cast.json" 2>&1 | tee "$OUT/kernel-times-bf16-2048x4-cast.txt" | head -45
+  ;;
+fa69)
+  # issue 56 (after fa56: the build and the 1B models): patch 0069's FFN activations in BF16 against F32
+  # (LLAMA_OPT_BF16_FFN, LB_FFN default "1 0") as bench/train.py rows in one lease, LB_BENCH (default
+  # "1b:2048:4"), runners LB_RUNNERS (default full,lora); PyTorch LB_TORCH_RUNS (default bf16,lora-bf16; none:
+  # left out) once a row, beside the first setting
+  for spec in ${LB_BENCH:-1b:2048:4}; do
+    IFS=: read -r sz ctx batches <<< "$spec"
+    first=1
+    for ffn in ${LB_FFN:-1 0}; do
+      torch=""
+      [ -n "$first" ] && [ "${LB_TORCH_RUNS:-}" != none ] && \
+        torch="--torch python3 --torch-device cuda --torch-runs ${LB_TORCH_RUNS:-bf16,lora-bf16}"
+      first=""
+      LLAMA_OPT_BF16_FFN=$ffn python3 bench/train.py -ngl 99 --threads 8 --model $MODELS/llama-$sz-q4_0.gguf \
+        --chars ${LB_CHARS:-400000} --ctx $ctx --batch $batches --steps ${LB_STEPS:-6} --runners ${LB_RUNNERS:-full,lora} \
+        $torch --out "$OUT/train-$sz-ctx$ctx-b$batches-ffn$ffn.json" 2>&1 | grep -E "^\| (llama|PyTorch)|rror" \
+        | sed "s/^/ffn=$ffn /" | tee -a "$OUT/bench-train-ffn.txt"
+    done
+  done
+  ;;
+fa69tests)
+  # (after fa69, SmolLM2's parts in /tmp or .device-b) patch 0068/0069's GPU tests: the casts bit for bit, the
+  # FFN's BF16 activations against F32 ones and fused against unfused kernels (LB_TEST_K, default "bf16")
+  join_model
+  LLAMABIND_REQUIRE_GPU=1 python3 -m pytest tests/test_train_graphs.py $PYTEST_ARGS -s -k "${LB_TEST_K:-bf16}" 2>&1 \
+    | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/fa69-tests.log" | tail -25
   ;;
 fa56kernels)
   # issue 56 (after fa56: the build and the 1B models): one training step's kernels timed by Nsight Compute
