@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -369,6 +370,29 @@ def test_bf16_ffn_activations_train_as_f32_ones_within_bf16_rounding(f32_path, p
     assert bf16[2] < bf16[0]
     assert runs["bf16"]["cpy"] - runs["f32"]["cpy"] == 3 * 2 * CUT_LAYERS  # three steps' casts
     assert runs["bf16"]["buf"] < runs["f32"]["buf"]
+
+
+@pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+def test_bf16_copies_of_frozen_weights_train_the_same_lora_steps(f32_path):
+    """Patch 0070 (CUDA, opt-in LLAMA_OPT_BF16_FROZEN=1): LoRA over an F32 model converts each frozen weight
+    matrix to BF16 once, at llama_opt_init, with the converter the BF16 products use on every step (the
+    forward product and the backward pass's dX product each converted it before), and the training graphs
+    multiply the copies: three LoRA r8 steps give the same losses bit for bit as without them (each run its
+    own process, the flash backward in fixed order), and llama_opt_init logs one copy per attention and FFN
+    matrix of the 4-layer cut (7 each) and the output matrix (the tied token_embd, frozen in LoRA)."""
+    code = "import logging; logging.basicConfig(level=logging.INFO)\n" + _CAST_STEPS.replace(
+        "sys.argv[1]", repr(str(f32_path))
+    ).replace("sys.argv[2]", repr("lora"))
+    runs, logs = {}, {}
+    for frozen in ("1", "0"):
+        env = {**os.environ, "LLAMA_OPT_BF16_FROZEN": frozen, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+        p = run_python(code, timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs[frozen] = json.loads(p.stdout.strip().splitlines()[-1])
+        logs[frozen] = re.findall(r"BF16 copies of (\d+) frozen weights", p.stderr)
+    print(runs, logs)
+    assert logs == {"1": [str(7 * CUT_LAYERS + 1)], "0": []}
+    assert runs["1"]["losses"] == runs["0"]["losses"]
 
 
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())

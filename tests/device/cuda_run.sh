@@ -51,7 +51,7 @@
 #         beside them (bench/attention_backward.py; LB_FA_DET, LB_PIPES, LB_ATTN_ARGS).
 # fa67ab: (after fa56) patch 0068's casts and patch 0067's split on and off as bench/train.py rows in one lease, then
 #         the step's kernels with the casts (LB_BENCH, LB_AB "cast:split ...", default "0:1 1:1 0:0").
-# fa69:   (after fa56) patch 0069's FFN activations in BF16 against F32 as bench/train.py rows (LB_BENCH, LB_FFN).
+# fa69:   (after fa56) settings (LB_SETTINGS: environment variables) against each other as bench/train.py rows.
 # fa69tests: (after fa69, SmolLM2's parts in /tmp or .device-b) the casts' and FFN activations' GPU tests.
 # fa56kernels: (after fa56) one 1B training step's kernels timed by Nsight Compute (bench/kernel_times.py);
 #         LB_KT_GRAPH=1: its CUDA graph too, as one workload, beside the host's part and the SM clock.
@@ -471,27 +471,28 @@ fa67ab)
     --out "$OUT/kernel-times-bf16-2048x4-cast.json" 2>&1 | tee "$OUT/kernel-times-bf16-2048x4-cast.txt" | head -45
   ;;
 fa69)
-  # issue 56 (after fa56: the build and the 1B models): patch 0069's FFN activations in BF16 against F32
-  # (LLAMA_OPT_BF16_FFN, LB_FFN default "1 0") as bench/train.py rows in one lease, LB_BENCH (default
-  # "1b:2048:4"), runners LB_RUNNERS (default full,lora); PyTorch LB_TORCH_RUNS (default bf16,lora-bf16; none:
-  # left out) once a row, beside the first setting
+  # issue 56 (after fa56: the build and the 1B models): settings against each other as bench/train.py rows in one
+  # lease, LB_SETTINGS (default "LLAMA_OPT_BF16_FFN=1 LLAMA_OPT_BF16_FFN=0": patch 0069's FFN activations in BF16
+  # or F32; e.g. "LLAMA_OPT_BF16_FROZEN=1 LLAMA_OPT_BF16_FROZEN=0": patch 0070's copies), LB_BENCH (default
+  # "1b:2048:4"), runners LB_RUNNERS (default full,lora); PyTorch LB_TORCH_RUNS (default bf16,lora-bf16; none: left
+  # out) once a row, beside the first setting
   for spec in ${LB_BENCH:-1b:2048:4}; do
     IFS=: read -r sz ctx batches <<< "$spec"
     first=1
-    for ffn in ${LB_FFN:-1 0}; do
+    for setting in ${LB_SETTINGS:-LLAMA_OPT_BF16_FFN=1 LLAMA_OPT_BF16_FFN=0}; do
       torch=""
       [ -n "$first" ] && [ "${LB_TORCH_RUNS:-}" != none ] && \
         torch="--torch python3 --torch-device cuda --torch-runs ${LB_TORCH_RUNS:-bf16,lora-bf16}"
       first=""
-      LLAMA_OPT_BF16_FFN=$ffn python3 bench/train.py -ngl 99 --threads 8 --model $MODELS/llama-$sz-q4_0.gguf \
+      env "$setting" python3 bench/train.py -ngl 99 --threads 8 --model $MODELS/llama-$sz-q4_0.gguf \
         --chars ${LB_CHARS:-400000} --ctx $ctx --batch $batches --steps ${LB_STEPS:-6} --runners ${LB_RUNNERS:-full,lora} \
-        $torch --out "$OUT/train-$sz-ctx$ctx-b$batches-ffn$ffn.json" 2>&1 | grep -E "^\| (llama|PyTorch)|rror" \
-        | sed "s/^/ffn=$ffn /" | tee -a "$OUT/bench-train-ffn.txt"
+        $torch --out "$OUT/train-$sz-ctx$ctx-b$batches-$setting.json" 2>&1 | grep -E "^\| (llama|PyTorch)|rror" \
+        | sed "s/^/$setting /" | tee -a "$OUT/bench-train-settings.txt"
     done
   done
   ;;
 fa69tests)
-  # (after fa69, SmolLM2's parts in /tmp or .device-b) patch 0068/0069's GPU tests: the casts bit for bit, the
+  # (after fa69, SmolLM2's parts in /tmp or .device-b) patch 0068-0070's GPU tests: the casts bit for bit, the
   # FFN's BF16 activations against F32 ones and fused against unfused kernels (LB_TEST_K, default "bf16")
   join_model
   LLAMABIND_REQUIRE_GPU=1 python3 -m pytest tests/test_train_graphs.py $PYTEST_ARGS -s -k "${LB_TEST_K:-bf16}" 2>&1 \
