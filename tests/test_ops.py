@@ -104,7 +104,7 @@ def test_scale_clamp_silu_back():
     close(ops.silu_back(dy, x), f64(dy) * s * (1 + f64(x) * (1 - s)))
 
 
-@pytest.mark.parametrize("dt", [F32, F16], ids=["f32", "f16"])
+@pytest.mark.parametrize("dt", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
 def test_swiglu(dt):
     a, b = rnd(5, 24, dtype=dt), rnd(5, 24, dtype=dt, seed=7)
     out = ops.swiglu(a, b)

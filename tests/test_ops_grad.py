@@ -3,6 +3,7 @@ regression tests for the upstream fixes of the patch series' README."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import TEST_BACKEND
@@ -166,6 +167,33 @@ def test_swiglu_gradients_against_finite_differences():
     f = lambda a, b: float((ops.swiglu(a, b).astype(np.float64) * w).sum())  # noqa: E731
     np.testing.assert_allclose(ga, fd_grad(f, [a, b], 0), rtol=2e-2, atol=2e-3)
     np.testing.assert_allclose(gb, fd_grad(f, [a, b], 1), rtol=2e-2, atol=2e-3)
+
+
+def test_swiglu_gradients_of_bfloat16_inputs_against_float64():
+    """Patch 0069: a split SwiGLU over BF16 gate and up activations (what mixed-precision training keeps since)
+    has F32 gradients: the backward multiplies the F32 gradient first (ggml.c), and on CUDA the fused SwiGLU
+    backward reads BF16 g and u. Against float64 on the BF16-rounded inputs: da = dy*u*silu'(g), db =
+    dy*bf16(silu(g)) (silu(g) is a BF16 node, rounded as such), NMSE < 1e-6 (F32 arithmetic, the GPU's fast
+    exp; a last-bit difference of silu(g) can move its BF16 rounding by 2^-8 for a few elements). The CPU has
+    no F32 x BF16 product for that backward: the gradient graph raises TypeError there, nothing aborts."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    a, b, w = rnd(64, 300), rnd(64, 300, seed=1), rnd(64, 300, seed=2)
+
+    def loss(a, b):
+        s = ops.swiglu(ops.cast(a, bf16), ops.cast(b, bf16))
+        return ops.sum(ops.cast(ops.mul(s, w), np.float32))
+
+    if TEST_BACKEND in (None, "cpu"):
+        with pytest.raises(TypeError, match="not supported"):
+            ops.grad(loss, argnums=(0, 1))(a, b)
+        return
+    ga, gb = ops.grad(loss, argnums=(0, 1))(a, b)
+    g, u, dy = (x.astype(bf16).astype(np.float64) for x in (a, b)) + (w.astype(np.float64),)
+    sg = 1 / (1 + np.exp(-g))
+    want_a = dy * u * sg * (1 + g * (1 - sg))
+    want_b = dy * (g * sg).astype(bf16).astype(np.float64)
+    assert ops.nmse(ga, want_a) < 1e-6, ops.nmse(ga, want_a)
+    assert ops.nmse(gb, want_b) < 1e-6, ops.nmse(gb, want_b)
 
 
 @pytest.mark.parametrize(

@@ -131,7 +131,15 @@ static void check_backward(ggml_cgraph * gf) {
                 (j == 0 && n->op == GGML_OP_IM2COL) ||
                 (j == 1 && (n->op == GGML_OP_CPY || n->op == GGML_OP_GET_ROWS || n->op == GGML_OP_ROPE));
             if (ignored) continue;
-            if (src->type != GGML_TYPE_F32 && src->type != GGML_TYPE_F16) {
+            // BF16 only where ggml's backward keeps the gradients F32 (patches 0068-0069: a cast, a split SwiGLU
+            // over BF16 activations, a BF16 activation times an F32 factor); the kernels are CUDA's
+            const bool bf16_ok =
+                src->type == GGML_TYPE_BF16 &&
+                (n->op == GGML_OP_CPY ||
+                 (n->op == GGML_OP_GLU && ggml_get_glu_op(n) == GGML_GLU_OP_SWIGLU && n->src[1] != nullptr &&
+                  n->src[0]->type == n->src[1]->type) ||
+                 (n->op == GGML_OP_MUL && j == 0 && n->src[1]->type == GGML_TYPE_F32 && !needs.count(n->src[1])));
+            if (src->type != GGML_TYPE_F32 && src->type != GGML_TYPE_F16 && !bf16_ok) {
                 raise_type("no gradient through a " + std::string(ggml_type_name(src->type)) + " tensor (" +
                            ggml_op_desc(n) + ")");
             }

@@ -109,14 +109,14 @@ def clamp(a, min: float, max: float, *, backend: str | None = None):
     return apply(_clamp, (a,), {"min": lo, "max": hi}, backend)
 
 
-def _same_shape_pair(op: str, names: tuple[str, str]):
-    """The graph builder of a two-input element-wise op whose inputs share one shape and one dtype (float32 or
-    float16)."""
+def _same_shape_pair(op: str, names: tuple[str, str], dtypes: tuple = (F32, F16)):
+    """The graph builder of a two-input element-wise op whose inputs share one shape and one dtype (one of
+    dtypes)."""
 
     def build(g: Graph, a: Tensor, b: Tensor) -> Tensor:
         expect(a.shape == b.shape, f"{op}: {names[0]} {a.shape} and {names[1]} {b.shape} must have the same shape")
         for n, t in zip(names, (a, b)):
-            expect_dtype(op, n, t, (F32, F16), g.device)
+            expect_dtype(op, n, t, dtypes, g.device)
         expect(a.dtype == b.dtype, f"{op}: {names[0]} and {names[1]} must have the same dtype")
         return g.op(op, [a, b], shape=a.shape)
 
@@ -132,13 +132,15 @@ def silu_back(dy, x, *, backend: str | None = None):
     return apply(_silu_back, (dy, x), {}, backend)
 
 
-_swiglu = _same_shape_pair("swiglu", ("a", "b"))
+_swiglu = _same_shape_pair("swiglu", ("a", "b"), FLOATS)
 
 
 def swiglu(a, b, *, backend: str | None = None):
     """SwiGLU, the activation of llama-style FFNs: ``silu(a) * b`` element-wise, a the gate and b the up
-    projection (wraps ggml_swiglu_split). a, b: same shape, float32 or float16; same shape and dtype out.
-    Differentiable in both (ggml's backward of a split SwiGLU); raises ValueError for other shapes or dtypes."""
+    projection (wraps ggml_swiglu_split). a, b: same shape, float32, float16 or bfloat16 (computed in float32,
+    rounded to the dtype); same shape and dtype out. Differentiable in both (ggml's backward of a split SwiGLU;
+    for bfloat16 inputs the gradients are float32 where the backend has the kernels: CUDA, patch 0069; elsewhere
+    the gradient graph raises TypeError). Raises ValueError for other shapes, TypeError for other dtypes."""
     return apply(_swiglu, (a, b), {}, backend)
 
 
