@@ -196,6 +196,17 @@ def test_swiglu_gradients_of_bfloat16_inputs_against_float64():
     assert ops.nmse(gb, want_b) < 1e-6, ops.nmse(gb, want_b)
 
 
+def test_gradient_through_a_bfloat16_cast_passes_straight_through():
+    """A round trip through bfloat16 (ggml_cast both ways) has the identity's gradient, as autocast's casts do in
+    PyTorch (ggml's CPY backward rule; the binding's check let gradients through no BF16 tensor before patch 0069's
+    change): d sum(cast(cast(x, bf16), f32) * w) / dx = w exactly, on every backend."""
+    x, w = rnd(5, 33), rnd(5, 33, seed=4)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    g = ops.grad(lambda x: ops.sum(ops.mul(ops.cast(ops.cast(x, bf16), np.float32), w)))(x)
+    assert g.dtype == np.float32
+    np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize(
     "mode,sections",
     [("normal", None), ("neox", None), ("mrope", [4, 2, 2, 0]), ("imrope", [4, 2, 2, 0]), ("vision", [4, 4, 0, 0])],
