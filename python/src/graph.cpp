@@ -136,8 +136,7 @@ static void check_backward(ggml_cgraph * gf) {
             const bool bf16_ok =
                 src->type == GGML_TYPE_BF16 &&
                 (n->op == GGML_OP_CPY ||
-                 (n->op == GGML_OP_GLU && ggml_get_glu_op(n) == GGML_GLU_OP_SWIGLU && n->src[1] != nullptr &&
-                  n->src[0]->type == n->src[1]->type) ||
+                 (n->op == GGML_OP_GLU && ggml_get_glu_op(n) == GGML_GLU_OP_SWIGLU && n->src[1] != nullptr) ||
                  (n->op == GGML_OP_MUL && j == 0 && n->src[1]->type == GGML_TYPE_F32 && !needs.count(n->src[1])));
             if (src->type != GGML_TYPE_F32 && src->type != GGML_TYPE_F16 && !bf16_ok) {
                 raise_type("no gradient through a " + std::string(ggml_type_name(src->type)) + " tensor (" +

@@ -50,7 +50,7 @@
 # fa56ncu: (after fa56, or alone: it builds) FLASH_ATTN_BACK's kernels under Nsight Compute and SDPA's bf16 backward
 #         beside them (bench/attention_backward.py; LB_FA_DET, LB_PIPES, LB_ATTN_ARGS).
 # fa67ab: (after fa56) patch 0068's casts and patch 0067's split on and off as bench/train.py rows in one lease, then
-#         the step's kernels with the casts (LB_BENCH, LB_AB "cast:split ...", default "0:1 1:1 0:0").
+#         the step's kernels with the casts (LB_BENCH, LB_SETTINGS).
 # fa69:   (after fa56) settings (LB_SETTINGS: environment variables) against each other as bench/train.py rows.
 # fa69tests: (after fa69, SmolLM2's parts in /tmp or .device-b) the casts' and FFN activations' GPU tests.
 # fa56kernels: (after fa56) one 1B training step's kernels timed by Nsight Compute (bench/kernel_times.py);
@@ -104,6 +104,26 @@ start_models() {
       --tokenizer-from /tmp/tokenizer.gguf && for q in ${LB_BENCH_TYPES-q4_0 q8_0 f16}; do for s in ${LB_BENCH_SIZES-1b}; do \
       python3 bench/make_model.py --size \$s --type \$q -o $MODELS/llama-\$s-\$q.gguf --tokenizer-from /tmp/tokenizer.gguf; \
       done; done > $MODELS/make.log 2>&1; touch $MODELS/done" < /dev/null &)
+}
+# bench/train.py rows, one per setting (the arguments: environment variables, several joined by commas) in one
+# lease for each LB_BENCH spec SIZE:CTX:BATCHES (default "1b:2048:4"), runners LB_RUNNERS (default full,lora);
+# PyTorch LB_TORCH_RUNS (default bf16,lora-bf16; none: left out) once a spec, beside the first setting
+bench_settings() {
+  local spec sz ctx batches setting torch first
+  for spec in ${LB_BENCH:-1b:2048:4}; do
+    IFS=: read -r sz ctx batches <<< "$spec"
+    first=1
+    for setting in "$@"; do
+      torch=""
+      [ -n "$first" ] && [ "${LB_TORCH_RUNS:-}" != none ] && \
+        torch="--torch python3 --torch-device cuda --torch-runs ${LB_TORCH_RUNS:-bf16,lora-bf16}"
+      first=""
+      env ${setting//,/ } python3 bench/train.py -ngl 99 --threads 8 --model $MODELS/llama-$sz-q4_0.gguf \
+        --chars ${LB_CHARS:-400000} --ctx $ctx --batch $batches --steps ${LB_STEPS:-6} --runners ${LB_RUNNERS:-full,lora} \
+        $torch --out "$OUT/train-$sz-ctx$ctx-b$batches-$setting.json" 2>&1 | grep -E "^\| (llama|PyTorch)|rror" \
+        | sed "s/^/$setting /" | tee -a "$OUT/bench-train-settings.txt"
+    done
+  done
 }
 case $phase in
 pref58)
@@ -454,42 +474,18 @@ fa56ncu)
 fa67ab)
   # issue 56 (after fa56: the build and the 1B models): patch 0068's casts (LLAMA_OPT_BF16_INPUTS) against none, and
   # patch 0067's dK/dV split (GGML_CUDA_FA_BACK_SPLIT) against a block per K/V head, as bench/train.py rows in one
-  # lease (LB_BENCH, default "1b:2048:4 1b:4096:1"; runners full,lora; PyTorch bf16 and peft bf16 once), then
-  # the step's kernels with the casts (bench/kernel_times.py, 2048 x 4 full) to set beside fa56kernels' without
-  for spec in ${LB_BENCH:-1b:2048:4 1b:4096:1}; do
-    IFS=: read -r sz ctx batches <<< "$spec"
-    for combo in ${LB_AB:-0:1 1:1 0:0}; do
-      IFS=: read -r cast split <<< "$combo"
-      LLAMA_OPT_BF16_INPUTS=$cast GGML_CUDA_FA_BACK_SPLIT=$split python3 bench/train.py -ngl 99 --threads 8 \
-        --model $MODELS/llama-$sz-q4_0.gguf --chars ${LB_CHARS:-400000} --ctx $ctx --batch $batches --steps ${LB_STEPS:-6} \
-        --runners full,lora $([ "$combo" = "0:1" ] && echo --torch python3 --torch-device cuda --torch-runs bf16,lora-bf16) \
-        --out "$OUT/train-$sz-ctx$ctx-cast$cast-split$split.json" 2>&1 | grep -E "^\| (llama|PyTorch)|rror" \
-        | sed "s/^/cast=$cast split=$split /" | tee -a "$OUT/bench-train-ab.txt"
-    done
-  done
+  # lease (bench_settings; LB_BENCH default "1b:2048:4 1b:4096:1"), then the step's kernels with the casts
+  # (bench/kernel_times.py, 2048 x 4 full) to set beside fa56kernels' without
+  LB_BENCH=${LB_BENCH:-1b:2048:4 1b:4096:1} bench_settings ${LB_SETTINGS:-LLAMA_OPT_BF16_INPUTS=0,GGML_CUDA_FA_BACK_SPLIT=1 \
+    LLAMA_OPT_BF16_INPUTS=1,GGML_CUDA_FA_BACK_SPLIT=1 LLAMA_OPT_BF16_INPUTS=0,GGML_CUDA_FA_BACK_SPLIT=0}
   LLAMA_OPT_BF16_INPUTS=1 python3 bench/kernel_times.py --model $MODELS/llama-1b-f32.gguf --ctx 2048 --batch 4 --mode bf16 \
     --out "$OUT/kernel-times-bf16-2048x4-cast.json" 2>&1 | tee "$OUT/kernel-times-bf16-2048x4-cast.txt" | head -45
   ;;
 fa69)
   # issue 56 (after fa56: the build and the 1B models): settings against each other as bench/train.py rows in one
-  # lease, LB_SETTINGS (default "LLAMA_OPT_BF16_FFN=1 LLAMA_OPT_BF16_FFN=0": patch 0069's FFN activations in BF16
-  # or F32; e.g. "LLAMA_OPT_BF16_FROZEN=1 LLAMA_OPT_BF16_FROZEN=0": patch 0070's copies), LB_BENCH (default
-  # "1b:2048:4"), runners LB_RUNNERS (default full,lora); PyTorch LB_TORCH_RUNS (default bf16,lora-bf16; none: left
-  # out) once a row, beside the first setting
-  for spec in ${LB_BENCH:-1b:2048:4}; do
-    IFS=: read -r sz ctx batches <<< "$spec"
-    first=1
-    for setting in ${LB_SETTINGS:-LLAMA_OPT_BF16_FFN=1 LLAMA_OPT_BF16_FFN=0}; do
-      torch=""
-      [ -n "$first" ] && [ "${LB_TORCH_RUNS:-}" != none ] && \
-        torch="--torch python3 --torch-device cuda --torch-runs ${LB_TORCH_RUNS:-bf16,lora-bf16}"
-      first=""
-      env "$setting" python3 bench/train.py -ngl 99 --threads 8 --model $MODELS/llama-$sz-q4_0.gguf \
-        --chars ${LB_CHARS:-400000} --ctx $ctx --batch $batches --steps ${LB_STEPS:-6} --runners ${LB_RUNNERS:-full,lora} \
-        $torch --out "$OUT/train-$sz-ctx$ctx-b$batches-$setting.json" 2>&1 | grep -E "^\| (llama|PyTorch)|rror" \
-        | sed "s/^/$setting /" | tee -a "$OUT/bench-train-settings.txt"
-    done
-  done
+  # lease (bench_settings), by default patch 0069's FFN activations in BF16 or F32; e.g. LB_SETTINGS=
+  # "LLAMA_OPT_BF16_FROZEN=1 LLAMA_OPT_BF16_FROZEN=0": patch 0070's copies
+  bench_settings ${LB_SETTINGS:-LLAMA_OPT_BF16_FFN=1 LLAMA_OPT_BF16_FFN=0}
   ;;
 fa69tests)
   # (after fa69, SmolLM2's parts in /tmp or .device-b) patch 0068-0070's GPU tests: the casts bit for bit, the
