@@ -91,40 +91,22 @@ CUT_LAYERS = 4
 
 
 @pytest.fixture(scope="session")
-def smollm2_f32_cut(model_path, tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct in F32 (train.to_f32) with only blocks 0..CUT_LAYERS-1, written with the
-    gguf package (llama.block_count changed, the other blocks' tensors left out)."""
-    import gguf
-    import numpy as np
+def smollm2_f32_cut(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct with only blocks 0..CUT_LAYERS-1 (gguf_tensors.cut: llama.block_count
+    changed, the other blocks' tensors left out), then in F32 (train.to_f32). LLAMABIND_TEST_SMOLLM2_CUT
+    names that cut ready-made (the GPU machine, which has no network, gets it from tests/device/pack.sh's
+    .device-s, made by the same function)."""
+    import gguf_tensors
 
     from llamabind import train
 
     d = tmp_path_factory.mktemp("smollm2-cut")
-    full = d / "smollm2-f32.gguf"
-    train.to_f32(model_path, full)
-    r = gguf.GGUFReader(full)
-    w = gguf.GGUFWriter(d / f"smollm2-f32-{CUT_LAYERS}l.gguf", "llama")
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment"):
-            continue
-        kind = f.types[0]
-        value = CUT_LAYERS if name == "llama.block_count" else f.contents()
-        if kind == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(name, value, kind, sub_type=f.types[-1])
-        else:
-            w.add_key_value(name, value, kind)
-    for t in r.tensors:
-        parts = t.name.split(".")
-        if parts[0] == "blk" and int(parts[1]) >= CUT_LAYERS:
-            continue
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    del r
-    full.unlink()
-    return d / f"smollm2-f32-{CUT_LAYERS}l.gguf"
+    cut = os.environ.get("LLAMABIND_TEST_SMOLLM2_CUT")
+    if not cut:
+        cut = gguf_tensors.cut(models.resolve(models.DEFAULT), d / f"smollm2-{CUT_LAYERS}l.gguf", CUT_LAYERS)
+    out = d / f"smollm2-f32-{CUT_LAYERS}l.gguf"
+    train.to_f32(cut, out)
+    return out
 
 
 @pytest.fixture(scope="session")

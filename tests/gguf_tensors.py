@@ -78,3 +78,31 @@ def read(path: str | Path) -> dict[str, Tensor]:
         data = raw.view(_DTYPES[ttype]).reshape(shape) if ttype in _DTYPES else raw
         out[name] = Tensor(ttype, shape, data)
     return out
+
+
+def cut(src: str | Path, dst: str | Path, n_layers: int) -> Path:
+    """Writes ``dst``: the GGUF at ``src`` with only transformer blocks 0..n_layers-1 (``blk.N.*``
+    with N >= n_layers left out, ``<arch>.block_count`` set to n_layers), every other key/value and
+    tensor as it is, quantized ones in their own blocks (gguf's GGUFReader and GGUFWriter)."""
+    r = gguf.GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(dst, arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment"):
+            continue
+        kind = f.types[0]
+        value = n_layers if name == f"{arch}.block_count" else f.contents()
+        if kind == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, value, kind, sub_type=f.types[-1])
+        else:
+            w.add_key_value(name, value, kind)
+    for t in r.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and int(parts[1]) >= n_layers:
+            continue
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(dst)

@@ -52,7 +52,8 @@
 # fa67ab: (after fa56) patch 0068's casts and patch 0067's split on and off as bench/train.py rows in one lease, then
 #         the step's kernels with the casts (LB_BENCH, LB_SETTINGS).
 # fa69:   (after fa56) settings (LB_SETTINGS: environment variables) against each other as bench/train.py rows.
-# fa69tests: (after fa69, SmolLM2's parts in /tmp or .device-b) the casts' and FFN activations' GPU tests.
+# fa69tests: (after fa56 carrying .device-s, or SmolLM2's parts in /tmp or .device-b) the casts' and FFN activations'
+#         GPU tests (fa56 with LB_TRAIN_K=bf16 and .device-s carried runs them in its call).
 # fa56kernels: (after fa56) one 1B training step's kernels timed by Nsight Compute (bench/kernel_times.py);
 #         LB_KT_GRAPH=1: its CUDA graph too, as one workload, beside the host's part and the SM clock.
 # fa56profile: (after fa56) bench/train_profile.py on the 1B: LB_MODES (default now,bf16: F32 products with composed
@@ -97,6 +98,10 @@ join_model() {
   cat /tmp/smollm2.part-a $b > $f
   sha256sum $f | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 && echo "SmolLM2 sha256 ok"
 }
+# SmolLM2's first blocks for the fine-tuning tests (conftest's smollm2_f32_cut), carried in .device-s (pack.sh),
+# kept in /tmp for the lease's later calls
+[ -f .device-s/smollm2-4l.gguf ] && cp .device-s/smollm2-4l.gguf /tmp/
+[ -f /tmp/smollm2-4l.gguf ] && export LLAMABIND_TEST_SMOLLM2_CUT=/tmp/smollm2-4l.gguf
 # random-weight models for the bench calls, written in the background: micro (per-call cost) and
 # LB_BENCH_SIZES (default 1b) x LB_BENCH_TYPES (default q4_0 q8_0 f16), from SmolLM2's tokenizer
 start_models() {
@@ -437,8 +442,9 @@ fa56)
     tests/test_qlora.py $PYTEST_ARGS -k "${LB_KERNEL_K:-flash or gradients or out_prod or many_columns}" 2>&1 \
     | tee "$OUT/fa56-kernel-tests.log" | tail -12
   echo "kernel tests in $((SECONDS - t0)) s"
-  # LB_TRAIN_K: tests/test_train_graphs.py on CUDA0, e.g. "kept_batches"; even its tiny random-weight llama takes
-  # SmolLM2's tokenizer, so SmolLM2 must be joined first (.device-a's part in /tmp, then .device-b: see train42b)
+  # LB_TRAIN_K: tests/test_train_graphs.py on CUDA0, e.g. "bf16" (SmolLM2's first blocks: carry .device-s beside
+  # .device) or "kept_batches" (its tiny random-weight llama takes SmolLM2's tokenizer, so SmolLM2 must be joined
+  # first: .device-a's part in /tmp, then .device-b, see train42b)
   [ -n "${LB_TRAIN_K:-}" ] && LLAMABIND_REQUIRE_GPU=1 python3 -m pytest tests/test_train_graphs.py $PYTEST_ARGS \
     -k "$LB_TRAIN_K" 2>&1 | tee "$OUT/fa56-train-tests.log" | tail -6
   ;;
@@ -488,9 +494,10 @@ fa69)
   bench_settings ${LB_SETTINGS:-LLAMA_OPT_BF16_FFN=1 LLAMA_OPT_BF16_FFN=0}
   ;;
 fa69tests)
-  # (after fa69, SmolLM2's parts in /tmp or .device-b) patch 0068-0070's GPU tests: the casts bit for bit, the
-  # FFN's BF16 activations against F32 ones and fused against unfused kernels (LB_TEST_K, default "bf16")
-  join_model
+  # (after fa56 with .device-s carried, or SmolLM2's parts in /tmp or .device-b) patch 0068-0070's GPU tests: the
+  # casts bit for bit, the FFN's BF16 activations against F32 ones and fused against unfused kernels (LB_TEST_K,
+  # default "bf16")
+  [ -n "${LLAMABIND_TEST_SMOLLM2_CUT:-}" ] || join_model
   LLAMABIND_REQUIRE_GPU=1 python3 -m pytest tests/test_train_graphs.py $PYTEST_ARGS -s -k "${LB_TEST_K:-bf16}" 2>&1 \
     | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/fa69-tests.log" | tail -25
   ;;

@@ -8,12 +8,15 @@
 #   .device-v/  debs/: Debian 12's Vulkan SDK pieces (glslc, libshaderc1, libvulkan1, libvulkan-dev,
 #               spirv-headers) and the GL dispatch libraries NVIDIA's Vulkan ICD loads (apt-get download)
 #   .device-w/  whl/: the runtime and test packages a clean Python 3.12 venv needs for the CUDA wheel (wheel_run.sh)
+#   .device-s/  smollm2-4l.gguf: SmolLM2 cut to its first CUT_LAYERS blocks (tests/gguf_tensors.cut, 41 MB), what the
+#               fine-tuning tests train (conftest's smollm2_f32_cut): carried beside .device, the build and those
+#               tests run in one call (cuda_run.sh's fa56 with LB_TRAIN_K)
 # SmolLM2 Q4_1 (98 MB) is over the carry limit, so it travels in two calls (cuda_run.sh joins the parts
 # and checks its sha256). Both folders are git-ignored through .git/info/exclude.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-for d in /.device/ /.device-b/ /.device-v/ /.device-w/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
-rm -rf .device .device-b .device-v .device-w && mkdir -p .device/whl .device-b/whl .device-v/debs .device-w/whl
+for d in /.device/ /.device-b/ /.device-v/ /.device-w/ /.device-s/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+rm -rf .device .device-b .device-v .device-w .device-s && mkdir -p .device/whl .device-b/whl .device-v/debs .device-w/whl .device-s
 python3 vendor/vendor.py status >/dev/null
 # tools/: LLAMA_BUILD_TOOLS configures every tool (the server core is linked into _core); the web UI's
 # sources are not built (no npm), only its CMake files are read
@@ -47,4 +50,6 @@ PY
   libglvnd0 libglx0 libgl1 libegl1 libopengl0 libgles2)
 head -c 55000000 "$model" > .device/smollm2.part-a
 tail -c +55000001 "$model" > .device-b/smollm2.part-b
-du -sh .device .device-b .device-v .device-w
+PYTHONPATH=tests ./dev python -c "import sys, conftest, gguf_tensors; gguf_tensors.cut(sys.argv[1], sys.argv[2], conftest.CUT_LAYERS)" \
+  "$model" .device-s/smollm2-4l.gguf
+du -sh .device .device-b .device-v .device-w .device-s
