@@ -23,7 +23,9 @@ def _nmse(got, want) -> float:
 
 
 @pytest.mark.parametrize("backend", ["cpu", *GPUS])
-@pytest.mark.parametrize("m,k,n", [(64, 256, 48), (96, 512, 64), (64, 100, 40)], ids=str)
+# (40, 8288, 100): K over GGML_CPU_BF16_KC (4096) runs in three chunks; (64, 96, 40): tiles of 32 x 12 outputs cut
+# at both edges (the 96 x 40 gradient of b, contracting over m = 64)
+@pytest.mark.parametrize("m,k,n", [(64, 256, 48), (96, 512, 64), (64, 100, 40), (40, 8288, 100), (64, 96, 40)], ids=str)
 def test_cpu_bf16_products_against_float64(backend, m, k, n):
     """ops.mul_mat and ops.out_prod with precision="bf16" (ggml_prec_set_src on both sources) and mul_mat's
     gradients (its backward OUT_PRODs inherit the hint: a's contracts over n, b's over m) against float64. On
