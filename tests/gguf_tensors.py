@@ -3,7 +3,7 @@ of every part of every value, ~7 s on 2 cores for SmolLM2's tokenizer arrays (49
 merges) per file; tests that compare weights of several saved models spent most of their time
 there. This walks past the values (their lengths only, the layout of the GGUF specification in
 ggml/docs/gguf.md) and maps the tensor data, with gguf's own tables (value types and their numpy
-types, GGML_QUANT_SIZES)."""
+types, GGML_QUANT_SIZES). cut() writes a model's first blocks as a GGUF of their own (gguf's reader and writer)."""
 
 from __future__ import annotations
 
