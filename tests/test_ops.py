@@ -248,6 +248,22 @@ def test_cross_entropy_loss_and_its_gradient_values():
         ops.cross_entropy_loss(logits, onehot[:, :2])
 
 
+def test_cross_entropy_loss_over_a_real_vocabulary():
+    """Patch 0071's vectorized log-softmax (ggml_v_expf, 16 or 8 lanes and a scalar tail) at SmolLM2's 49,152
+    and an odd 32,001 columns, logits of a trained model's spread (|x| up to 30), against float64: within F32's
+    rounding of a sum over the row (rtol 1e-5 of the loss)."""
+    rng = np.random.default_rng(7)
+    for n in (49152, 32001):
+        logits = (rng.standard_normal((4, n)) * 6.0).clip(-30, 30).astype(np.float32)
+        labels = np.eye(n, dtype=np.float32)[rng.integers(0, n, 4)]
+        x = f64(logits)
+        logp = x - x.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        want = -(f64(labels) * logp).sum() / 4
+        got = float(np.asarray(ops.cross_entropy_loss(logits, labels)).reshape(-1)[0])
+        assert abs(got - want) <= 1e-5 * abs(want), (n, got, want)
+
+
 # ---- rope
 
 
