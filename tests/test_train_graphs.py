@@ -376,8 +376,8 @@ def test_bf16_ffn_activations_train_as_f32_ones_within_bf16_rounding(f32_path, p
 
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
 def test_bf16_copies_of_frozen_weights_train_the_same_lora_steps(f32_path):
-    """Patch 0070 (CUDA, opt-in LLAMA_OPT_BF16_FROZEN=1): LoRA over an F32 model converts each frozen weight
-    matrix to BF16 once, at llama_opt_init, with the converter the BF16 products use on every step (the
+    """Patch 0070 (CUDA, by default; LLAMA_OPT_BF16_FROZEN=0: off): LoRA over an F32 model converts each frozen
+    weight matrix to BF16 once, at llama_opt_init, with the converter the BF16 products use on every step (the
     forward product and the backward pass's dX product each converted it before), and the training graphs
     multiply the copies: three LoRA r8 steps give the same losses bit for bit as without them (each run its
     own process, the flash backward in fixed order), and llama_opt_init logs one copy per attention and FFN
@@ -386,15 +386,18 @@ def test_bf16_copies_of_frozen_weights_train_the_same_lora_steps(f32_path):
         "sys.argv[1]", repr(str(f32_path))
     ).replace("sys.argv[2]", repr("lora"))
     runs, logs = {}, {}
-    for frozen in ("1", "0"):
-        env = {**os.environ, "LLAMA_OPT_BF16_FROZEN": frozen, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+    for frozen in ("default", "0"):
+        env = {k: v for k, v in os.environ.items() if k != "LLAMA_OPT_BF16_FROZEN"}
+        env["GGML_CUDA_FA_BACK_DETERMINISTIC"] = "1"
+        if frozen != "default":
+            env["LLAMA_OPT_BF16_FROZEN"] = frozen
         p = run_python(code, timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
         runs[frozen] = json.loads(p.stdout.strip().splitlines()[-1])
         logs[frozen] = re.findall(r"BF16 copies of (\d+) frozen weights", p.stderr)
     print(runs, logs)
-    assert logs == {"1": [str(7 * CUT_LAYERS + 1)], "0": []}
-    assert runs["1"]["losses"] == runs["0"]["losses"]
+    assert logs == {"default": [str(7 * CUT_LAYERS + 1)], "0": []}
+    assert runs["default"]["losses"] == runs["0"]["losses"]
 
 
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())

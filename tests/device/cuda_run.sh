@@ -490,7 +490,7 @@ fa67ab)
 fa69)
   # issue 56 (after fa56: the build and the 1B models): settings against each other as bench/train.py rows in one
   # lease (bench_settings), by default patch 0069's FFN activations in BF16 or F32; e.g. LB_SETTINGS=
-  # "LLAMA_OPT_BF16_FROZEN=1 LLAMA_OPT_BF16_FROZEN=0": patch 0070's copies
+  # "LLAMA_OPT_BF16_FROZEN=1 LLAMA_OPT_BF16_FROZEN=0": patch 0070's copies (on by default)
   bench_settings ${LB_SETTINGS:-LLAMA_OPT_BF16_FFN=1 LLAMA_OPT_BF16_FFN=0}
   ;;
 fa69tests)
