@@ -252,6 +252,39 @@ def test_cross_entropy_loss_and_its_gradient_values():
         ops.cross_entropy_loss(logits, onehot[:, :2])
 
 
+@pytest.mark.parametrize("n", [7, 17, 33, 64, 257])
+def test_silu_back_and_soft_max_over_long_rows_against_float64(n):
+    """Patch 0072 (CPU): SILU_BACK computes silu's derivative 16/8/4 at a time through ggml_v_expf and the softmax's
+    row maximum takes SIMD maxima, each row's remainder as before: rows of 7 to 257 columns cover the vector loops
+    and their tails. silu_back against float64 to F32 rounding (rtol 1e-5: ggml_v_expf is within a few ulps),
+    exactly 0 and exactly dy where e^-x overflows or vanishes. Each softmax row's maximum sits at another column
+    (the first, a vector's last lane, the second accumulator's lanes, the remainder), at least 100 above the row's
+    other scaled logits: the maximum of any other columns would overflow the largest exp (e^100 > FLT_MAX), so
+    the float64 comparison checks the maximum too."""
+    rng = np.random.default_rng(n)
+    x = rng.uniform(-12, 12, size=(6, n)).astype(np.float32)
+    x[0, : min(n, 4)] = [-100.0, 100.0, -88.5, 0.0][: min(n, 4)]
+    dy = rng.uniform(-2, 2, size=(6, n)).astype(np.float32)
+    s = 1 / (1 + np.exp(-f64(x)))
+    want = f64(dy) * s * (1 + f64(x) * (1 - s))
+    got = ops.silu_back(dy, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    if n >= 2:
+        assert got[0, 0] == 0.0 and got[0, 1] == dy[0, 1]
+
+    logits = rng.uniform(-2000, 600, size=(8, n)).astype(np.float32)
+    at = [max(c, 0) for c in (0, n - 1, n // 2, min(15, n - 1), min(16, n - 1), min(31, n - 1), min(32, n - 1), n - 2)]
+    logits[np.arange(8), at] = 800.0
+    mask = np.zeros((8, n), np.float32)
+    mask[:, 1::3] = -np.inf
+    mask[np.arange(8), at] = 0
+    z = f64(logits) * 0.5 + f64(mask)
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    out = ops.soft_max(logits, mask, scale=0.5)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, e / e.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-7)
+
+
 def test_cross_entropy_loss_over_a_real_vocabulary():
     """Patch 0071's vectorized log-softmax (ggml_v_expf, 16 or 8 lanes and a scalar tail) at SmolLM2's 49,152
     and an odd 32,001 columns, logits of a trained model's spread (|x| up to 30), against float64: within F32's
