@@ -252,6 +252,31 @@ def test_cross_entropy_loss_and_its_gradient_values():
         ops.cross_entropy_loss(logits, onehot[:, :2])
 
 
+@pytest.mark.parametrize("n", [7, 16, 17, 33, 576, 2049])
+def test_rms_norm_and_its_backward_over_long_rows_against_float64(n):
+    """Patch 0073 (CPU): RMS_NORM and RMS_NORM_BACK sum x*x and x*dz in two SIMD vectors of double partial sums
+    (16 / 8 / 4 terms a step), the row's rest one at a time: rows of 7 to 2049 columns (SmolLM2's 576 among them)
+    cover both and a row of values ~1e15 the range. Against float64: rms_norm(x) = x / sqrt(mean(x^2) + eps) and
+    its gradient r * (dz - x * sum(x*dz) / (sum(x^2) + n*eps)), r = 1/sqrt(mean(x^2) + eps), to 1e-5 relative
+    (float products and outputs; where the gradient's two terms cancel, 1e-6 of the row's largest; a sum missing
+    any vector's terms is off by far more)."""
+    rng = np.random.default_rng(n)
+    x = rng.uniform(-3, 3, size=(5, n)).astype(np.float32)
+    x[1] *= 1e15
+    x[2, n // 2 :] = 0.0  # the sum's terms in one half of the row only
+    dz = rng.uniform(-2, 2, size=(5, n)).astype(np.float32)
+    eps = 1e-6
+    xd, dzd = f64(x), f64(dz)
+    ss = (xd * xd).sum(-1, keepdims=True)
+    r = 1 / np.sqrt(ss / n + eps)
+    np.testing.assert_allclose(ops.rms_norm(x, eps), xd * r, rtol=1e-5, atol=1e-6)
+    want = r * (dzd - xd * (xd * dzd).sum(-1, keepdims=True) / (ss + n * eps))
+    got = ops.rms_norm_back(dz, x, eps)
+    # 1e-5 relative, or 1e-6 of the row's largest gradient where dz and x*c cancel (F32's few ulps of the terms)
+    err = np.abs(got - want) / (np.abs(want) + 0.1 * np.abs(want).max(-1, keepdims=True))
+    assert err.max() < 1e-5, err.max()
+
+
 @pytest.mark.parametrize("n", [7, 17, 33, 64, 257])
 def test_silu_back_and_soft_max_over_long_rows_against_float64(n):
     """Patch 0072 (CPU): SILU_BACK computes silu's derivative 16/8/4 at a time through ggml_v_expf and the softmax's
