@@ -128,13 +128,15 @@ def test_gpu_gradients_match_cpu(device, name, f, x):
     ],
     ids=["window", "gqa-d128", "f16-ragged"],
 )
-@pytest.mark.parametrize("dq_order", ["atomic", "atomic-per-kv-head", "fixed"])
+@pytest.mark.parametrize("dq_order", ["atomic", "atomic-per-kv-head", "fixed", "stats-recomputed"])
 def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv, dq_order, monkeypatch):
-    """Patches 0051, 0065 and 0067: FLASH_ATTN_BACK on the device (CUDA: BF16 tensor-core operands, F32
+    """Patches 0051, 0065, 0067 and 0074: FLASH_ATTN_BACK on the device (CUDA: BF16 tensor-core operands, F32
     accumulation) against the CPU's F32 kernel (patch 0050), dq, dk and dv under a causal mask, with dQ
     summed each way CUDA has: added by atomics in the dK/dV kernel, whose blocks take one query head each
     and add dK and dV by atomics too (the default), or one K/V head each (GGML_CUDA_FA_BACK_SPLIT=0; the
-    same where h == hk), and in a fixed order by a second sweep (GGML_CUDA_FA_BACK_DETERMINISTIC=1).
+    same where h == hk), and in a fixed order by a second sweep (GGML_CUDA_FA_BACK_DETERMINISTIC=1); the
+    log-sum-exp and the mask's tile classes kept by the forward (patch 0074, the default) or recomputed by
+    the backward (GGML_CUDA_FA_KEEP_STATS=0: the forward by the inference kernels).
     NMSE limit 1e-4: BF16 rounds each operand to
     8 significant bits (relative error 2^-9); the sums of a few hundred such products keep the error of
     each output near 1e-3 relative, NMSE ~1e-5 (measured on an H100: 0.9-2.2e-5); a wrong tile or index
@@ -147,6 +149,10 @@ def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv, 
         if not device.startswith("CUDA") or h == hk:
             pytest.skip("a CUDA setting for grouped-query heads")
         monkeypatch.setenv("GGML_CUDA_FA_BACK_SPLIT", "0")
+    if dq_order == "stats-recomputed":
+        if not device.startswith("CUDA"):
+            pytest.skip("a CUDA setting")
+        monkeypatch.setenv("GGML_CUDA_FA_KEEP_STATS", "0")
     got, want = _flash_attention_gradients(device, b, h, hk, n, m, d, kv)
     for name, g, r in zip("qkv", got, want):
         e = ops.nmse(g, r)
@@ -172,6 +178,47 @@ def _flash_attention_gradients(device, b, h, hk, n, m, d, kv, cpu=True):
     except TypeError as err:  # no backward for this on the device: a clear error, never a crash
         pytest.skip(str(err))
     return got, ops.grad(loss, argnums=(0, 1, 2), backend="cpu")(*args) if cpu else None
+
+
+@pytest.mark.parametrize("device", [g for g in GPUS if g.startswith("CUDA")] or ["CUDA0"])
+@pytest.mark.parametrize(
+    "b,h,hk,n,m,d,kv,noise",
+    [
+        (1, 4, 4, 256, 256, 64, np.float32, 0.0),  # one training window: open, masked and diagonal tiles
+        (2, 8, 2, 300, 300, 128, np.float32, 0.0),  # grouped-query heads, two sequences, a partial last tile
+        (1, 2, 1, 77, 200, 64, np.float16, 0.0),  # F16 K/V, more keys than queries, rows of few keys
+        (2, 4, 2, 130, 130, 64, np.float32, 0.5),  # finite mask entries in every tile (ALiBi-free bias)
+    ],
+    ids=["window", "gqa-d128", "f16-ragged", "biased"],
+)
+def test_gpu_flash_attention_training_forward_matches_float64(device, b, h, hk, n, m, d, kv, noise, monkeypatch):
+    """Patch 0074 (CUDA): a FLASH_ATTN_EXT that a backward pass reads (here vjp's graph) runs the training
+    forward, FlashAttention-2's forward on the backward's BF16 tiles, keeping each row's log-sum-exp and the
+    mask's tile classes past its result for FLASH_ATTN_BACK. Its output against softmax(scale q k^T + mask) v
+    in float64, NMSE limit 1e-4 (BF16 operands round to 8 significant bits, relative error 2^-9; P in BF16
+    too: NMSE ~1e-5; a wrong tile, row or rescaling is O(1)); and not the bits of the inference kernels
+    (GGML_CUDA_FA_KEEP_STATS=0: F16 operands), so the training forward is the kernel that ran."""
+    if device not in GPUS:
+        pytest.skip(f"no {device}")
+    from test_ops_grad import _attention_f64
+
+    r = np.random.default_rng(n * m + d)
+    q = r.standard_normal((b, h, n, d)).astype(np.float32)
+    k, v = (r.standard_normal((b, hk, m, d)).astype(kv).astype(np.float32) for _ in range(2))
+    mask = np.triu(np.full((n, m), -np.inf, np.float32), m - n + 1) + r.normal(0, noise, (n, m))
+    mask = mask.astype(np.float16)
+
+    def attn(q, k, v):
+        return ops.flash_attn_ext(q, ops.cast(k, kv), ops.cast(v, kv), mask, scale=d**-0.5)
+
+    got = np.asarray(ops.vjp(attn, q, k, v, backend=device)[0])
+    want = _attention_f64(q, k, v, mask.astype(np.float32), d**-0.5)
+    e = ops.nmse(got, want)
+    print(f"O: NMSE {e:.2e}")
+    assert got.shape == want.shape and e < 1e-4, f"NMSE {e:.3g}"
+    monkeypatch.setenv("GGML_CUDA_FA_KEEP_STATS", "0")
+    inference = np.asarray(ops.vjp(attn, q, k, v, backend=device)[0])
+    assert ops.nmse(inference, want) < 1e-4 and not np.array_equal(got, inference)
 
 
 @pytest.mark.parametrize("device", [g for g in GPUS if g.startswith("CUDA")] or ["CUDA0"])
