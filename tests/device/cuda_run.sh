@@ -79,7 +79,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 MODELS=/tmp/lb-models
 # the image's pytest plugins are not autoloaded (one of them crashed the interpreter at start-up)
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
-PYTEST_ARGS="-q -p no:cacheprovider -p _hypothesis_pytestplugin -rs ${LB_PYTEST_EXTRA:-}"
+# a test that does not return dumps every thread's stack after LB_FAULT_S seconds (pytest's faulthandler_timeout): a
+# hang shows where it is rather than only eating the call's 600 s (two calls did so on 2026-11-28)
+PYTEST_ARGS="-q -p no:cacheprovider -p _hypothesis_pytestplugin -rs -o faulthandler_timeout=${LB_FAULT_S:-90} ${LB_PYTEST_EXTRA:-}"
 # left out of the suite here: test_embeddings (builds a side venv from PyPI), the sdist, vendor and
 # wheel-building tests (PyPI, other Pythons, the untrimmed upstream tree), upstream's vocab GGUFs and
 # chat templates (not carried), the notebook (nbformat is not in the image); the op tests run in "ops"
@@ -438,7 +440,8 @@ fa56)
     --tokenizer-from /tmp/tokenizer.gguf 2>&1 | tail -1; python3 -c "from llamabind import train; \
     train.to_f32('$MODELS/llama-1b-q4_0.gguf', '$MODELS/llama-1b-f32.gguf')"; }
   t0=$SECONDS
-  LLAMABIND_TEST_BACKEND=cuda LLAMABIND_REQUIRE_GPU=1 python3 -m pytest tests/test_ops_backends.py tests/test_ops_grad.py \
+  # (LB_KERNEL_TIMEOUT, default 240 s: the rows of a later command in the same call still run after a hang)
+  LLAMABIND_TEST_BACKEND=cuda LLAMABIND_REQUIRE_GPU=1 timeout ${LB_KERNEL_TIMEOUT:-240} python3 -m pytest tests/test_ops_backends.py tests/test_ops_grad.py \
     tests/test_qlora.py $PYTEST_ARGS -k "${LB_KERNEL_K:-flash or gradients or out_prod or many_columns}" 2>&1 \
     | tee "$OUT/fa56-kernel-tests.log" | tail -12
   echo "kernel tests in $((SECONDS - t0)) s"
