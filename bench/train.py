@@ -294,6 +294,12 @@ def main() -> int:
                 return dict(error=str(err)[-600:], batch=batch, ctx=ctx)
             return {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb, "ctx": ctx}
 
+        def done(name: str, row: dict) -> None:  # one line a row as it ends: a run cut short keeps its rows
+            times = row.get("step_times")
+            tps = row["batch"] * row["ctx"] / statistics.median(times) if times else row.get("train_tok_s")
+            print(f"row done: {name}: {tps or row.get('error', '')} tok/s, {row.get('peak_gpu_mb')} GPU MiB",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
         for ctx in ctxs:
             fpt = {lora: flops_per_token(f32, ctx, lora) for lora in (False, True)}
             args.ctx = ctx
@@ -321,6 +327,7 @@ def main() -> int:
                             **ours(mode, path, ctx, b, f32_run, gc_run),
                             "fpt": fpt[mode == "lora"],
                         }
+                        done(f"llamabind {what}, ctx {ctx}, batch {b}", rows[f"llamabind {what}, ctx {ctx}, batch {b}"])
             if args.torch:
                 with llamabind.Model(f32, vocab_only=True) as v:
                     win = train.windows(v.tokenize(data.read_text(encoding="utf-8"), add_special=True), ctx)
@@ -348,6 +355,7 @@ def main() -> int:
                             oom = "out of memory" in str(err).lower()
                             rows[name] = dict(error="out of memory" if oom else str(err)[-600:], batch=b)
                         rows[name].update(ctx=ctx, fpt=fpt[lora])
+                        done(name, rows[name])
 
     print(f"\n{desc}, {args.threads} threads, -ngl {args.ngl}, AdamW (full lr {LR_FULL}, LoRA {LR_LORA})")
     print(f"| {'runner':58s} | steps | train tok/s | TFLOP/s | MFU | peak RSS MiB | peak GPU MiB | val loss |")

@@ -127,7 +127,7 @@ bench_settings() {
       first=""
       env ${setting//,/ } python3 bench/train.py -ngl 99 --threads 8 --model $MODELS/llama-$sz-q4_0.gguf \
         --chars ${LB_CHARS:-400000} --ctx $ctx --batch $batches --steps ${LB_STEPS:-6} --runners ${LB_RUNNERS:-full,lora} \
-        $torch --out "$OUT/train-$sz-ctx$ctx-b$batches-${setting//[=,]/-}.json" 2>&1 | grep -E "^\| (llama|PyTorch)|rror" \
+        $torch --out "$OUT/train-$sz-ctx$ctx-b$batches-${setting//[=,]/-}.json" 2>&1 | tee -a "$OUT/bench-train-raw.log" | grep -E "^\| (llama|PyTorch)|rror|^row done" \
         | sed "s/^/$setting /" | tee -a "$OUT/bench-train-settings.txt"
     done
   done
