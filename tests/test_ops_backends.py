@@ -68,6 +68,13 @@ CASES = [
     ("rope_back", ops.rope_back, (f32(5, 2, 32), np.arange(5, dtype=np.int32), 32), {"mode": "neox"}),  # PR #24725
     ("im2col_kw3_ic512", ops.im2col, (f32(8, 512, 3), f32(1, 512, 300), 1, 1, 1), {}),  # PR #24220
     ("get_rows", ops.get_rows, (f32(10, 16), np.array([3, 1, 9], np.int32)), {}),
+    # patch 0075: F32 binary ops four elements a thread where rows are a multiple of 4 long and src1 repeats only
+    # whole rows (same shape; repeated over dims 1 and 3; a norm weight over 37 rows; over heads), else the old kernel
+    ("add_rows_vec4", ops.add, (f32(3, 5, 7, 8), f32(3, 5, 7, 8)), {}),
+    ("mul_rows_vec4_repeated", ops.mul, (f32(3, 5, 7, 8), f32(5, 1, 8)), {}),
+    ("sub_rows_vec4_norm_weight", ops.sub, (f32(37, 2048), f32(2048)), {}),
+    ("div_rows_vec4_heads", ops.div, (f32(2, 6, 9, 64), rng.uniform(0.5, 2, (2, 1, 9, 64)).astype(np.float32)), {}),
+    ("add_rows_vec4_long", ops.add, (f32(300, 4096), f32(300, 4096)), {}),
 ]
 
 
