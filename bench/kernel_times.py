@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 # kinds by kernel name, first match wins (cuBLAS's kernels on Hopper: nvjet_*, sm90_xmma_*, cutlass_*)
 KINDS = (
     ("flash attention backward", r"fa_back"),
-    ("flash attention forward", r"flash_attn|fattn"),
+    ("flash attention forward", r"flash_attn|fattn|fa_fwd"),
     ("matrix products (cuBLAS)", r"gemm|nvjet|xmma|cutlass|sm\d\d_"),
     ("F32 -> BF16 conversions", r"convert_unary\w*<float, (__)?nv_bfloat16>"),
     ("cross-entropy", r"cross_entropy"),
