@@ -5,7 +5,7 @@ synchronization that bench/train_profile.py's node-by-node profile adds), and th
 kind: cuBLAS products, the F32 -> BF16 conversions of the products' operands, flash attention forward and
 backward, cross-entropy, AdamW, and the rest (element-wise, norms, copies) by kernel name.
 
-    python bench/kernel_times.py --model F32.gguf [--ctx 2048] [--batch 4] [--mode bf16|lora] [--out FILE.json]
+    python bench/kernel_times.py --model F32.gguf [--ctx 2048] [--batch 4] [--mode bf16|lora|qlora] [--out FILE.json]
 
 The worker (the same script with --worker, started under `ncu --profile-from-start off`) times three
 unprofiled steps after two warm-up steps (the median is printed as "step ms"), then runs one step between
@@ -72,7 +72,7 @@ def worker(args) -> dict:
     from llamabind import train
 
     rng = np.random.default_rng(0)
-    lora = args.mode == "lora"
+    lora = args.mode in ("lora", "qlora")  # qlora: LoRA over --model as it is (a quantized GGUF)
     kw_model = dict(use_mmap=lora, repack=not lora, n_gpu_layers=99, n_threads=8)
     with llamabind.Model(args.model, **kw_model) as m:
         wins = rng.integers(3, m.n_vocab, size=(args.batch, args.ctx + 1), dtype=np.int32)
@@ -215,7 +215,12 @@ def main() -> int:
     ap.add_argument("--model", required=True, help="an F32 GGUF (bench/make_model.py + train.to_f32)")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--mode", default="bf16", choices=("bf16", "lora"), help="full fine-tune or LoRA r8, defaults")
+    ap.add_argument(
+        "--mode",
+        default="bf16",
+        choices=("bf16", "lora", "qlora"),
+        help="full fine-tune or LoRA r8 (qlora: over --model quantized), the defaults",
+    )
     ap.add_argument("--top", type=int, default=30, help="kernels listed")
     ap.add_argument("--steps", type=int, default=5, help="unprofiled steps timed (after two warm-up steps)")
     ap.add_argument("--graph", action="store_true",

@@ -506,18 +506,21 @@ fa69tests)
   ;;
 fa56kernels)
   # issue 56 (after fa56: the build and the 1B models): one training step's kernels timed by Nsight Compute
-  # (bench/kernel_times.py: gpu time per kernel, summed by kind), LB_KT (default "2048:4:bf16 2048:4:lora")
+  # (bench/kernel_times.py: gpu time per kernel, summed by kind), LB_KT (default "2048:4:bf16 2048:4:lora";
+  # CTX:BATCH:MODE, MODE bf16 (full), lora or qlora)
   for spec in ${LB_KT:-2048:4:bf16 2048:4:lora}; do
     IFS=: read -r ctx batch mode <<< "$spec"
+    kt_model=$MODELS/llama-1b-f32.gguf
+    [ "$mode" = qlora ] && kt_model=$MODELS/llama-1b-q4_0.gguf  # QLoRA: LoRA over the Q4_0 GGUF as it is
     # LB_KT_TRACE=1: two steps traced by CUPTI (torch.profiler): GPU busy time, idle gaps, the host's CUDA calls
     [ -n "${LB_KT_TRACE:-}" ] && python3 bench/kernel_times.py --trace "$OUT/trace-$mode-${ctx}x$batch.trace.json" \
-      --model $MODELS/llama-1b-f32.gguf --ctx $ctx --batch $batch --mode $mode \
+      --model $kt_model --ctx $ctx --batch $batch --mode $mode \
       --out "$OUT/kernel-times-trace-$mode-${ctx}x$batch.json" 2>&1 | tee "$OUT/kernel-times-trace-$mode-${ctx}x$batch.txt" | tail -80
     [ -n "${LB_KT_ONLY_TRACE:-}" ] && continue
-    python3 bench/kernel_times.py --model $MODELS/llama-1b-f32.gguf --ctx $ctx --batch $batch --mode $mode \
+    python3 bench/kernel_times.py --model $kt_model --ctx $ctx --batch $batch --mode $mode \
       --out "$OUT/kernel-times-$mode-${ctx}x$batch.json" 2>&1 | tee "$OUT/kernel-times-$mode-${ctx}x$batch.txt" | head -60
     # LB_KT_GRAPH=1: the same step's CUDA graph timed as one workload (the gaps between kernels included)
-    [ -n "${LB_KT_GRAPH:-}" ] && python3 bench/kernel_times.py --graph --model $MODELS/llama-1b-f32.gguf --ctx $ctx \
+    [ -n "${LB_KT_GRAPH:-}" ] && python3 bench/kernel_times.py --graph --model $kt_model --ctx $ctx \
       --batch $batch --mode $mode --out "$OUT/kernel-times-graph-$mode-${ctx}x$batch.json" 2>&1 \
       | tee "$OUT/kernel-times-graph-$mode-${ctx}x$batch.txt" | head -30
   done
