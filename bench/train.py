@@ -217,6 +217,11 @@ def run_llama_finetune(exe: Path, model: Path, data: Path, args, out: Path) -> d
     )  # fmt: skip
 
 
+def median_tok_s(row: dict) -> float:
+    """Tokens/s of a row's median step (step_times in seconds, batch windows of ctx tokens each)."""
+    return row["batch"] * row["ctx"] / statistics.median(row["step_times"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -295,8 +300,7 @@ def main() -> int:
             return {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb, "ctx": ctx}
 
         def done(name: str, row: dict) -> None:  # one line a row as it ends: a run cut short keeps its rows
-            times = row.get("step_times")
-            tps = row["batch"] * row["ctx"] / statistics.median(times) if times else row.get("train_tok_s")
+            tps = median_tok_s(row) if row.get("step_times") else row.get("train_tok_s")
             print(f"row done: {name}: {tps or row.get('error', '')} tok/s, {row.get('peak_gpu_mb')} GPU MiB",
                   file=sys.stderr, flush=True)  # fmt: skip
 
@@ -323,11 +327,9 @@ def main() -> int:
                         mode, path, what = base[r.removesuffix("-f32")]
                         what += " f32, composed attention" if f32_run else ""
                         what += " recomputed activations" if gc_run else ""
-                        rows[f"llamabind {what}, ctx {ctx}, batch {b}"] = {
-                            **ours(mode, path, ctx, b, f32_run, gc_run),
-                            "fpt": fpt[mode == "lora"],
-                        }
-                        done(f"llamabind {what}, ctx {ctx}, batch {b}", rows[f"llamabind {what}, ctx {ctx}, batch {b}"])
+                        name = f"llamabind {what}, ctx {ctx}, batch {b}"
+                        rows[name] = {**ours(mode, path, ctx, b, f32_run, gc_run), "fpt": fpt[mode == "lora"]}
+                        done(name, rows[name])
             if args.torch:
                 with llamabind.Model(f32, vocab_only=True) as v:
                     win = train.windows(v.tokenize(data.read_text(encoding="utf-8"), add_special=True), ctx)
@@ -366,7 +368,7 @@ def main() -> int:
             continue
         if r.get("step_times"):  # the median step, every runner alike (llama-finetune's row has none)
             r["train_tok_s_mean"] = r["train_tok_s"]
-            r["train_tok_s"] = r["batch"] * r["ctx"] / statistics.median(r["step_times"])
+            r["train_tok_s"] = median_tok_s(r)
         vl, gm = r.get("val_loss"), r.get("peak_gpu_mb")
         r["tflops"] = r["fpt"] * r["train_tok_s"] / 1e12
         r["mfu"] = r["tflops"] / args.peak
