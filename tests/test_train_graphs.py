@@ -32,6 +32,14 @@ def f32_path(smollm2_f32_cut):
 
 
 @pytest.fixture(scope="module")
+def q4_0_path(f32_path, tmp_path_factory):
+    """f32_path in Q4_0 (llama_model_quantize): QLoRA's frozen weights."""
+    out = tmp_path_factory.mktemp("q4_0") / "smollm2-q4_0.gguf"
+    llamabind.quantize(f32_path, out, "Q4_0")
+    return out
+
+
+@pytest.fixture(scope="module")
 def untied_f32(tiny_f32):
     return tiny_f32  # conftest: bench/make_model.py's tiny shape has an untied output matrix
 
@@ -299,7 +307,7 @@ from llamabind import train
 w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
 with llamabind.Model(sys.argv[1], use_mmap=False) as m:
     kw = {}
-    if sys.argv[2] == "lora":
+    if sys.argv[2] in ("lora", "qlora"):
         path = Path(tempfile.mkdtemp()) / "init.gguf"
         train.lora_init(m, path, 8, 16.0, ("attn_q", "attn_v"), 0)
         kw = dict(params="lora", adapter=m.load_lora(path))
@@ -310,9 +318,15 @@ with llamabind.Model(sys.argv[1], use_mmap=False) as m:
 """
 
 
+def _cast_steps(params: str, f32_path: Path, request) -> str:
+    """_CAST_STEPS for "model" and "lora" over f32_path, "qlora" (LoRA r8) over its Q4_0 copy."""
+    path = request.getfixturevalue("q4_0_path") if params == "qlora" else f32_path
+    return _CAST_STEPS.replace("sys.argv[1]", repr(str(path))).replace("sys.argv[2]", repr(params))
+
+
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
-@pytest.mark.parametrize("params", ["model", "lora"])
-def test_bf16_product_inputs_train_the_same_steps(f32_path, params):
+@pytest.mark.parametrize("params", ["model", "lora", "qlora"])
+def test_bf16_product_inputs_train_the_same_steps(f32_path, params, request):
     """Patch 0068 (CUDA): in a mixed-precision training graph (bf16, every layer on the GPU) the F32 input
     of each F32 weight's product is cast to BF16 once (ggml_cast: 4 per layer and the output layer's, the
     Q/K/V products of one input reading one cast) and the backward pass keeps the cast rather than the F32
@@ -322,10 +336,11 @@ def test_bf16_product_inputs_train_the_same_steps(f32_path, params):
     in F32, LLAMA_OPT_BF16_FFN=0: those round the values, see the next test), and the graphs'
     compute buffer is smaller (the F32 inputs freed after their casts). Each run its own process, the flash
     attention backward in its fixed order (GGML_CUDA_FA_BACK_DETERMINISTIC=1: its atomics' order would
-    change the later steps' last bits)."""
+    change the later steps' last bits). Patch 0077: QLoRA over Q4_0 the same (ggml-cuda's BF16 product of a
+    quantized weight, 512 columns here, converted its F32 input with the cast's rounding)."""
     runs = {}
     for cast in ("1", "0"):
-        code = _CAST_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
+        code = _cast_steps(params, f32_path, request)
         env = {**os.environ, "LLAMA_OPT_BF16_FFN": "0", "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
         env["LLAMA_OPT_BF16_INPUTS"] = cast
         p = run_python(code, timeout=600, env=env)
@@ -338,8 +353,8 @@ def test_bf16_product_inputs_train_the_same_steps(f32_path, params):
 
 
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
-@pytest.mark.parametrize("params", ["model", "lora"])
-def test_bf16_ffn_activations_train_as_f32_ones_within_bf16_rounding(f32_path, params):
+@pytest.mark.parametrize("params", ["model", "lora", "qlora"])
+def test_bf16_ffn_activations_train_as_f32_ones_within_bf16_rounding(f32_path, params, request):
     """Patch 0069 (CUDA): a mixed-precision training graph keeps the FFN's gate and up activations in BF16
     (two casts a layer, SwiGLU and its backward on BF16, the down product's input SwiGLU's BF16 result), as
     autocast's Linear returns them. Three runs, each its own process, the flash backward in fixed order:
@@ -351,14 +366,15 @@ def test_bf16_ffn_activations_train_as_f32_ones_within_bf16_rounding(f32_path, p
     result); against F32 activations each step's loss within 2e-3 relative (BF16 keeps 8 significant bits,
     2^-9 relative per value, averaged over thousands in each logit) and it trains (the third loss below the
     first). The casts add two CPY nodes a layer to each forward pass and take away patch 0068's cast of the down
-    product's input (SwiGLU's result is BF16): one CPY node more a layer; the compute buffer is smaller."""
+    product's input (SwiGLU's result is BF16): one CPY node more a layer; the compute buffer is smaller.
+    Patch 0077: QLoRA over Q4_0 the same (the quantized gate and up products written in BF16)."""
     runs = {}
     for name, extra in (
         ("bf16", {}),
         ("unfused", {"GGML_CUDA_DISABLE_FUSION": "1"}),
         ("f32", {"LLAMA_OPT_BF16_FFN": "0"}),
     ):
-        code = _CAST_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
+        code = _cast_steps(params, f32_path, request)
         env = {**os.environ, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1", **extra}
         p = run_python(code, timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
