@@ -35,7 +35,9 @@ def f32_path(smollm2_f32_cut):
 def q4_0_path(f32_path, tmp_path_factory):
     """f32_path in Q4_0 (llama_model_quantize): QLoRA's frozen weights."""
     out = tmp_path_factory.mktemp("q4_0") / "smollm2-q4_0.gguf"
-    llamabind.quantize(f32_path, out, "Q4_0")
+    from llamabind.model import quantize
+
+    quantize(f32_path, out, "Q4_0")
     return out
 
 
@@ -320,8 +322,11 @@ with llamabind.Model(sys.argv[1], use_mmap=False) as m:
 
 def _cast_steps(params: str, f32_path: Path, request) -> str:
     """_CAST_STEPS for "model" and "lora" over f32_path, "qlora" (LoRA r8) over its Q4_0 copy."""
-    path = request.getfixturevalue("q4_0_path") if params == "qlora" else f32_path
-    return _CAST_STEPS.replace("sys.argv[1]", repr(str(path))).replace("sys.argv[2]", repr(params))
+    code = _CAST_STEPS.replace("sys.argv[2]", repr(params))
+    if params == "qlora":  # (QLoRA reads the weights in the GGUF's layout)
+        code = code.replace("use_mmap=False", "use_mmap=False, repack=False")
+        return code.replace("sys.argv[1]", repr(str(request.getfixturevalue("q4_0_path"))))
+    return code.replace("sys.argv[1]", repr(str(f32_path)))
 
 
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())

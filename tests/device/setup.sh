@@ -16,7 +16,7 @@ export CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90${LB_FAST_BUILD:+
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) LLAMABIND_BUILD_TOOLS=$([ -n "${LB_FAST_BUILD:-}${LB_NO_TOOLS:-}" ] && echo OFF || echo ON)
 if [ ! -f build/lb-cuda/.built ] && [ -z "${LB_NO_CUDA:-}" ]; then  # LB_NO_CUDA=1: Vulkan phases only
   t0=$SECONDS
-  python3 -m pip install -v --no-build-isolation --no-deps --target build/lb-cuda . > "$OUT/build.log" 2>&1 \
+  python3 -m pip install -v --no-build-isolation --no-deps --upgrade --target build/lb-cuda . > "$OUT/build.log" 2>&1 \
     && touch build/lb-cuda/.built
   echo "build rc=$? in $((SECONDS - t0)) s ($(nproc) jobs)"
 fi
