@@ -114,7 +114,8 @@ start_models() {
 }
 # bench/train.py rows, one per setting (the arguments: environment variables, several joined by commas) in one
 # lease for each LB_BENCH spec SIZE:CTX:BATCHES (default "1b:2048:4"), runners LB_RUNNERS (default full,lora);
-# PyTorch LB_TORCH_RUNS (default bf16,lora-bf16; none: left out) once a spec, beside the first setting
+# PyTorch LB_TORCH_RUNS (default bf16,lora-bf16; none: left out) once a spec, beside the first setting; the model
+# LB_BENCH_MODEL (default the spec's random-weight Q4_0 llama: QLoRA's base, its F32 copy full and LoRA's)
 bench_settings() {
   local spec sz ctx batches setting torch first
   for spec in ${LB_BENCH:-1b:2048:4}; do
@@ -125,7 +126,7 @@ bench_settings() {
       [ -n "$first" ] && [ "${LB_TORCH_RUNS:-}" != none ] && \
         torch="--torch python3 --torch-device cuda --torch-runs ${LB_TORCH_RUNS:-bf16,lora-bf16}"
       first=""
-      env ${setting//,/ } python3 bench/train.py -ngl 99 --threads 8 --model $MODELS/llama-$sz-q4_0.gguf \
+      env ${setting//,/ } python3 bench/train.py -ngl 99 --threads 8 --model ${LB_BENCH_MODEL:-$MODELS/llama-$sz-q4_0.gguf} \
         --chars ${LB_CHARS:-400000} --ctx $ctx --batch $batches --steps ${LB_STEPS:-6} --runners ${LB_RUNNERS:-full,lora} \
         $torch --out "$OUT/train-$sz-ctx$ctx-b$batches-${setting//[=,]/-}.json" 2>&1 | tee -a "$OUT/bench-train-raw.log" | grep -E "^\| (llama|PyTorch)|rror|^row done" \
         | sed "s/^/$setting /" | tee -a "$OUT/bench-train-settings.txt"
