@@ -20,6 +20,7 @@ from conftest import CUT_LAYERS, GPU_BUILD, gpu_skip_reason, run_python
 
 import llamabind
 from llamabind import train
+from llamabind.model import quantize
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,8 +36,6 @@ def f32_path(smollm2_f32_cut):
 def q4_0_path(f32_path, tmp_path_factory):
     """f32_path in Q4_0 (llama_model_quantize): QLoRA's frozen weights."""
     out = tmp_path_factory.mktemp("q4_0") / "smollm2-q4_0.gguf"
-    from llamabind.model import quantize
-
     quantize(f32_path, out, "Q4_0")
     return out
 
