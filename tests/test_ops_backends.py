@@ -36,6 +36,10 @@ def _soft(rows, classes):
     return (e / e.sum(-1, keepdims=True)).astype(np.float32)
 
 
+def _bf16(*s):
+    return f32(*s).astype(ml_dtypes.bfloat16)
+
+
 _G = np.array([0.75], np.float32)
 
 CASES = [
@@ -75,6 +79,27 @@ CASES = [
     ("sub_rows_vec4_norm_weight", ops.sub, (f32(37, 2048), f32(2048)), {}),
     ("div_rows_vec4_heads", ops.div, (f32(2, 6, 9, 64), rng.uniform(0.5, 2, (2, 1, 9, 64)).astype(np.float32)), {}),
     ("add_rows_vec4_long", ops.add, (f32(300, 4096), f32(300, 4096)), {}),
+    # patch 0079: ROPE over rows of up to 512 values several rows a block (8 heads of 64, 4 of 128; 185 and 27 rows:
+    # a last block short of rows), part of a head rotated (80 values, 32 rotated: pairs past the row and unrotated
+    # ones), F16; rows of over 512 values by upstream's blocks
+    ("rope_rows_head64", ops.rope, (f32(37, 5, 64), np.arange(37, dtype=np.int32), 64), {}),
+    ("rope_back_rows_head64", ops.rope_back, (f32(37, 5, 64), np.arange(37, dtype=np.int32), 64), {}),
+    ("rope_rows_head128_neox", ops.rope, (f32(9, 3, 128), np.arange(9, dtype=np.int32), 128), {"mode": "neox"}),
+    (
+        "rope_back_rows_head128_neox",
+        ops.rope_back,
+        (f32(9, 3, 128), np.arange(9, dtype=np.int32), 128),
+        {"mode": "neox"},
+    ),
+    ("rope_rows_partial_head80", ops.rope, (f32(6, 3, 80), np.arange(6, dtype=np.int32), 32), {}),
+    ("rope_rows_f16", ops.rope, (f32(11, 4, 64).astype(np.float16), np.arange(11, dtype=np.int32), 64), {}),
+    ("rope_row_over_512", ops.rope, (f32(3, 2, 1040), np.arange(3, dtype=np.int32), 1040), {}),
+    # patch 0080: gated activations 16 bytes a thread where rows are a multiple of 16 bytes (BF16 and F16 rows of 64
+    # and 24, F32 rows of 8), else the general kernel (F32 rows of 30)
+    ("swiglu_glu_vec_bf16", ops.swiglu, (_bf16(33, 64), _bf16(33, 64)), {}),
+    ("swiglu_glu_vec_f16", ops.swiglu, (f32(7, 24).astype(np.float16), f32(7, 24).astype(np.float16)), {}),
+    ("swiglu_glu_vec_f32", ops.swiglu, (f32(12, 8), f32(12, 8)), {}),
+    ("swiglu_f32_odd_rows", ops.swiglu, (f32(5, 30), f32(5, 30)), {}),
 ]
 
 
