@@ -100,6 +100,13 @@ CASES = [
     ("swiglu_glu_vec_f16", ops.swiglu, (f32(7, 24).astype(np.float16), f32(7, 24).astype(np.float16)), {}),
     ("swiglu_glu_vec_f32", ops.swiglu, (f32(12, 8), f32(12, 8)), {}),
     ("swiglu_f32_odd_rows", ops.swiglu, (f32(5, 30), f32(5, 30)), {}),
+    # patch 0081: RMS_NORM and RMS_NORM_BACK a warp per row of 128 * k floats up to 2048 (37 rows: a last block of one;
+    # rows of 512 over channels and samples), else upstream's kernels (rows of 4096)
+    ("rms_norm_rows_2048", ops.rms_norm, (f32(37, 2048),), {}),
+    ("rms_norm_rows_channels_samples", ops.rms_norm, (f32(3, 5, 7, 512),), {}),
+    ("rms_norm_back_rows_1024", ops.rms_norm_back, (f32(37, 1024), f32(37, 1024)), {}),
+    ("rms_norm_back_rows_128", ops.rms_norm_back, (f32(9, 128), f32(9, 128)), {}),
+    ("rms_norm_row_over_2048", ops.rms_norm, (f32(3, 4096),), {}),
 ]
 
 
@@ -321,6 +328,21 @@ def test_gpu_swiglu_gradients_match_cpu(device, shape):
     want = ops.grad(loss, argnums=(0, 1), backend="cpu")(a, b)
     for name, g, r in zip("ab", got, want):
         assert ops.nmse(g, r) < 1e-6, f"d{name} on {device}: NMSE {ops.nmse(g, r):.3g}"
+
+
+@pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize("shape", [(37, 2048), (3, 5, 7, 512), (6, 64)], ids=str)
+def test_gpu_rms_norm_times_a_weight_in_one_graph(device, shape):
+    """Patch 0081 (CUDA): RMS_NORM followed by a MUL by a weight row in one graph, as every llama block has it
+    (ggml-cuda fuses the two), a warp per row where rows are 128 * k floats up to 2048, upstream's kernel for rows of
+    64; against float64. F32 sums of up to 2048 squares: 1e-10 NMSE is far above their rounding (~1e-14) and far
+    below a wrong row, weight or scale."""
+    x, w = f32(*shape), f32(shape[-1])
+    with ops.graph(device) as g:
+        y = ops.mul(ops.rms_norm(x, 1e-6), w)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * w.astype(np.float64)
+    assert ops.nmse(g.compute(y), want) < 1e-10
 
 
 @pytest.mark.parametrize("device", GPUS)
