@@ -164,10 +164,11 @@ def test_gpu_gradients_match_cpu(device, name, f, x):
         (1, 4, 4, 256, 256, 64, np.float32),  # one training window
         (2, 8, 2, 300, 300, 128, np.float32),  # grouped-query heads, two sequences, a partial last tile
         (1, 2, 1, 77, 200, 64, np.float16),  # F16 K/V, more keys than queries, rows of few keys
+        (1, 2, 1, 2200, 2200, 64, np.float32),  # 35 blocks: runs of over 32 masked tiles (a warp's scan)
     ],
-    ids=["window", "gqa-d128", "f16-ragged"],
+    ids=["window", "gqa-d128", "f16-ragged", "long"],
 )
-@pytest.mark.parametrize("dq_order", ["atomic", "atomic-per-kv-head", "fixed", "stats-recomputed"])
+@pytest.mark.parametrize("dq_order", ["atomic", "atomic-per-kv-head", "fixed", "stats-recomputed", "no-cp-async"])
 def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv, dq_order, monkeypatch):
     """Patches 0051, 0065, 0067 and 0074: FLASH_ATTN_BACK on the device (CUDA: BF16 tensor-core operands, F32
     accumulation) against the CPU's F32 kernel (patch 0050), dq, dk and dv under a causal mask, with dQ
@@ -175,7 +176,12 @@ def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv, 
     and add dK and dV by atomics too (the default), or one K/V head each (GGML_CUDA_FA_BACK_SPLIT=0; the
     same where h == hk), and in a fixed order by a second sweep (GGML_CUDA_FA_BACK_DETERMINISTIC=1); the
     log-sum-exp and the mask's tile classes kept by the forward (patch 0074, the default) or recomputed by
-    the backward (GGML_CUDA_FA_KEEP_STATS=0: the forward by the inference kernels).
+    the backward (GGML_CUDA_FA_KEEP_STATS=0: the forward by the inference kernels); the forward's and the
+    backward's tiles loaded by cp.async into two buffers (the default at head size 64, patch 0082) or not
+    (GGML_CUDA_FA_FWD_PIPE=0, GGML_CUDA_FA_BACK_PIPE=0). "long": 2200 queries and
+    keys, 35 blocks of 64: the first query block's forward and the last key block's dK/dV kernel skip 34
+    masked tiles, more than the 32 that a warp's lanes look at at once (patch 0082); 2200 is not a
+    multiple of 64 (the checked tile loads), every other tile takes the unchecked ones.
     NMSE limit 1e-4: BF16 rounds each operand to
     8 significant bits (relative error 2^-9); the sums of a few hundred such products keep the error of
     each output near 1e-3 relative, NMSE ~1e-5 (measured on an H100: 0.9-2.2e-5); a wrong tile or index
@@ -192,6 +198,11 @@ def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv, 
         if not device.startswith("CUDA"):
             pytest.skip("a CUDA setting")
         monkeypatch.setenv("GGML_CUDA_FA_KEEP_STATS", "0")
+    if dq_order == "no-cp-async":  # (the default at head size 64 is the pipelined pair, patch 0082)
+        if not device.startswith("CUDA"):
+            pytest.skip("a CUDA setting")
+        monkeypatch.setenv("GGML_CUDA_FA_FWD_PIPE", "0")
+        monkeypatch.setenv("GGML_CUDA_FA_BACK_PIPE", "0")
     got, want = _flash_attention_gradients(device, b, h, hk, n, m, d, kv)
     for name, g, r in zip("qkv", got, want):
         e = ops.nmse(g, r)
@@ -227,8 +238,9 @@ def _flash_attention_gradients(device, b, h, hk, n, m, d, kv, cpu=True):
         (2, 8, 2, 300, 300, 128, np.float32, 0.0),  # grouped-query heads, two sequences, a partial last tile
         (1, 2, 1, 77, 200, 64, np.float16, 0.0),  # F16 K/V, more keys than queries, rows of few keys
         (2, 4, 2, 130, 130, 64, np.float32, 0.5),  # finite mask entries in every tile (ALiBi-free bias)
+        (1, 2, 1, 2200, 2200, 64, np.float32, 0.0),  # runs of over 32 masked tiles (patch 0082's warp scan)
     ],
-    ids=["window", "gqa-d128", "f16-ragged", "biased"],
+    ids=["window", "gqa-d128", "f16-ragged", "biased", "long"],
 )
 def test_gpu_flash_attention_training_forward_matches_float64(device, b, h, hk, n, m, d, kv, noise, monkeypatch):
     """Patch 0074 (CUDA): a FLASH_ATTN_EXT that a backward pass reads (here vjp's graph) runs the training
