@@ -248,7 +248,9 @@ def test_gpu_flash_attention_training_forward_matches_float64(device, b, h, hk, 
     mask's tile classes past its result for FLASH_ATTN_BACK. Its output against softmax(scale q k^T + mask) v
     in float64, NMSE limit 1e-4 (BF16 operands round to 8 significant bits, relative error 2^-9; P in BF16
     too: NMSE ~1e-5; a wrong tile, row or rescaling is O(1)); and not the bits of the inference kernels
-    (GGML_CUDA_FA_KEEP_STATS=0: F16 operands), so the training forward is the kernel that ran. (Not for the
+    (GGML_CUDA_FA_KEEP_STATS=0: F16 operands), so the training forward is the kernel that ran. "long": the
+    first query block's forward skips 34 masked key blocks after its diagonal, more than a warp's 32-lane scan
+    (patch 0082). (Not for the
     biased mask: there the inference kernels did not return on an H200, lease 3 of
     bench/results/h200-2026-11-28-fa74, while the training forward and backward did.)"""
     if device not in GPUS:
