@@ -294,6 +294,23 @@ def test_gpu_flash_attention_fixed_order_is_deterministic(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize("shape", [(8, 4100), (3, 5001), (1, 49152), (2, 49153), (64, 49152)])
+def test_gpu_argmax_reads_four_columns_a_load_and_keeps_the_last_maximum(device, shape):
+    """Patch 0084 (CUDA): ggml_argmax reads rows of whole float4s four columns a load (one block a row: (8, 4100),
+    a training step's (64, 49152) logits; a few long rows split over blocks: (1, 49152)), other rows one a load
+    ((3, 5001), (2, 49153)). Of equal maxima the last column wins as on the CPU: ties inside one float4 (row 0),
+    in two float4s of one thread's loads and of two threads (row 1), at a 2048-column chunk boundary (row -1)."""
+    n = shape[1]
+    x = rng.uniform(-1, 1, shape).astype(np.float32)
+    x[0, [100, 101, 102]] = 3.0  # one float4: columns 100..103
+    if shape[0] > 1:
+        x[1, [8, 13, 4 * 1024 + 1, n - 5]] = 2.5
+        x[-1, [2047, 2048, n // 2]] = 2.75
+    want = n - 1 - x[:, ::-1].argmax(-1)  # numpy's argmax takes the first: the last from the reversed row
+    np.testing.assert_array_equal(ops.argmax(x, backend=device), want)
+
+
+@pytest.mark.parametrize("device", GPUS)
 @pytest.mark.parametrize(
     "shape,axes",
     [((2, 3, 5, 8), (0, 2, 1, 3)), ((3, 7, 64), (1, 0, 2)), ((4, 5, 6), (2, 1, 0))],

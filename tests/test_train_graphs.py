@@ -428,7 +428,9 @@ def test_bf16_copies_reused_within_a_step_change_nothing(f32_path):
     fully offloaded) give the same losses, bit for bit, as with every conversion made anew
     (GGML_CUDA_BF16_REUSE=0, each run its own process: the variable is read once; the flash attention
     backward in its fixed order, GGML_CUDA_FA_BACK_DETERMINISTIC=1). A copy reused after its source was
-    overwritten, or across steps, would change them."""
+    overwritten, or across steps, would change them. Patch 0083: the SwiGLU backward writes the BF16 copies of
+    its dG and dU itself (for the gate and up products after it; none with GGML_CUDA_BF16_REUSE=0): a copy
+    rounded otherwise, or kept for the wrong tensor, would change them too."""
     losses = {}
     for reuse in ("1", "0"):
         env = {**os.environ, "GGML_CUDA_BF16_REUSE": reuse, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
@@ -437,3 +439,44 @@ def test_bf16_copies_reused_within_a_step_change_nothing(f32_path):
         losses[reuse] = p.stdout.strip().splitlines()[-1]
     print(losses)
     assert losses["1"] == losses["0"]
+
+
+_FUSE_STEPS = """
+import json, logging, sys, tempfile, numpy as np, llamabind
+from pathlib import Path
+from llamabind import train
+logging.basicConfig(level=logging.INFO)
+w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
+with llamabind.Model(sys.argv[1], use_mmap=False) as m:
+    kw = {}
+    if sys.argv[2] == "lora":
+        path = Path(tempfile.mkdtemp()) / "init.gguf"
+        train.lora_init(m, path, 8, 16.0, ("attn_q", "attn_v"), 0)
+        kw = dict(params="lora", adapter=m.load_lora(path))
+    with train.Trainer(m, batch_size=2, lr=1e-3, **kw) as t:
+        print(json.dumps([t.step(w)[0] for _ in range(3)]))
+"""
+
+
+@pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+@pytest.mark.parametrize("params", ["model", "lora"])
+def test_products_added_in_place_by_cublas_train_as_before(f32_path, params):
+    """Patch 0083 (CUDA): a BF16 product followed by the ADD that adds it in place to another tensor (an input's
+    gradient summed over its Q, K, V and LoRA A products, over the FFN's gate and up; LoRA's B product added to the
+    frozen weight's) runs as one cuBLAS call that adds the product as it writes it (beta = 1), the product's F32
+    result never written. Three steps (full fine-tune; LoRA r8 on attn_q/attn_v), each run its own process, the
+    flash backward in its fixed order: the losses agree with GGML_CUDA_FUSE_GEMM_ADD=0's to 1e-6 relative (the
+    same sums, one F32 rounding each; cuBLAS may pick another kernel for beta = 1, another order within a dot
+    product), and ggml-cuda logs the fusion in the default run only."""
+    code = _FUSE_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
+    losses, logs = {}, {}
+    for fuse in ("1", "0"):
+        env = {**os.environ, "GGML_CUDA_FUSE_GEMM_ADD": fuse, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+        p = run_python(code, timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        losses[fuse] = json.loads(p.stdout.strip().splitlines()[-1])
+        logs[fuse] = re.findall(r"\((?:MUL_MAT|OUT_PROD)\) added to .+ in place by cuBLAS", p.stderr)
+    print(losses, logs)
+    assert logs["1"] and not logs["0"]
+    np.testing.assert_allclose(losses["1"], losses["0"], rtol=1e-6)
+    assert losses["1"][2] < losses["1"][0]
