@@ -377,6 +377,23 @@ def test_gpu_rms_norm_times_a_weight_in_one_graph(device, shape):
 
 
 @pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize("shape", [(37, 2048), (3, 5, 128), (9, 64)], ids=["rows-2048", "rows-128", "rows-64"])
+def test_gpu_rms_norm_back_of_a_weighted_output_plus_a_residual_in_one_graph(device, shape):
+    """Patch 0083 (CUDA): a llama block's backward pass at its normed input in one graph: MUL of the output's
+    gradient by the norm's weight, RMS_NORM_BACK at x, ADD of the residual's gradient; ggml-cuda runs the three as
+    one pass over the rows where the row kernel takes them (rows of 128 * k floats up to 2048), else unfused (64).
+    Against float64: dx = (dy*w - x*mean(x*dy*w)/(mean(x^2)+eps))/sqrt(mean(x^2)+eps) + g; 1e-10 NMSE as the
+    forward's test (F32 sums of up to 2048 products)."""
+    dy, x, g, w = f32(*shape), f32(*shape), f32(*shape), f32(shape[-1])
+    with ops.graph(device) as gr:
+        y = ops.add(g, ops.rms_norm_back(ops.mul(dy, w), x, 1e-6))
+    d64, x64 = dy.astype(np.float64) * w.astype(np.float64), x.astype(np.float64)
+    ms = (x64**2).mean(-1, keepdims=True) + 1e-6
+    want = (d64 - x64 * (x64 * d64).mean(-1, keepdims=True) / ms) / np.sqrt(ms) + g.astype(np.float64)
+    assert ops.nmse(gr.compute(y), want) < 1e-10
+
+
+@pytest.mark.parametrize("device", GPUS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.int16, np.int32], ids=str)
 def test_gpu_concat_every_dtype(device, dtype):  # PR #24724, #24747
     a = rng.integers(-50, 50, (3, 4, 5)).astype(dtype)

@@ -458,24 +458,34 @@ with llamabind.Model(sys.argv[1], use_mmap=False) as m:
 """
 
 
+_FUSIONS = {  # ggml-cuda's training fusions with their own switch: the variable, and the line logged when one runs
+    "gemm_add": ("GGML_CUDA_FUSE_GEMM_ADD", r"\((?:MUL_MAT|OUT_PROD)\) added to .+ in place by cuBLAS"),
+    "norm_back": ("GGML_CUDA_FUSE_NORM_BACK", r"MUL, RMS_NORM_BACK and ADD of .+ in one pass"),
+}
+
+
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+@pytest.mark.parametrize("fusion", list(_FUSIONS))
 @pytest.mark.parametrize("params", ["model", "lora"])
-def test_products_added_in_place_by_cublas_train_as_before(f32_path, params):
-    """Patch 0083 (CUDA): a BF16 product followed by the ADD that adds it in place to another tensor (an input's
-    gradient summed over its Q, K, V and LoRA A products, over the FFN's gate and up; LoRA's B product added to the
-    frozen weight's) runs as one cuBLAS call that adds the product as it writes it (beta = 1), the product's F32
-    result never written. Three steps (full fine-tune; LoRA r8 on attn_q/attn_v), each run its own process, the
-    flash backward in its fixed order: the losses agree with GGML_CUDA_FUSE_GEMM_ADD=0's to 1e-6 relative (the
-    same sums, one F32 rounding each; cuBLAS may pick another kernel for beta = 1, another order within a dot
-    product), and ggml-cuda logs the fusion in the default run only."""
+def test_training_fusions_train_as_before(f32_path, params, fusion):
+    """Patch 0083 (CUDA), gemm_add: a BF16 product followed by the ADD that adds it in place to another tensor (an
+    input's gradient summed over its Q, K, V and LoRA A products, over the FFN's gate and up; LoRA's B product
+    added to the frozen weight's) runs as one cuBLAS call that adds the product as it writes it (beta = 1), the
+    product's F32 result never written. Also patch 0083, norm_back: the MUL by the norm's weight, RMS_NORM_BACK and the
+    ADD of the residual's gradient run as one pass over the rows. Three steps (full fine-tune; LoRA r8 on
+    attn_q/attn_v), each run its own process, the flash backward in its fixed order: the losses agree with the
+    fusion's variable at 0 to 1e-6 relative (the same sums, each rounded to F32 once as unfused; cuBLAS may pick
+    another kernel for beta = 1, another order within a dot product), and ggml-cuda logs the fusion in the
+    default run only."""
+    var, logged = _FUSIONS[fusion]
     code = _FUSE_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
     losses, logs = {}, {}
-    for fuse in ("1", "0"):
-        env = {**os.environ, "GGML_CUDA_FUSE_GEMM_ADD": fuse, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+    for on in ("1", "0"):
+        env = {**os.environ, var: on, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
         p = run_python(code, timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
-        losses[fuse] = json.loads(p.stdout.strip().splitlines()[-1])
-        logs[fuse] = re.findall(r"\((?:MUL_MAT|OUT_PROD)\) added to .+ in place by cuBLAS", p.stderr)
+        losses[on] = json.loads(p.stdout.strip().splitlines()[-1])
+        logs[on] = re.findall(logged, p.stderr)
     print(losses, logs)
     assert logs["1"] and not logs["0"]
     np.testing.assert_allclose(losses["1"], losses["0"], rtol=1e-6)
