@@ -377,11 +377,14 @@ def test_gpu_rms_norm_times_a_weight_in_one_graph(device, shape):
 
 
 @pytest.mark.parametrize("device", GPUS)
-@pytest.mark.parametrize("shape", [(37, 2048), (3, 5, 128), (9, 64)], ids=["rows-2048", "rows-128", "rows-64"])
+@pytest.mark.parametrize(
+    "shape", [(37, 2048), (3, 5, 128), (7, 576), (9, 66)], ids=["rows-2048", "rows-128", "rows-576", "rows-66"]
+)
 def test_gpu_rms_norm_back_of_a_weighted_output_plus_a_residual_in_one_graph(device, shape):
     """Patch 0083 (CUDA): a llama block's backward pass at its normed input in one graph: MUL of the output's
     gradient by the norm's weight, RMS_NORM_BACK at x, ADD of the residual's gradient; ggml-cuda runs the three as
-    one pass over the rows where the row kernel takes them (rows of 128 * k floats up to 2048), else unfused (64).
+    one pass over the rows where the row kernel takes them (rows of 4 * k floats up to 2048: 576 leaves part of a
+    warp idle in a row's last chunk), else unfused (66).
     Against float64: dx = (dy*w - x*mean(x*dy*w)/(mean(x^2)+eps))/sqrt(mean(x^2)+eps) + g; 1e-10 NMSE as the
     forward's test (F32 sums of up to 2048 products)."""
     dy, x, g, w = f32(*shape), f32(*shape), f32(*shape), f32(shape[-1])
