@@ -465,8 +465,7 @@ _FUSIONS = {  # ggml-cuda's training fusions with their own switch: the variable
 
 
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
-@pytest.mark.parametrize("fusion", list(_FUSIONS))
-@pytest.mark.parametrize("params", ["model", "lora"])
+@pytest.mark.parametrize("fusion,params", [("gemm_add", "model"), ("gemm_add", "lora"), ("norm_back", "lora")])
 def test_training_fusions_train_as_before(f32_path, params, fusion):
     """Patch 0083 (CUDA), gemm_add: a BF16 product followed by the ADD that adds it in place to another tensor (an
     input's gradient summed over its Q, K, V and LoRA A products, over the FFN's gate and up; LoRA's B product
@@ -475,10 +474,13 @@ def test_training_fusions_train_as_before(f32_path, params, fusion):
     ADD of the residual's gradient run as one pass over the rows. Three steps (full fine-tune; LoRA r8 on
     attn_q/attn_v), each run its own process, the flash backward in its fixed order: the losses agree with the
     fusion's variable at 0 to 1e-6 relative for gemm_add (the same sums, each rounded to F32 once as unfused;
-    cuBLAS may pick another kernel for beta = 1, another order within a dot product), to 1e-5 for norm_back
-    (SmolLM2's rows of 576 go unfused to upstream's RMS_NORM_BACK kernel, which sums a row's products in another
-    order: F32 rounding, ~1e-7 a row, carried through three steps), and ggml-cuda logs the fusion in the default
-    run only."""
+    cuBLAS may pick another kernel for beta = 1, another order within a dot product), to 2e-4 for norm_back:
+    SmolLM2's rows of 576 go unfused to upstream's RMS_NORM_BACK kernel, which sums a row's products in another
+    order, and AdamW's m / sqrt(v) makes the last-bit differences of near-zero gradient entries steps of the
+    learning rate's size (an H200: 7.6e-5 at the third step, bench/results/h200-2026-11-29-fusions); a missing
+    or misplaced term moves the losses by far more. ggml-cuda logs the fusion in the default run only. The
+    norm_back fusion does not occur in a full fine-tune (the norm weight's own gradient, MUL and REPEAT_BACK, sits
+    between the MUL and RMS_NORM_BACK of its input's gradient), so LoRA only there."""
     var, logged = _FUSIONS[fusion]
     code = _FUSE_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
     losses, logs = {}, {}
@@ -490,5 +492,5 @@ def test_training_fusions_train_as_before(f32_path, params, fusion):
         logs[on] = re.findall(logged, p.stderr)
     print(losses, logs)
     assert logs["1"] and not logs["0"]
-    np.testing.assert_allclose(losses["1"], losses["0"], rtol=1e-6 if fusion == "gemm_add" else 1e-5)
+    np.testing.assert_allclose(losses["1"], losses["0"], rtol=1e-6 if fusion == "gemm_add" else 2e-4)
     assert losses["1"][2] < losses["1"][0]
