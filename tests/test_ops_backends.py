@@ -294,12 +294,14 @@ def test_gpu_flash_attention_fixed_order_is_deterministic(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", GPUS)
-@pytest.mark.parametrize("shape", [(8, 4100), (3, 5001), (1, 49152), (2, 49153), (64, 49152)])
+@pytest.mark.parametrize("shape", [(600, 4100), (8, 4100), (3, 5001), (1, 49152), (2, 49153), (64, 49152)])
 def test_gpu_argmax_reads_four_columns_a_load_and_keeps_the_last_maximum(device, shape):
-    """Patch 0084 (CUDA): ggml_argmax reads rows of whole float4s four columns a load (one block a row: (8, 4100),
-    a training step's (64, 49152) logits; a few long rows split over blocks: (1, 49152)), other rows one a load
-    ((3, 5001), (2, 49153)). Of equal maxima the last column wins as on the CPU: ties inside one float4 (row 0),
-    in two float4s of one thread's loads and of two threads (row 1), at a 2048-column chunk boundary (row -1)."""
+    """Patch 0084 (CUDA): ggml_argmax reads rows of whole float4s four columns a load, other rows one a load
+    ((3, 5001), (2, 49153)). Rows split over blocks where there are fewer than 2 x (the GPU's SMs) of them (patch
+    0041: (8, 4100), (1, 49152), (64, 49152) on GPUs of 32 SMs and more), else one block a row ((600, 4100), as a
+    training step's 8192 rows of logits). Of equal maxima the last column wins as on the CPU: ties inside one
+    float4 (row 0), in two float4s of one thread's loads and of two threads (row 1), at a 2048-column chunk
+    boundary (row -1)."""
     n = shape[1]
     x = rng.uniform(-1, 1, shape).astype(np.float32)
     x[0, [100, 101, 102]] = 3.0  # one float4: columns 100..103

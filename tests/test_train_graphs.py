@@ -477,8 +477,9 @@ def test_training_fusions_train_as_before(f32_path, params, fusion):
     cuBLAS may pick another kernel for beta = 1, another order within a dot product), to 2e-4 for norm_back:
     SmolLM2's rows of 576 go unfused to upstream's RMS_NORM_BACK kernel, which sums a row's products in another
     order, and AdamW's m / sqrt(v) makes the last-bit differences of near-zero gradient entries steps of the
-    learning rate's size (an H200: 7.6e-5 at the third step, bench/results/h200-2026-11-29-fusions); a missing
-    or misplaced term moves the losses by far more. ggml-cuda logs the fusion in the default run only. The
+    learning rate's size (an H200: 7.6e-5 at the third step, bench/results/h200-2026-11-29-fusions); the fused
+    kernel's values are checked against float64 by tests/test_ops_backends.py. ggml-cuda logs the fusion in the
+    default run only. The
     norm_back fusion does not occur in a full fine-tune (the norm weight's own gradient, MUL and REPEAT_BACK, sits
     between the MUL and RMS_NORM_BACK of its input's gradient), so LoRA only there."""
     var, logged = _FUSIONS[fusion]
