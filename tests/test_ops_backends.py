@@ -399,6 +399,36 @@ def test_gpu_rms_norm_back_of_a_weighted_output_plus_a_residual_in_one_graph(dev
 
 
 @pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "output-norm"])
+@pytest.mark.parametrize(
+    "shape", [(37, 2048), (3000, 256), (3, 5, 128), (7, 576), (9, 66)], ids=lambda s: "x".join(map(str, s))
+)
+def test_gpu_gradient_of_a_trained_rms_norm_weight_in_one_pass(device, residual, shape):
+    """Patch 0086 (CUDA): the gradients of y = x + rms_norm(x)*w (residual) and of y = rms_norm(x)*w (a model's output
+    norm) at x and at the weight w, by ggml's backward graph (ops.grad): MUL (dy*w), MUL (xn*dy), REPEAT_BACK (dw),
+    RMS_NORM_BACK and, with the residual, the ADD of x's two gradients, as a full fine-tune has them at every norm.
+    ggml-cuda runs them as one pass over the rows and a sum of the blocks' column sums where the row kernel takes
+    the rows (4 * k floats up to 2048; 3000 rows: the blocks stride over several rows each), else unfused (66).
+    Against float64 for a random cotangent c of y: dx = c (residual) + (c*w - x*mean(x*c*w)/ms)/sqrt(ms), ms =
+    mean(x^2) + eps, and dw = the sum over every row of c*x/sqrt(ms). 1e-10 NMSE, as the forward's test (F32 sums
+    of up to 3000 products, ~1e-13 here)."""
+    x, w, c = f32(*shape), f32(shape[-1]), f32(*shape)
+
+    def f(x, w):
+        y = ops.mul(ops.rms_norm(x, 1e-6), w)
+        return ops.sum(ops.mul(ops.add(x, y) if residual else y, c))
+
+    dx, dw = ops.grad(f, argnums=(0, 1), backend=device)(x, w)
+    x64, c64, w64 = x.astype(np.float64), c.astype(np.float64), w.astype(np.float64)
+    ms = (x64**2).mean(-1, keepdims=True) + 1e-6
+    g = c64 * w64
+    want_dx = (g - x64 * (x64 * g).mean(-1, keepdims=True) / ms) / np.sqrt(ms) + (c64 if residual else 0)
+    want_dw = (c64 * x64 / np.sqrt(ms)).reshape(-1, shape[-1]).sum(0)
+    assert ops.nmse(dx, want_dx) < 1e-10
+    assert ops.nmse(dw, want_dw) < 1e-10
+
+
+@pytest.mark.parametrize("device", GPUS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.int16, np.int32], ids=str)
 def test_gpu_concat_every_dtype(device, dtype):  # PR #24724, #24747
     a = rng.integers(-50, 50, (3, 4, 5)).astype(dtype)

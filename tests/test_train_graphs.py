@@ -338,7 +338,8 @@ def test_bf16_product_inputs_train_the_same_steps(f32_path, params, request):
     cuBLAS calls, so three steps (full fine-tune, and LoRA r8 on attn_q/attn_v) give the same losses bit
     for bit as without them (the default against LLAMA_OPT_BF16_INPUTS=0; both with the FFN's activations
     in F32, LLAMA_OPT_BF16_FFN=0: those round the values, see the next test), and the graphs'
-    compute buffer is smaller (the F32 inputs freed after their casts). Each run its own process, the flash
+    compute buffer is smaller (the F32 inputs freed after their casts; the trained weights' own casts, patch
+    0088, off in both runs, LLAMA_OPT_BF16_TRAINED=0: they are tested below). Each run its own process, the flash
     attention backward in its fixed order (GGML_CUDA_FA_BACK_DETERMINISTIC=1: its atomics' order would
     change the later steps' last bits). Patch 0077: QLoRA over Q4_0 the same (ggml-cuda's BF16 product of a
     quantized weight, 512 columns here, converted its F32 input with the cast's rounding)."""
@@ -347,6 +348,7 @@ def test_bf16_product_inputs_train_the_same_steps(f32_path, params, request):
         code = _cast_steps(params, f32_path, request)
         env = {**os.environ, "LLAMA_OPT_BF16_FFN": "0", "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
         env["LLAMA_OPT_BF16_INPUTS"] = cast
+        env["LLAMA_OPT_BF16_TRAINED"] = "0"  # the trained weights' casts (patch 0088, the next test but one) apart
         p = run_python(code, timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
         runs[cast] = json.loads(p.stdout.strip().splitlines()[-1])
@@ -392,6 +394,45 @@ def test_bf16_ffn_activations_train_as_f32_ones_within_bf16_rounding(f32_path, p
     # three steps: two casts a layer, less the down product's input cast (SwiGLU's result is BF16 already)
     assert runs["bf16"]["cpy"] - runs["f32"]["cpy"] == 3 * (2 - 1) * CUT_LAYERS
     assert runs["bf16"]["buf"] < runs["f32"]["buf"]
+
+
+@pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+def test_bf16_casts_of_trained_weights_train_the_same_steps(f32_path, request):
+    """Patch 0088 (CUDA, by default; LLAMA_OPT_BF16_TRAINED=0: off): a full fine-tune in mixed precision casts each
+    trained F32 weight that a product multiplies to BF16 once a step (ggml_cast in build_lora_mm: 7 a layer and the
+    output's, the tied token_embd), and the forward product and the backward pass's dX product read the cast, where
+    ggml-cuda converted the weight for each. The cast is the products' own converter (cpy.cu's F32 -> BF16 path), so
+    three steps give the same losses bit for bit as without the casts (each run its own process, the flash
+    backward in fixed order); the forward pass has 7 * 4 + 1 more CPY nodes a step. A cast that rounded otherwise,
+    or a gradient that did not reach the F32 weight through it, would change the losses."""
+    runs = {}
+    for trained in ("1", "0"):
+        env = {**os.environ, "LLAMA_OPT_BF16_TRAINED": trained, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+        p = run_python(_cast_steps("model", f32_path, request), timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs[trained] = json.loads(p.stdout.strip().splitlines()[-1])
+    print(runs)
+    assert runs["1"]["losses"] == runs["0"]["losses"]
+    assert runs["1"]["losses"][2] < runs["1"]["losses"][0]
+    assert runs["1"]["cpy"] - runs["0"]["cpy"] == 3 * (7 * CUT_LAYERS + 1)
+
+
+@pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+def test_adamw_four_values_a_thread_trains_the_same_steps(f32_path, request):
+    """Patch 0087 (CUDA): OPT_STEP_ADAMW moves four values a thread (16-byte loads and stores of the weight, its
+    gradient and both moments) where a tensor is 4 * k floats, 16-byte aligned; GGML_CUDA_ADAMW_VEC=0: one a thread.
+    Each value's arithmetic is the same, so three full fine-tuning steps (every weight of SmolLM2's 4-layer cut
+    trained, AdamW) give the same losses bit for bit, each run its own process. A moment swapped, a value left out
+    or updated twice in the vector kernel would change the second and third losses."""
+    runs = {}
+    for vec in ("1", "0"):
+        env = {**os.environ, "GGML_CUDA_ADAMW_VEC": vec, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+        p = run_python(_cast_steps("model", f32_path, request), timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs[vec] = json.loads(p.stdout.strip().splitlines()[-1])["losses"]
+    print(runs)
+    assert runs["1"] == runs["0"]
+    assert runs["1"][2] < runs["1"][0]
 
 
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
@@ -458,14 +499,22 @@ with llamabind.Model(sys.argv[1], use_mmap=False) as m:
 """
 
 
-_FUSIONS = {  # ggml-cuda's training fusions with their own switch: the variable, and the line logged when one runs
-    "gemm_add": ("GGML_CUDA_FUSE_GEMM_ADD", r"\((?:MUL_MAT|OUT_PROD)\) added to .+ in place by cuBLAS"),
-    "norm_back": ("GGML_CUDA_FUSE_NORM_BACK", r"MUL, RMS_NORM_BACK and ADD of .+ in one pass"),
+_FUSIONS = {  # ggml-cuda's training fusions with their own switch: the variable, and the lines logged when they run
+    "gemm_add": ("GGML_CUDA_FUSE_GEMM_ADD", [r"\((?:MUL_MAT|OUT_PROD)\) added to .+ in place by cuBLAS"]),
+    "norm_back": ("GGML_CUDA_FUSE_NORM_BACK", [r"MUL, RMS_NORM_BACK and ADD of .+ in one pass"]),
+    # a full fine-tune's norms: the weight's gradient too (patch 0086), with the residual's ADD and without (the
+    # output norm)
+    "norm_back_w": (
+        "GGML_CUDA_FUSE_NORM_BACK",
+        [r"MUL, MUL, REPEAT_BACK, RMS_NORM_BACK and ADD of .+ in one pass", r"MUL, MUL, REPEAT_BACK, RMS_NORM_BACK of"],
+    ),
 }
 
 
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
-@pytest.mark.parametrize("fusion,params", [("gemm_add", "model"), ("gemm_add", "lora"), ("norm_back", "lora")])
+@pytest.mark.parametrize(
+    "fusion,params", [("gemm_add", "model"), ("gemm_add", "lora"), ("norm_back", "lora"), ("norm_back_w", "model")]
+)
 def test_training_fusions_train_as_before(f32_path, params, fusion):
     """Patch 0083 (CUDA), gemm_add: a BF16 product followed by the ADD that adds it in place to another tensor (an
     input's gradient summed over its Q, K, V and LoRA A products, over the FFN's gate and up; LoRA's B product
@@ -481,7 +530,10 @@ def test_training_fusions_train_as_before(f32_path, params, fusion):
     kernel's values are checked against float64 by tests/test_ops_backends.py. ggml-cuda logs the fusion in the
     default run only. The
     norm_back fusion does not occur in a full fine-tune (the norm weight's own gradient, MUL and REPEAT_BACK, sits
-    between the MUL and RMS_NORM_BACK of its input's gradient), so LoRA only there."""
+    between the MUL and RMS_NORM_BACK of its input's gradient), so LoRA only there; patch 0086, norm_back_w, fuses
+    those five nodes (four at the output norm, no residual) in a full fine-tune, the weight's gradient summed over
+    the rows by blocks and then in a fixed order (not k_repeat_back's order: 2e-4 as norm_back, for the same
+    reason). Each of its two forms logs its own line."""
     var, logged = _FUSIONS[fusion]
     code = _FUSE_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
     losses, logs = {}, {}
@@ -490,8 +542,8 @@ def test_training_fusions_train_as_before(f32_path, params, fusion):
         p = run_python(code, timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
         losses[on] = json.loads(p.stdout.strip().splitlines()[-1])
-        logs[on] = re.findall(logged, p.stderr)
+        logs[on] = [re.findall(r, p.stderr) for r in logged]
     print(losses, logs)
-    assert logs["1"] and not logs["0"]
+    assert all(logs["1"]) and not any(logs["0"])
     np.testing.assert_allclose(losses["1"], losses["0"], rtol=1e-6 if fusion == "gemm_add" else 2e-4)
     assert losses["1"][2] < losses["1"][0]
