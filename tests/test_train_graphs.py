@@ -211,6 +211,33 @@ def test_token_embd_is_trained(which, f32_path, untied_f32, wins, tmp_path):
     assert np.array_equal(_tensor(tmp_path / "off.gguf", "token_embd.weight"), w0)
 
 
+@pytest.mark.parametrize("params", ["model", "lora"])
+def test_forward_only_evaluation_gives_the_steps_own_losses(f32_path, params, tmp_path):
+    """The forward-only graph (Trainer.evaluate: ggml-opt's forward graph, allocated alone, each activation freed
+    after its last forward use) and a training step's forward pass (the same nodes in the gradient graph, the
+    activations kept for the backward pass) compute the same loss on the same window, before the first step and
+    after it: on this machine's CPU bit for bit; on a GPU within 1e-5 relative (where nothing keeps a residual
+    input for a backward pass its ADD runs in place, and ggml-cuda may fuse it into the product: cuBLAS's beta = 1
+    kernel may sum in another order). On an H200 a change whose steps trained as PyTorch's gave an evaluation loss
+    of 11.23 where the step's was 11.20 (BF16 casts of the trained weights, dropped: bench/results/
+    h200-2026-11-29-norm-w); this catches such a graph."""
+    w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
+    with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
+        kw = {}
+        if params == "lora":
+            path = tmp_path / "init.gguf"
+            train.lora_init(m, path, 8, 16.0, ("attn_q", "attn_v"), 0)
+            kw = dict(params="lora", adapter=m.load_lora(path))
+        with train.Trainer(m, batch_size=2, lr=1e-3, n_threads=2, **kw) as t:
+            got = []
+            for _ in range(2):
+                got.append((t.evaluate(w)[0], t.step(w)[0]))
+    print(got)
+    for evaluated, stepped in got:
+        np.testing.assert_allclose(evaluated, stepped, rtol=1e-5)
+    assert got[1][0] != got[0][0]  # the second evaluation sees the first step's update
+
+
 def test_profile_splits_a_step_into_forward_backward_and_optimizer(untied_f32):
     # the composed attention (flash_attn=False: on a GPU flash attention is the default, and its graph has no
     # SOFT_MAX; test_flash_attention_trains_without_an_attention_matrix covers that one)
