@@ -168,7 +168,9 @@ def test_gpu_gradients_match_cpu(device, name, f, x):
     ],
     ids=["window", "gqa-d128", "f16-ragged", "long"],
 )
-@pytest.mark.parametrize("dq_order", ["atomic", "atomic-per-kv-head", "fixed", "stats-recomputed", "no-cp-async"])
+@pytest.mark.parametrize(
+    "dq_order", ["atomic", "atomic-per-kv-head", "fixed", "stats-recomputed", "no-cp-async", "64-keys-a-block"]
+)
 def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv, dq_order, monkeypatch):
     """Patches 0051, 0065, 0067 and 0074: FLASH_ATTN_BACK on the device (CUDA: BF16 tensor-core operands, F32
     accumulation) against the CPU's F32 kernel (patch 0050), dq, dk and dv under a causal mask, with dQ
@@ -178,7 +180,10 @@ def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv, 
     log-sum-exp and the mask's tile classes kept by the forward (patch 0074, the default) or recomputed by
     the backward (GGML_CUDA_FA_KEEP_STATS=0: the forward by the inference kernels); the forward's and the
     backward's tiles loaded by cp.async into two buffers (the default at head size 64, patch 0082) or not
-    (GGML_CUDA_FA_FWD_PIPE=0, GGML_CUDA_FA_BACK_PIPE=0). "long": 2200 queries and
+    (GGML_CUDA_FA_FWD_PIPE=0, GGML_CUDA_FA_BACK_PIPE=0); at head size 64 the dK/dV kernel that adds dQ by atomics
+    takes 128 keys a block, 32 a warp (patch 0088, the default: "window" one K/V head a query head, "f16-ragged" a last
+    block of 72 keys whose second half lies outside the keys, "long" 18 blocks, the last of 24 keys) or 64 keys a
+    block, 16 a warp (GGML_CUDA_FA_BACK_M32=0). "long": 2200 queries and
     keys, 35 blocks of 64: the first query block's forward and the last key block's dK/dV kernel skip 34
     masked tiles, more than the 32 that a warp's lanes look at at once (patch 0082); 2200 is not a
     multiple of 64 (the checked tile loads), every other tile takes the unchecked ones.
@@ -203,6 +208,10 @@ def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv, 
             pytest.skip("a CUDA setting")
         monkeypatch.setenv("GGML_CUDA_FA_FWD_PIPE", "0")
         monkeypatch.setenv("GGML_CUDA_FA_BACK_PIPE", "0")
+    if dq_order == "64-keys-a-block":  # (the default at head size 64 takes 128, patch 0088)
+        if not device.startswith("CUDA") or d != 64:
+            pytest.skip("a CUDA setting at head size 64")
+        monkeypatch.setenv("GGML_CUDA_FA_BACK_M32", "0")
     got, want = _flash_attention_gradients(device, b, h, hk, n, m, d, kv)
     for name, g, r in zip("qkv", got, want):
         e = ops.nmse(g, r)
@@ -293,6 +302,45 @@ def test_gpu_flash_attention_fixed_order_is_deterministic(device, monkeypatch):
         np.testing.assert_array_equal(a, b, err_msg=f"d{name}")
 
 
+_FA_BACK_RUN = """
+import json, logging, sys
+import numpy as np
+logging.basicConfig(level=logging.INFO)
+sys.path.insert(0, {tests!r})
+import test_ops_backends as t
+got, _ = t._flash_attention_gradients({device!r}, 2, 8, 2, 300, 300, 64, np.float32, cpu=False)
+np.save({out!r}, np.concatenate([g.ravel() for g in got]))
+"""
+
+
+@pytest.mark.parametrize("device", [g for g in GPUS if g.startswith("CUDA")] or ["CUDA0"])
+def test_gpu_flash_attention_backward_takes_32_keys_a_warp_by_default(device, tmp_path):
+    """Patch 0088 (CUDA): at head size 64 the dK/dV kernel of the default backward (dQ by atomics, pipelined loads)
+    takes 128 keys a block, 32 a warp, and says so once at INFO; GGML_CUDA_FA_BACK_M32=0 runs the 64-key kernel and
+    logs nothing. Each run its own process: dq, dk and dv of two sequences of 300 rows (grouped-query heads, a last
+    block of 44 keys) agree to 1e-10 NMSE (the same arithmetic for each product; the atomics add dQ's and the query
+    heads' dK and dV parts in whatever order the blocks reach them, and the 128-key kernel adds dQ over 128 keys
+    before its atomics where the other adds twice: F32 rounding, ~1e-14), and each kernel's values are checked
+    against the CPU by test_gpu_flash_attention_gradients_match_cpu."""
+    if device not in GPUS:
+        pytest.skip(f"no {device}")
+    import os
+    import pathlib
+
+    from conftest import run_python
+
+    grads, logged = {}, {}
+    for m32 in ("1", "0"):
+        out = tmp_path / f"g{m32}.npy"
+        code = _FA_BACK_RUN.format(tests=str(pathlib.Path(__file__).parent), device=device, out=str(out))
+        p = run_python(code, timeout=300, env={**os.environ, "GGML_CUDA_FA_BACK_M32": m32})
+        assert p.returncode == 0, p.stderr[-2000:]
+        grads[m32] = np.load(out)
+        logged[m32] = "dK and dV with 128 keys a block, 32 a warp" in p.stderr
+    assert logged == {"1": True, "0": False}, logged
+    assert ops.nmse(grads["1"], grads["0"]) < 1e-10
+
+
 @pytest.mark.parametrize("device", GPUS)
 @pytest.mark.parametrize("shape", [(600, 4100), (8, 4100), (3, 5001), (1, 49152), (2, 49153), (64, 49152)])
 def test_gpu_argmax_reads_four_columns_a_load_and_keeps_the_last_maximum(device, shape):
@@ -351,7 +399,8 @@ def test_gpu_repeat_gradient_over_many_repeats(device, small, big):
 def test_gpu_swiglu_gradients_match_cpu(device, shape):
     """Patch 0059 (CUDA): the four nodes of a split SwiGLU's backward (MUL, SILU_BACK, SILU, MUL) run as one
     kernel with the unfused kernels' arithmetic; the gradients of both inputs against the CPU's by NMSE
-    (limit 1e-6: the same F32 formulas, the GPU's fast exp)."""
+    (limit 1e-6: the same F32 formulas, the GPU's fast exp). (64, 300): four elements a thread (patch 0089);
+    (7, 33), 231 elements: one a thread."""
     a, b, w = f32(*shape), f32(*shape), f32(*shape)
 
     def loss(a, b):

@@ -440,6 +440,30 @@ def test_adamw_four_values_a_thread_trains_the_same_steps(f32_path, request):
 
 
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+def test_swiglu_backward_four_elements_a_thread_trains_the_same_steps(f32_path):
+    """Patch 0089 (CUDA): the fused SwiGLU backward of a mixed-precision step (dy in F32, the gate and up activations
+    in BF16, dg and du written in F32 and as BF16 copies) moves four elements a thread where the tensors allow (the
+    4-layer cut's 1536 x 512 at batch 2) and says so once at INFO; GGML_CUDA_GLU_VEC=0: one a thread (and patch
+    0080's forward gated kernel one value a thread, which gives the same bits too), no such line. Each element's
+    arithmetic is the same, so three full fine-tuning steps (AdamW) give the same losses bit for bit, each run its
+    own process with the flash backward in its fixed order. An element's gate read from its neighbour, a copy
+    written for the wrong tensor or a tail left out would change the second and third losses."""
+    code = _FUSE_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr("model"))
+    code = code.replace("sys.argv[3]", repr("adamw")).replace("float(sys.argv[4])", "1e-3")
+    losses, logged = {}, {}
+    for vec in ("1", "0"):
+        env = {**os.environ, "GGML_CUDA_GLU_VEC": vec, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+        p = run_python(code, timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        losses[vec] = json.loads(p.stdout.strip().splitlines()[-1])
+        logged[vec] = "SwiGLU backward four elements a thread" in p.stderr
+    print(losses, logged)
+    assert logged == {"1": True, "0": False}
+    assert losses["1"] == losses["0"]
+    assert losses["1"][2] < losses["1"][0]
+
+
+@pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
 def test_bf16_copies_of_frozen_weights_train_the_same_lora_steps(f32_path):
     """Patch 0070 (CUDA, by default; LLAMA_OPT_BF16_FROZEN=0: off): LoRA over an F32 model converts each frozen
     weight matrix to BF16 once, at llama_opt_init, with the converter the BF16 products use on every step (the

@@ -1,0 +1,147 @@
+// The flash-attention training kernels of the patched tree (ggml-cuda/fattn-back.cu) outside llamabind: a shared
+// library that launches them on device buffers the caller owns (PyTorch tensors in fa_harness.py), so that a kernel
+// change is checked against PyTorch and timed beside SDPA in one short call on the GPU machine, without the
+// 5-minute build of llamabind. fa_harness.py builds it there:
+//   nvcc -O3 -std=c++17 -arch=sm_90 -shared -Xcompiler -fPIC -I<ggml>/include -I<ggml>/src -I<ggml>/src/ggml-cuda
+// The kernels and their launch geometry are fattn-back.cu's own (this file includes it); what it adds is the
+// argument plumbing. Every entry point returns a cudaError_t (0: launched).
+#include "fattn-back.cu"
+
+#include <cstdarg>
+#include <cstdio>
+
+// what fattn-back.cu's host entry points (never called here) reference from the rest of ggml
+const ggml_cuda_device_info & ggml_cuda_info() { abort(); }
+void ggml_cuda_error(const char * stmt, const char * func, const char * file, int line, const char * msg) {
+    fprintf(stderr, "fa_harness: CUDA error %s at %s:%d (%s): %s\n", msg, file, line, func, stmt);
+    abort();
+}
+int ggml_cuda_get_device() { abort(); }
+void ggml_cuda_set_device(int) { abort(); }
+std::unique_ptr<ggml_cuda_pool> ggml_backend_cuda_context::new_pool_for_device(int, int) { abort(); }
+extern "C" {
+void ggml_abort(const char * file, int line, const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "fa_harness: ggml_abort at %s:%d: ", file, line);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    abort();
+}
+ggml_backend_buffer_type_t ggml_backend_buffer_get_type(ggml_backend_buffer_t) { abort(); }
+ggml_backend_buffer_type_t ggml_backend_cuda_buffer_type(int) { abort(); }
+bool ggml_flash_attn_ext_get_keep_stats(const struct ggml_tensor *) { abort(); }
+size_t ggml_nbytes(const struct ggml_tensor *) { abort(); }
+const char * ggml_type_name(enum ggml_type) { abort(); }
+size_t ggml_type_size(enum ggml_type) { abort(); }
+void ggml_log_internal(enum ggml_log_level, const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+}
+}
+
+// the kernels' view of an F16 mask [ne3, ne2, rows, M] (byte strides nb1..nb3; data nullptr: none) with its tile
+// classes in tiles, as ggml_cuda_flash_attn_back builds it
+static fab_mask fah_mask(const void * data, int64_t nb1, int64_t nb2, int64_t nb3, int ne2, int ne3, const void * tiles,
+        int N, int M) {
+    ggml_tensor t = {};
+    t.data  = (void *) data;
+    t.ne[2] = ne2;
+    t.ne[3] = ne3;
+    t.nb[1] = nb1;
+    t.nb[2] = nb2;
+    t.nb[3] = nb3;
+    return fab_mask_view(data ? &t : nullptr, (const uint8_t *) tiles, N, M);
+}
+
+template <typename K>
+static cudaError_t fah_smem(K kernel, size_t bytes) {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+}
+
+extern "C" {
+
+// fa_back_tiles over the mask: the class of each 64 x 64 tile, n_slices x nqb x nkb bytes
+int fah_tiles(const void * mask, void * tiles, int N, int M, int64_t nb1, int64_t nb2, int64_t nb3, int ne2, int ne3) {
+    const fab_mask m = fah_mask(mask, nb1, nb2, nb3, ne2, ne3, tiles, N, M);
+    fa_back_tiles<<<dim3(m.nkb, m.nqb, ne2*ne3), 256>>>((const char *) mask, (uint8_t *) tiles, N, M, nb1, nb2, nb3,
+        ne2, m.nqb, m.nkb);
+    return cudaGetLastError();
+}
+
+// the training forward at D = 64: out [S, N, H, 64] F32, lse [S, H, N] (log2 units); variant 0: fa_fwd_mma<64, true>
+// (64 query rows a block, 16 a warp; a version with 128 rows a block, 32 a warp, ran slower: 0.457 ms against 0.393 at
+// 4 x 32 heads x 2048 x 64 on an H200, 0.408 with registers for 3 blocks an SM, spilled)
+int fah_fwd(int variant, const void * Qb, const void * Kb, const void * Vb, const void * mask, int64_t nb1, int64_t nb2,
+        int64_t nb3, int ne2, int ne3, const void * tiles, float * out, float * lse, int N, int M, int H, int Hk, int S,
+        int Sk, float scale) {
+    const fab_mask m = fah_mask(mask, nb1, nb2, nb3, ne2, ne3, tiles, N, M);
+    cudaError_t err = cudaSuccess;
+    if (variant == 0) {
+        constexpr size_t smem = fab_smem_fwd(64, true);
+        err = fah_smem(fa_fwd_mma<64, true>, smem);
+        if (err == cudaSuccess) {
+            fa_fwd_mma<64, true><<<dim3(H, S, (N + FAB_B - 1)/FAB_B), FAB_NT, smem>>>(Qb, Kb, Vb, m, out, lse, N, M, H,
+                Hk, S, Sk, scale);
+        }
+    } else {
+        return cudaErrorInvalidValue;
+    }
+    return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+// the dK/dV kernel at D = 64 with its dQ (dq zeroed first; dk and dv too where hparts > 1, as fa_back_launch does):
+// variant 0: fa_back_mma_dkdv<64, true, true> (64 keys a block, 16 a warp); 1: fa_back_mma_dkdv2<64> (128 keys a
+// block, 32 a warp); 2: fa_back_mma_dkdv<64, true, false> (no dQ: what dQ costs; hparts must be 1)
+int fah_dkdv(int variant, const void * Qb, const void * Kb, const void * Vb, const void * dOb, const void * mask,
+        int64_t nb1, int64_t nb2, int64_t nb3, int ne2, int ne3, const void * tiles, float * dq, float * dk, float * dv,
+        const float * lse, const float * dsum, int N, int M, int H, int Hk, int S, int Sk, float scale, int hparts) {
+    const fab_mask m = fah_mask(mask, nb1, nb2, nb3, ne2, ne3, tiles, N, M);
+    const uint3 rh_fd = init_fastdiv_values(H/(Hk*hparts));
+    cudaError_t err = cudaMemsetAsync(dq, 0, int64_t(N)*H*S*64*sizeof(float));
+    if (err == cudaSuccess && hparts > 1) {
+        err = cudaMemsetAsync(dk, 0, int64_t(M)*Hk*Sk*64*sizeof(float));
+        if (err == cudaSuccess) {
+            err = cudaMemsetAsync(dv, 0, int64_t(M)*Hk*Sk*64*sizeof(float));
+        }
+    }
+    if (err != cudaSuccess) {
+        return err;
+    }
+    switch (variant) {
+        case 0: {
+            constexpr size_t smem = fab_smem_mma(64, true, true);
+            err = fah_smem(fa_back_mma_dkdv<64, true, true>, smem);
+            if (err == cudaSuccess) {
+                fa_back_mma_dkdv<64, true, true><<<dim3(Hk*hparts, Sk, (M + FAB_B - 1)/FAB_B), FAB_NT, smem>>>(Qb, Kb,
+                    Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk, S, Sk, scale, hparts, rh_fd);
+            }
+            break;
+        }
+        case 1: {
+            constexpr size_t smem = fab_smem_dkdv2(64);
+            err = fah_smem(fa_back_mma_dkdv2<64>, smem);
+            if (err == cudaSuccess) {
+                fa_back_mma_dkdv2<64><<<dim3(Hk*hparts, Sk, (M + FAB_B2 - 1)/FAB_B2), FAB_NT, smem>>>(Qb, Kb, Vb, dOb,
+                    m, dq, dk, dv, lse, dsum, N, M, H, Hk, S, Sk, scale, hparts, rh_fd);
+            }
+            break;
+        }
+        case 2: {
+            constexpr size_t smem = fab_smem_mma(64, true, false);
+            err = fah_smem(fa_back_mma_dkdv<64, true, false>, smem);
+            if (err == cudaSuccess) {
+                fa_back_mma_dkdv<64, true, false><<<dim3(Hk*hparts, Sk, (M + FAB_B - 1)/FAB_B), FAB_NT, smem>>>(Qb,
+                    Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk, S, Sk, scale, hparts, rh_fd);
+            }
+            break;
+        }
+        default:
+            return cudaErrorInvalidValue;
+    }
+    return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+} // extern "C"
