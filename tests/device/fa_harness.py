@@ -3,11 +3,12 @@
 Builds tests/device/fa_harness.cu with nvcc against a patched ggml tree (--ggml, default vendor/llama.cpp/ggml),
 then on the GPU, with PyTorch:
   - each dK/dV kernel variant (fa_harness.cu's fah_dkdv: 0 = 64 keys a block, 1 = 128 keys a block / 32 a warp,
-    2 = no dQ, run with one block a K/V head) and the training forward against a float64 reference of attention's forward and backward
-    (autograd), by NMSE, on shapes that reach the kernels' edges (ragged blocks, GQA, no mask, block-diagonal
-    and random masks with mixed tiles);
-  - the variants' times at the 1B shape (4 x 32 heads, 8 K/V, 2048 x 64, causal) beside PyTorch SDPA's flash
-    attention in bf16 (forward, and forward + backward), CUDA events, median of --reps.
+    2 = no dQ, run with one block a K/V head) and the training forward against a float64 reference of
+    attention's forward and backward (autograd), by NMSE, on shapes that reach the kernels' edges (ragged
+    blocks, GQA, no mask, block-diagonal and random masks with mixed tiles);
+  - the variants' times at the 1B shape (4 x 32 heads, 8 K/V, 2048 x 64, causal) beside PyTorch's SDPA in bf16
+    (its own choice of backend, and its flash kernels; forward, and forward + backward), CUDA events, median
+    of --reps.
 Prints a table and writes fa-harness.json to $OUT (or --out). Run on the device machine from the repository root:
     python3 tests/device/fa_harness.py --ggml DIR
 """
@@ -33,16 +34,29 @@ NMSE_LIMIT = 1e-4  # BF16 operands (Q, K, V, dO, P, dS) with F32 accumulation ag
 
 def build(ggml: str, out: str) -> ctypes.CDLL:
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fa_harness.cu")
-    cmd = ["nvcc", "-O3", "-std=c++17", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC",
-           f"-I{ggml}/include", f"-I{ggml}/src", f"-I{ggml}/src/ggml-cuda", src, "-o", out]
+    cmd = [
+        "nvcc",
+        "-O3",
+        "-std=c++17",
+        "-arch=sm_90",
+        "-shared",
+        "-Xcompiler",
+        "-fPIC",
+        f"-I{ggml}/include",
+        f"-I{ggml}/src",
+        f"-I{ggml}/src/ggml-cuda",
+        src,
+        "-o",
+        out,
+    ]
     t0 = time.time()
     subprocess.run(cmd, check=True)
     print(f"built {out} in {time.time() - t0:.0f} s", flush=True)
     lib = ctypes.CDLL(out)
-    P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    lib.fah_tiles.argtypes = [P, P, I, I, L, L, L, I, I]
-    lib.fah_fwd.argtypes = [I, P, P, P, P, L, L, L, I, I, P, P, P, I, I, I, I, I, I, F]
-    lib.fah_dkdv.argtypes = [I, P, P, P, P, P, L, L, L, I, I, P, P, P, P, P, P, I, I, I, I, I, I, F, I]
+    P, N, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float  # pointer, int, int64, float
+    lib.fah_tiles.argtypes = [P, P, N, N, L, L, L, N, N]
+    lib.fah_fwd.argtypes = [N, P, P, P, P, L, L, L, N, N, P, P, P, N, N, N, N, N, N, F]
+    lib.fah_dkdv.argtypes = [N, P, P, P, P, P, L, L, L, N, N, P, P, P, P, P, P, N, N, N, N, N, N, F, N]
     return lib
 
 
@@ -89,8 +103,10 @@ class Case:
         nqb, nkb = (N + 63) // 64, (M + 63) // 64
         self.tiles = torch.zeros(nqb * nkb, dtype=torch.uint8, device="cuda")
         if self.mask is not None:
-            check(lib.fah_tiles(self.mask.data_ptr(), self.tiles.data_ptr(), N, M, M * 2, N * M * 2, N * M * 2, 1, 1),
-                  "fah_tiles")
+            check(
+                lib.fah_tiles(self.mask.data_ptr(), self.tiles.data_ptr(), N, M, M * 2, N * M * 2, N * M * 2, 1, 1),
+                "fah_tiles",
+            )
         self.out = torch.full((S, N, H, D), float("nan"), device="cuda")
         self.lse = torch.full((S, H, N), float("nan"), device="cuda")
         self.forward()
@@ -103,9 +119,25 @@ class Case:
         return [ptr, self.M * 2, self.N * self.M * 2, self.N * self.M * 2, 1, 1, self.tiles.data_ptr()]
 
     def forward(self, variant: int = 0):  # (fa_harness.cu's fah_fwd: 0, fa_fwd_mma<64, true>)
-        check(self.lib.fah_fwd(variant, self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(), *self._mask_args(),
-                               self.out.data_ptr(), self.lse.data_ptr(), self.N, self.M, self.H, self.Hk, self.S,
-                               self.S, self.scale), f"fah_fwd({variant})")
+        check(
+            self.lib.fah_fwd(
+                variant,
+                self.q.data_ptr(),
+                self.k.data_ptr(),
+                self.v.data_ptr(),
+                *self._mask_args(),
+                self.out.data_ptr(),
+                self.lse.data_ptr(),
+                self.N,
+                self.M,
+                self.H,
+                self.Hk,
+                self.S,
+                self.S,
+                self.scale,
+            ),
+            f"fah_fwd({variant})",
+        )
 
     def backward(self, variant: int):
         S, H, Hk, N, M = self.S, self.H, self.Hk, self.N, self.M
@@ -116,10 +148,30 @@ class Case:
         return dq, dk, dv
 
     def run_backward(self, variant, dq, dk, dv):
-        check(self.lib.fah_dkdv(variant, self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(), self.do.data_ptr(),
-                                *self._mask_args(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), self.lse.data_ptr(),
-                                self.dsum.data_ptr(), self.N, self.M, self.H, self.Hk, self.S, self.S, self.scale,
-                                self.H // self.Hk if variant != 2 else 1), f"fah_dkdv({variant})")
+        check(
+            self.lib.fah_dkdv(
+                variant,
+                self.q.data_ptr(),
+                self.k.data_ptr(),
+                self.v.data_ptr(),
+                self.do.data_ptr(),
+                *self._mask_args(),
+                dq.data_ptr(),
+                dk.data_ptr(),
+                dv.data_ptr(),
+                self.lse.data_ptr(),
+                self.dsum.data_ptr(),
+                self.N,
+                self.M,
+                self.H,
+                self.Hk,
+                self.S,
+                self.S,
+                self.scale,
+                self.H // self.Hk if variant != 2 else 1,
+            ),
+            f"fah_dkdv({variant})",
+        )
 
     def reference(self):
         """O, dQ, dK, dV of softmax(Q K^T * scale + mask) V in float64 from the BF16 inputs (autograd)."""
@@ -193,8 +245,11 @@ def main() -> int:
             failed += bool(bad)
             report["checks"].append({"case": name, "variant": var, **e, "failed": bad})
             fmt = lambda x: "-" if x is None else f"{x:.2e}"  # noqa: E731
-            print(f"| {name} | {var} | {fmt(e['O'])} | {fmt(e['dQ'])} | {fmt(e['dK'])} | {fmt(e['dV'])} |"
-                  + (f" FAILED {bad}" if bad else ""), flush=True)
+            print(
+                f"| {name} | {var} | {fmt(e['O'])} | {fmt(e['dQ'])} | {fmt(e['dK'])} | {fmt(e['dV'])} |"
+                + (f" FAILED {bad}" if bad else ""),
+                flush=True,
+            )
         del c
         torch.cuda.empty_cache()
 
