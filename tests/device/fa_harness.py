@@ -118,6 +118,10 @@ class Case:
         ptr = m.data_ptr() if m is not None else None
         return [ptr, self.M * 2, self.N * self.M * 2, self.N * self.M * 2, 1, 1, self.tiles.data_ptr()]
 
+    def _shape_args(self):
+        """N, M, H, Hk, S, Sk (= S) and the scale, as the kernels take them."""
+        return [self.N, self.M, self.H, self.Hk, self.S, self.S, self.scale]
+
     def forward(self, variant: int = 0):  # (fa_harness.cu's fah_fwd: 0, fa_fwd_mma<64, true>)
         check(
             self.lib.fah_fwd(
@@ -128,13 +132,7 @@ class Case:
                 *self._mask_args(),
                 self.out.data_ptr(),
                 self.lse.data_ptr(),
-                self.N,
-                self.M,
-                self.H,
-                self.Hk,
-                self.S,
-                self.S,
-                self.scale,
+                *self._shape_args(),
             ),
             f"fah_fwd({variant})",
         )
@@ -161,13 +159,7 @@ class Case:
                 dv.data_ptr(),
                 self.lse.data_ptr(),
                 self.dsum.data_ptr(),
-                self.N,
-                self.M,
-                self.H,
-                self.Hk,
-                self.S,
-                self.S,
-                self.scale,
+                *self._shape_args(),
                 self.H // self.Hk if variant != 2 else 1,
             ),
             f"fah_dkdv({variant})",
