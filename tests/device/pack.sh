@@ -17,7 +17,12 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 for d in /.device/ /.device-b/ /.device-v/ /.device-w/ /.device-s/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
 rm -rf .device .device-b .device-v .device-w .device-s && mkdir -p .device/whl .device-b/whl .device-v/debs .device-w/whl .device-s
-python3 vendor/vendor.py status >/dev/null
+# the tree's stamp must name the patches as they are now: a patch edited since the last sync (its header too) makes the
+# device's build unpack the pin again, which it cannot without a registry (seen 2026-12-01)
+if python3 vendor/vendor.py status | grep -q "older version of the patch"; then
+  echo "pack.sh: a patch changed since vendor/llama.cpp was synced: refresh it, then run python3 vendor/vendor.py sync" >&2
+  exit 1
+fi
 # tools/: LLAMA_BUILD_TOOLS configures every tool (the server core is linked into _core); the web UI's
 # sources are not built (no npm), only its CMake files are read
 tar cJf .device/llama.cpp.tar.xz -C vendor/llama.cpp --exclude=tools/ui/src --exclude=tools/ui/tests --exclude=tools/ui/static \
