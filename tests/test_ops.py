@@ -252,6 +252,38 @@ def test_cross_entropy_loss_and_its_gradient_values():
         ops.cross_entropy_loss(logits, onehot[:, :2])
 
 
+def test_cross_entropy_loss_takes_the_class_of_each_row():
+    """Patch 0090: ggml_cross_entropy_loss(_back) with labels as the class of each row (int32 of shape
+    logits.shape[:-1], ggml's I32 [1, rows]) against float64, rows over two leading axes and a row length not a
+    multiple of 4; the same values as the one-hot rows of those classes (the backward's bits: on the CPU the class
+    form subtracts 1 from one element where the dense form subtracts a row of 0s and one 1), a class outside
+    [0, classes) as a row of zeros; labels of other shapes or dtypes raise before ggml sees them."""
+    logits = rnd(2, 3, 41, lo=-6.0, hi=6.0)
+    classes = (np.arange(6).reshape(2, 3) * 7 % 41).astype(np.int32)
+    classes[1, 2] = 40  # the last class (a row's tail past the last multiple of 4)
+    onehot = np.eye(41, dtype=np.float32)[classes]
+    logp = _log_softmax(logits)
+    g = np.array([1.5], np.float32)
+    close(ops.cross_entropy_loss(logits, classes), -(f64(onehot) * logp).sum() / 6)
+    close(ops.cross_entropy_loss_back(g, logits, classes), (np.exp(logp) - f64(onehot)) * 1.5 / 6)
+    loss, loss_dense = ops.cross_entropy_loss(logits, classes), ops.cross_entropy_loss(logits, onehot)
+    np.testing.assert_allclose(loss, loss_dense, rtol=1e-6)
+    back, back_dense = ops.cross_entropy_loss_back(g, logits, classes), ops.cross_entropy_loss_back(g, logits, onehot)
+    np.testing.assert_array_equal(back, back_dense)
+    outside = classes.copy()
+    outside[0, 1], outside[1, 0] = -1, 41
+    zeros = onehot.copy()
+    zeros[0, 1] = zeros[1, 0] = 0.0
+    close(ops.cross_entropy_loss(logits, outside), -(f64(zeros) * logp).sum() / 6)
+    close(ops.cross_entropy_loss_back(g, logits, outside), (np.exp(logp) - f64(zeros)) * 1.5 / 6)
+    with pytest.raises(ValueError, match=r"logits.shape\[:-1\]"):
+        ops.cross_entropy_loss(logits, classes[:, :2])
+    with pytest.raises(ValueError, match=r"logits.shape\[:-1\]"):
+        ops.cross_entropy_loss_back(g, logits, classes[..., None])
+    with pytest.raises(TypeError, match="int64"):
+        ops.cross_entropy_loss(logits, classes.astype(np.int64))
+
+
 @pytest.mark.parametrize("n", [7, 16, 17, 33, 576, 2049])
 def test_rms_norm_and_its_backward_over_long_rows_against_float64(n):
     """Patch 0073 (CPU): RMS_NORM and RMS_NORM_BACK sum x*x and x*dz in two SIMD vectors of double partial sums

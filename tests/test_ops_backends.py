@@ -31,6 +31,13 @@ def _onehot(rows, classes):
     return y
 
 
+def _classes(rows, classes):
+    """int32 classes of each row, the last row's outside [0, classes) (a row of zeros)."""
+    c = rng.integers(0, classes, rows).astype(np.int32)
+    c[-1] = classes
+    return c
+
+
 def _soft(rows, classes):
     e = np.exp(rng.normal(0, 1, (rows, classes)))
     return (e / e.sum(-1, keepdims=True)).astype(np.float32)
@@ -66,6 +73,29 @@ CASES = [
         "cross_entropy_loss_back_vocab_128256",
         ops.cross_entropy_loss_back,
         (_G, _ce_logits(3, 128256), _onehot(3, 128256)),
+        {},
+    ),
+    # patch 0090: the labels as the class of each row (int32), float4 loads of the logits and a row not a multiple of
+    # 4; a class outside [0, classes) is a row of zeros
+    ("cross_entropy_loss_classes", ops.cross_entropy_loss, (_ce_logits(7, 1000), _classes(7, 1000)), {}),
+    ("cross_entropy_loss_classes_odd_row", ops.cross_entropy_loss, (_ce_logits(5, 1001), _classes(5, 1001)), {}),
+    (
+        "cross_entropy_loss_classes_vocab_128256",
+        ops.cross_entropy_loss,
+        (_ce_logits(3, 128256), _classes(3, 128256)),
+        {},
+    ),
+    ("cross_entropy_loss_back_classes", ops.cross_entropy_loss_back, (_G, _ce_logits(7, 1000), _classes(7, 1000)), {}),
+    (
+        "cross_entropy_loss_back_classes_odd_row",
+        ops.cross_entropy_loss_back,
+        (_G, _ce_logits(5, 1001), _classes(5, 1001)),
+        {},
+    ),
+    (
+        "cross_entropy_loss_back_classes_vocab_49152",
+        ops.cross_entropy_loss_back,
+        (_G, _ce_logits(4, 49152), _classes(4, 49152)),
         {},
     ),
     ("rope", ops.rope, (f32(5, 2, 32), np.arange(5, dtype=np.int32), 32), {"mode": "neox"}),
@@ -130,10 +160,12 @@ _PERM = rng.permutation(600).astype(np.int32)  # every row once, out of order (t
 _W = {name: f32(*shape) for name, shape in (("rows", (900, 48)), ("norm", (300, 64)), ("heads", (2, 12, 5, 16)))}
 _W["perm"] = f32(600, 40)
 _CE_Y = _soft(6, 1000)
+_CE_C = _classes(6, 1000)
 GRAD_CASES = [  # training's backward kernels (patch 0034): GET_ROWS_BACK (token_embd) and REPEAT_BACK (broadcasts)
     ("get_rows_back", lambda x: ops.sum(ops.mul(ops.get_rows(x, _IDX), _W["rows"])), f32(700, 48)),
     ("get_rows_back_distinct", lambda x: ops.sum(ops.mul(ops.get_rows(x, _PERM), _W["perm"])), f32(600, 40)),
     ("cross_entropy_loss_grad", lambda x: ops.cross_entropy_loss(x, _CE_Y), f32(6, 1000)),
+    ("cross_entropy_loss_grad_classes", lambda x: ops.cross_entropy_loss(x, _CE_C), f32(6, 1000)),  # patch 0090
     ("repeat_back_rows", lambda x: ops.sum(ops.mul(ops.repeat(x, (300, 64)), _W["norm"])), f32(64)),
     ("repeat_back_heads", lambda x: ops.sum(ops.mul(ops.repeat(x, (2, 12, 5, 16)), _W["heads"])), f32(2, 3, 5, 16)),
     # RMS_NORM_BACK and SOFT_MAX_BACK (Metal: patch 0058)

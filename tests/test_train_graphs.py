@@ -510,6 +510,78 @@ def test_bf16_copies_reused_within_a_step_change_nothing(f32_path):
     assert losses["1"] == losses["0"]
 
 
+@pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+@pytest.mark.parametrize("params", ["model", "lora"])
+def test_cross_entropy_backward_writes_the_bf16_copy_the_products_read(f32_path, params):
+    """Patch 0091 (CUDA): in a mixed-precision step the cross-entropy's backward writes the logits' gradient in BF16
+    beside its F32 result (one of the BF16 copy slots, over their 256 MiB limit where it must be), and the output
+    layer's backward products (dX, and dW in a full fine-tune) read that copy instead of converting the gradient each;
+    it says so once at INFO. GGML_CUDA_CE_BF16=0: the products convert it, no such line. The copy is rounded as the
+    converter rounds, so three steps (AdamW) give the same losses bit for bit, each run its own process with the
+    flash backward in its fixed order; a copy of another row, a stale copy of the last step or a product that missed
+    it and read the slot's other contents would change the second and third."""
+    code = _FUSE_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
+    code = code.replace("sys.argv[3]", repr("adamw")).replace("float(sys.argv[4])", "1e-3")
+    losses, logged = {}, {}
+    for on in ("1", "0"):
+        env = {**os.environ, "GGML_CUDA_CE_BF16": on, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+        p = run_python(code, timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        losses[on] = json.loads(p.stdout.strip().splitlines()[-1])
+        logged[on] = "the gradient's BF16 copy written with it" in p.stderr
+    print(losses, logged)
+    assert logged == {"1": True, "0": False}
+    assert losses["1"] == losses["0"]
+    assert losses["1"][2] < losses["1"][0]
+
+
+_CLASS_STEPS = """
+import json, logging, sys, numpy as np, llamabind
+from llamabind import train
+logging.basicConfig(level=logging.INFO)
+w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
+lab = w[:, 1:].copy()
+lab[0, :100] = -1  # masked positions: fewer logits rows than tokens
+with llamabind.Model(sys.argv[1], use_mmap=False) as m:
+    with train.Trainer(m, batch_size=2, optimizer="adamw", lr=1e-3) as t:
+        steps = [t.step(w) for _ in range(2)] + [t.step(w, lab) for _ in range(2)]
+        print(json.dumps(dict(steps=steps, val=t.evaluate(w, lab))))
+"""
+
+
+def test_label_classes_train_the_same_steps_as_one_hot_labels(f32_path):
+    """Patch 0090: the training loss's labels are the class of each logits row (ggml_cross_entropy_loss's I32 form,
+    one int32 a row set from the host) where the loss's backend takes them (the CPU, CUDA), which ggml-opt says once
+    at INFO; LLAMA_OPT_LABEL_CLASSES=0: one-hot rows of n_vocab floats as before, no such line. The backward is the
+    same arithmetic in both (softmax, less 1 at the class), so four full fine-tuning steps (AdamW; the last two with
+    masked labels, fewer rows than tokens) and a validation pass give the same accuracy and token counts and the
+    same losses: bit for bit on the CPU (its forward adds the class's log-probability to zeros), within 1e-6 on a
+    GPU (CUDA's forward takes x_c - max directly where the one-hot form sums (x - max) * y while the max moves). A
+    label row shifted by one, or a class set for a masked position, would change the accuracy and the later losses."""
+    code = _CLASS_STEPS.replace("sys.argv[1]", repr(str(f32_path)))
+    runs, logged = {}, {}
+    for on in ("default", "0"):
+        env = {k: v for k, v in os.environ.items() if k != "LLAMA_OPT_LABEL_CLASSES"}
+        env["GGML_CUDA_FA_BACK_DETERMINISTIC"] = "1"
+        if on != "default":
+            env["LLAMA_OPT_LABEL_CLASSES"] = on
+        p = run_python(code, timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs[on] = json.loads(p.stdout.strip().splitlines()[-1])
+        logged[on] = "the cross-entropy's labels: the class of each row (I32)" in p.stderr
+    print(runs, logged)
+    assert logged == {"default": True, "0": False}
+    a, b = runs["default"], runs["0"]
+    assert [s[1:] for s in a["steps"]] == [s[1:] for s in b["steps"]] and a["val"][1:] == b["val"][1:]
+    assert a["steps"][2][2] == 2 * 256 - 100  # the masked step's labelled tokens
+    losses = lambda r: [s[0] for s in r["steps"]] + [r["val"][0]]  # noqa: E731
+    if GPU_BUILD:
+        np.testing.assert_allclose(losses(a), losses(b), rtol=1e-6)
+    else:
+        assert losses(a) == losses(b)
+    assert a["steps"][3][0] < a["steps"][2][0]  # it trains (the first AdamW step at lr 1e-3 overshoots)
+
+
 _FUSE_STEPS = """
 import json, logging, sys, tempfile, numpy as np, llamabind
 from pathlib import Path

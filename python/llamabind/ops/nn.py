@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .eager import apply
-from .graph import F16, F32, I32, Graph, Tensor, as_float, as_int, expect, expect_dtype, resolve_device
+from .graph import F16, F32, I32, Graph, Tensor, as_float, as_int, expect, expect_dtype, resolve_device, shape_to_ne
 
 # ---- normalization over the last axis
 
@@ -113,18 +113,30 @@ def soft_max_back(dy, y, scale: float = 1.0, *, backend: str | None = None):
     return apply(_soft_max_back, (dy, y), {"scale": as_float(scale, "scale")}, backend)
 
 
-def _check_logits_labels(op: str, g: Graph, logits: Tensor, labels: Tensor) -> None:
-    for n, t in (("logits", logits), ("labels", labels)):
-        expect_dtype(op, n, t, (F32,), g.device)
+def _labels_node(op: str, g: Graph, logits: Tensor, labels: Tensor) -> Tensor:
+    """The labels as ggml takes them: float32 of logits' shape, or int32 classes of shape logits.shape[:-1]
+    reshaped to (..., 1) (ggml_cross_entropy_loss's class form: ggml's I32 [1, rows])."""
+    expect_dtype(op, "logits", logits, (F32,), g.device)
+    expect_dtype(op, "labels", labels, (F32, I32), g.device)
+    expect(logits.ndim >= 1, f"{op}: logits must have at least one axis (..., classes); got {logits.shape}")
+    if labels.dtype == I32:
+        expect(
+            labels.shape == logits.shape[:-1],
+            f"{op}: int32 labels (the class of each row) must have shape logits.shape[:-1] = {logits.shape[:-1]};"
+            f" got {labels.shape}",
+        )
+        shape = (*labels.shape, 1)
+        return g.op("reshape_4d", [labels], ints=shape_to_ne(shape), shape=shape)
     expect(
-        logits.shape == labels.shape and logits.ndim >= 1,
-        f"{op}: logits {logits.shape} and labels {labels.shape} must have one shape (..., classes)",
+        logits.shape == labels.shape,
+        f"{op}: logits {logits.shape} and float32 labels {labels.shape} must have one shape (..., classes)",
     )
+    return labels
 
 
 def _cross_entropy_loss(g: Graph, logits: Tensor, labels: Tensor) -> Tensor:
-    _check_logits_labels("cross_entropy_loss", g, logits, labels)
-    return g.op("cross_entropy_loss", [logits, labels], shape=())
+    y = _labels_node("cross_entropy_loss", g, logits, labels)
+    return g.op("cross_entropy_loss", [logits, y], shape=())
 
 
 def cross_entropy_loss(logits, labels, *, backend: str | None = None):
@@ -132,10 +144,12 @@ def cross_entropy_loss(logits, labels, *, backend: str | None = None):
     ``-sum(labels * log_softmax(logits)) / rows``, the softmax over the last axis (wraps
     ggml_cross_entropy_loss, the loss llama.cpp's training minimizes).
 
-    logits, labels: float32 (..., classes), one shape; each row of labels a distribution over the
-    classes (one-hot for next-token training). Returns float32 of shape (). Differentiable with
-    respect to logits (:func:`cross_entropy_loss_back`); a gradient with respect to labels raises
-    TypeError. ValueError for mismatched shapes, TypeError for other dtypes."""
+    logits: float32 (..., classes). labels: float32 of logits' shape, each row a distribution over the
+    classes; or int32 of shape logits.shape[:-1], the class of each row (as PyTorch's class-index targets:
+    the same loss as its one-hot rows, without them; a class outside [0, classes) counts as a row of
+    zeros). Returns float32 of shape (). Differentiable with respect to logits
+    (:func:`cross_entropy_loss_back`); a gradient with respect to labels raises TypeError. ValueError for
+    mismatched shapes, TypeError for other dtypes."""
     return apply(_cross_entropy_loss, (logits, labels), {}, backend)
 
 
@@ -145,17 +159,18 @@ def _cross_entropy_loss_back(g: Graph, grad: Tensor, logits: Tensor, labels: Ten
         int(np.prod(grad.shape)) == 1,
         f"cross_entropy_loss_back: grad must hold one value (the loss's gradient); got {grad.shape}",
     )
-    _check_logits_labels("cross_entropy_loss_back", g, logits, labels)
-    return g.op("cross_entropy_loss_back", [grad, logits, labels], shape=logits.shape)
+    y = _labels_node("cross_entropy_loss_back", g, logits, labels)
+    return g.op("cross_entropy_loss_back", [grad, logits, y], shape=logits.shape)
 
 
 def cross_entropy_loss_back(grad, logits, labels, *, backend: str | None = None):
     """Gradient of :func:`cross_entropy_loss` with respect to the logits:
     ``(softmax(logits) - labels) * grad / rows`` (wraps ggml_cross_entropy_loss_back).
 
-    grad: float32 holding one value (the loss's gradient, shape () or (1,)); logits, labels:
-    float32 (..., classes), one shape. Returns float32 of logits' shape. ValueError for a grad of
-    more than one value or mismatched shapes, TypeError for other dtypes."""
+    grad: float32 holding one value (the loss's gradient, shape () or (1,)); logits: float32
+    (..., classes); labels: as :func:`cross_entropy_loss` takes them (float32 of logits' shape or int32
+    classes of shape logits.shape[:-1]). Returns float32 of logits' shape. ValueError for a grad of more
+    than one value or mismatched shapes, TypeError for other dtypes."""
     return apply(_cross_entropy_loss_back, (grad, logits, labels), {}, backend)
 
 
