@@ -1,0 +1,2 @@
+# issue 56, 2026-12-02, call 4 (right after call 3, warm): the 4096 x 1 and 256 x 8 rows with PyTorch bf16 in the call
+export OUT=${OUT:-/tmp/out} PYTEST_DISABLE_PLUGIN_AUTOLOAD=1; LB_BENCH="1b:4096:1 1b:256:8" LB_RUNNERS=full,lora,qlora LB_SETTINGS="LLAMA_OPT_LABEL_CLASSES=1" timeout 330 bash tests/device/cuda_run.sh fa69 2>&1 | grep -E "row done"; rm -f $OUT/summary-*.log $OUT/bench-train-raw.log
