@@ -448,15 +448,23 @@ def test_swiglu_backward_four_elements_a_thread_trains_the_same_steps(f32_path):
     arithmetic is the same, so three full fine-tuning steps (AdamW) give the same losses bit for bit, each run its
     own process with the flash backward in its fixed order. An element's gate read from its neighbour, a copy
     written for the wrong tensor or a tail left out would change the second and third losses."""
-    code = _FUSE_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr("model"))
+    _assert_switch_trains_the_same_steps(
+        f32_path, "model", "GGML_CUDA_GLU_VEC", "SwiGLU backward four elements a thread"
+    )
+
+
+def _assert_switch_trains_the_same_steps(f32_path, params: str, var: str, line: str) -> None:
+    """Three AdamW steps (lr 1e-3, _FUSE_STEPS) with var=1 and var=0, each its own process with the flash backward in
+    its fixed order: the same losses bit for bit, line logged with 1 only, and the loss going down."""
+    code = _FUSE_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
     code = code.replace("sys.argv[3]", repr("adamw")).replace("float(sys.argv[4])", "1e-3")
     losses, logged = {}, {}
-    for vec in ("1", "0"):
-        env = {**os.environ, "GGML_CUDA_GLU_VEC": vec, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
+    for on in ("1", "0"):
+        env = {**os.environ, var: on, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
         p = run_python(code, timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
-        losses[vec] = json.loads(p.stdout.strip().splitlines()[-1])
-        logged[vec] = "SwiGLU backward four elements a thread" in p.stderr
+        losses[on] = json.loads(p.stdout.strip().splitlines()[-1])
+        logged[on] = line in p.stderr
     print(losses, logged)
     assert logged == {"1": True, "0": False}
     assert losses["1"] == losses["0"]
@@ -520,19 +528,9 @@ def test_cross_entropy_backward_writes_the_bf16_copy_the_products_read(f32_path,
     converter rounds, so three steps (AdamW) give the same losses bit for bit, each run its own process with the
     flash backward in its fixed order; a copy of another row, a stale copy of the last step or a product that missed
     it and read the slot's other contents would change the second and third."""
-    code = _FUSE_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
-    code = code.replace("sys.argv[3]", repr("adamw")).replace("float(sys.argv[4])", "1e-3")
-    losses, logged = {}, {}
-    for on in ("1", "0"):
-        env = {**os.environ, "GGML_CUDA_CE_BF16": on, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
-        p = run_python(code, timeout=600, env=env)
-        assert p.returncode == 0, p.stderr[-2000:]
-        losses[on] = json.loads(p.stdout.strip().splitlines()[-1])
-        logged[on] = "the gradient's BF16 copy written with it" in p.stderr
-    print(losses, logged)
-    assert logged == {"1": True, "0": False}
-    assert losses["1"] == losses["0"]
-    assert losses["1"][2] < losses["1"][0]
+    _assert_switch_trains_the_same_steps(
+        f32_path, params, "GGML_CUDA_CE_BF16", "the gradient's BF16 copy written with it"
+    )
 
 
 _CLASS_STEPS = """
