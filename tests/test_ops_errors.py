@@ -176,18 +176,44 @@ def test_rope_random(n_tok, n_head, head_dim, n_dims, mode, sections, npos, ff, 
 @CFG
 @given(s=shapes, ls=shapes, ld=dtypes, gs=shapes)
 def test_cross_entropy_loss_random(s, ls, ld, gs):
-    """ggml_cross_entropy_loss(_back) assert one shape for logits and labels and a scalar gradient."""
+    """ggml_cross_entropy_loss(_back) assert one shape for logits and float32 labels, or int32 classes of the
+    logits' shape less its last axis (patch 0090: any class value, -1, 0 and 1 here, a class outside the row a row
+    of zeros), and a scalar gradient."""
     a, y = arr(s, np.float32), arr(ls, ld, 1)
+    dense = s == ls and ld == np.float32
+    classes = len(s) >= 1 and ls == s[:-1] and ld == np.int32
 
     def finite_if_same_shape(out):
-        assert s == ls and ld == np.float32 and out.shape == () and out.dtype == np.float32
+        assert (dense or classes) and out.shape == () and out.dtype == np.float32
+        assert np.isfinite(out).all()
 
     must_raise_or(lambda: ops.cross_entropy_loss(a, y), finite_if_same_shape)
 
     def grad_shaped(out):
-        assert s == ls and np.prod(gs) == 1 and out.shape == s
+        assert (dense or classes) and np.prod(gs) == 1 and out.shape == s
 
     must_raise_or(lambda: ops.cross_entropy_loss_back(arr(gs, np.float32), a, y), grad_shaped)
+
+
+@CFG
+@given(s=st.lists(st.integers(1, 5), min_size=1, max_size=4).map(tuple), data=st.data())
+def test_cross_entropy_loss_classes_random(s, data):
+    """Patch 0090: any int32 class of each row, inside [0, classes) or not (a row of zeros), gives the float64 loss of
+    the one-hot rows and their gradient; never an abort or a read outside the row."""
+    rows = int(np.prod(s[:-1]))
+    c = np.array(data.draw(st.lists(st.integers(-3, s[-1] + 3), min_size=rows, max_size=rows)), np.int32)
+    c = c.reshape(s[:-1])
+    a = arr(s, np.float32, 2)
+    inside = (c >= 0) & (c < s[-1])
+    y = np.zeros(s, np.float64)
+    y.reshape(-1, s[-1])[np.flatnonzero(inside), c.reshape(-1)[inside.reshape(-1)]] = 1.0
+    x = a.astype(np.float64)
+    logp = x - x.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    np.testing.assert_allclose(ops.cross_entropy_loss(a, c), -(y * logp).sum() / rows, rtol=1e-5, atol=1e-6)
+    g = np.array([0.5], np.float32)
+    want = (np.exp(logp) - y) * 0.5 / rows
+    np.testing.assert_allclose(ops.cross_entropy_loss_back(g, a, c), want, rtol=1e-5, atol=1e-7)
 
 
 @CFG
