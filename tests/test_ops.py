@@ -255,8 +255,9 @@ def test_cross_entropy_loss_and_its_gradient_values():
 def test_cross_entropy_loss_takes_the_class_of_each_row():
     """Patch 0090: ggml_cross_entropy_loss(_back) with labels as the class of each row (int32 of shape
     logits.shape[:-1], ggml's I32 [1, rows]) against float64, rows over two leading axes and a row length not a
-    multiple of 4; the same values as the one-hot rows of those classes (the backward's bits: on the CPU the class
-    form subtracts 1 from one element where the dense form subtracts a row of 0s and one 1), a class outside
+    multiple of 4; the same values as the one-hot rows of those classes (the backward's bits on the CPU: the class
+    form subtracts 1 from one element where the dense form subtracts a row of 0s and one 1; where a backend runs the
+    one-hot form and leaves the class form to the CPU, Vulkan's, the two softmax kernels agree to 1e-5), a class outside
     [0, classes) as a row of zeros; labels of other shapes or dtypes raise before ggml sees them."""
     logits = rnd(2, 3, 41, lo=-6.0, hi=6.0)
     classes = (np.arange(6).reshape(2, 3) * 7 % 41).astype(np.int32)
@@ -269,7 +270,10 @@ def test_cross_entropy_loss_takes_the_class_of_each_row():
     loss, loss_dense = ops.cross_entropy_loss(logits, classes), ops.cross_entropy_loss(logits, onehot)
     np.testing.assert_allclose(loss, loss_dense, rtol=1e-6)
     back, back_dense = ops.cross_entropy_loss_back(g, logits, classes), ops.cross_entropy_loss_back(g, logits, onehot)
-    np.testing.assert_array_equal(back, back_dense)
+    if TEST_BACKEND in (None, "cpu"):
+        np.testing.assert_array_equal(back, back_dense)
+    else:  # Vulkan0 runs the one-hot form and leaves the class form to the CPU: two softmax kernels, ~1e-6 apart
+        np.testing.assert_allclose(back, back_dense, rtol=1e-5, atol=1e-12)
     outside = classes.copy()
     outside[0, 1], outside[1, 0] = -1, 41
     zeros = onehot.copy()
