@@ -453,18 +453,29 @@ def test_swiglu_backward_four_elements_a_thread_trains_the_same_steps(f32_path):
     )
 
 
+def _run_each_setting(code: str, var: str, settings: tuple[str, ...]) -> dict[str, tuple]:
+    """code run once per setting of the environment variable var ("default": unset), each its own process with
+    the flash backward in its fixed order: {setting: (the JSON its last stdout line holds, its stderr)}."""
+    out = {}
+    for value in settings:
+        env = {k: v for k, v in os.environ.items() if k != var}
+        env["GGML_CUDA_FA_BACK_DETERMINISTIC"] = "1"
+        if value != "default":
+            env[var] = value
+        p = run_python(code, timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        out[value] = (json.loads(p.stdout.strip().splitlines()[-1]), p.stderr)
+    return out
+
+
 def _assert_switch_trains_the_same_steps(f32_path, params: str, var: str, line: str) -> None:
     """Three AdamW steps (lr 1e-3, _FUSE_STEPS) with var=1 and var=0, each its own process with the flash backward in
     its fixed order: the same losses bit for bit, line logged with 1 only, and the loss going down."""
     code = _FUSE_STEPS.replace("sys.argv[1]", repr(str(f32_path))).replace("sys.argv[2]", repr(params))
     code = code.replace("sys.argv[3]", repr("adamw")).replace("float(sys.argv[4])", "1e-3")
-    losses, logged = {}, {}
-    for on in ("1", "0"):
-        env = {**os.environ, var: on, "GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}
-        p = run_python(code, timeout=600, env=env)
-        assert p.returncode == 0, p.stderr[-2000:]
-        losses[on] = json.loads(p.stdout.strip().splitlines()[-1])
-        logged[on] = line in p.stderr
+    out = _run_each_setting(code, var, ("1", "0"))
+    losses = {k: r for k, (r, _) in out.items()}
+    logged = {k: line in err for k, (_, err) in out.items()}
     print(losses, logged)
     assert logged == {"1": True, "0": False}
     assert losses["1"] == losses["0"]
@@ -482,16 +493,9 @@ def test_bf16_copies_of_frozen_weights_train_the_same_lora_steps(f32_path):
     code = "import logging; logging.basicConfig(level=logging.INFO)\n" + _CAST_STEPS.replace(
         "sys.argv[1]", repr(str(f32_path))
     ).replace("sys.argv[2]", repr("lora"))
-    runs, logs = {}, {}
-    for frozen in ("default", "0"):
-        env = {k: v for k, v in os.environ.items() if k != "LLAMA_OPT_BF16_FROZEN"}
-        env["GGML_CUDA_FA_BACK_DETERMINISTIC"] = "1"
-        if frozen != "default":
-            env["LLAMA_OPT_BF16_FROZEN"] = frozen
-        p = run_python(code, timeout=600, env=env)
-        assert p.returncode == 0, p.stderr[-2000:]
-        runs[frozen] = json.loads(p.stdout.strip().splitlines()[-1])
-        logs[frozen] = re.findall(r"BF16 copies of (\d+) frozen weights", p.stderr)
+    out = _run_each_setting(code, "LLAMA_OPT_BF16_FROZEN", ("default", "0"))
+    runs = {k: r for k, (r, _) in out.items()}
+    logs = {k: re.findall(r"BF16 copies of (\d+) frozen weights", err) for k, (_, err) in out.items()}
     print(runs, logs)
     assert logs == {"default": [str(7 * CUT_LAYERS + 1)], "0": []}
     assert runs["default"]["losses"] == runs["0"]["losses"]
@@ -557,16 +561,9 @@ def test_label_classes_train_the_same_steps_as_one_hot_labels(f32_path):
     GPU (CUDA's forward takes x_c - max directly where the one-hot form sums (x - max) * y while the max moves). A
     label row shifted by one, or a class set for a masked position, would change the accuracy and the later losses."""
     code = _CLASS_STEPS.replace("sys.argv[1]", repr(str(f32_path)))
-    runs, logged = {}, {}
-    for on in ("default", "0"):
-        env = {k: v for k, v in os.environ.items() if k != "LLAMA_OPT_LABEL_CLASSES"}
-        env["GGML_CUDA_FA_BACK_DETERMINISTIC"] = "1"
-        if on != "default":
-            env["LLAMA_OPT_LABEL_CLASSES"] = on
-        p = run_python(code, timeout=600, env=env)
-        assert p.returncode == 0, p.stderr[-2000:]
-        runs[on] = json.loads(p.stdout.strip().splitlines()[-1])
-        logged[on] = "the cross-entropy's labels: the class of each row (I32)" in p.stderr
+    out = _run_each_setting(code, "LLAMA_OPT_LABEL_CLASSES", ("default", "0"))
+    runs = {k: r for k, (r, _) in out.items()}
+    logged = {k: "the cross-entropy's labels: the class of each row (I32)" in err for k, (_, err) in out.items()}
     print(runs, logged)
     assert logged == {"default": True, "0": False}
     a, b = runs["default"], runs["0"]
