@@ -215,7 +215,9 @@ def test_gpu_flash_attention_gradients_match_cpu(device, b, h, hk, n, m, d, kv, 
     (GGML_CUDA_FA_FWD_PIPE=0, GGML_CUDA_FA_BACK_PIPE=0); at head size 64 the dK/dV kernel that adds dQ by atomics
     takes 128 keys a block, 32 a warp (patch 0088, the default: "window" one K/V head a query head, "f16-ragged" a last
     block of 72 keys whose second half lies outside the keys, "long" 18 blocks, the last of 24 keys) or 64 keys a
-    block, 16 a warp (GGML_CUDA_FA_BACK_M32=0). "long": 2200 queries and
+    block, 16 a warp (GGML_CUDA_FA_BACK_M32=0). Patch 0092 (the default in every case but "stats-recomputed"): the
+    forward reads Q's F32 rows itself and keeps the BF16 Q, K and V (F16 K/V in "f16-ragged") that the backward then
+    reads instead of converting them again. "long": 2200 queries and
     keys, 35 blocks of 64: the first query block's forward and the last key block's dK/dV kernel skip 34
     masked tiles, more than the 32 that a warp's lanes look at at once (patch 0082); 2200 is not a
     multiple of 64 (the checked tile loads), every other tile takes the unchecked ones.

@@ -537,6 +537,28 @@ def test_cross_entropy_backward_writes_the_bf16_copy_the_products_read(f32_path,
     )
 
 
+@pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+@pytest.mark.parametrize(
+    ("var", "line"),
+    [
+        ("GGML_CUDA_FA_KEEP_BF16", "Q, K and V in BF16 as the forward kept them"),
+        ("GGML_CUDA_FA_FWD_Q_F32", "Q converted to BF16 by the kernel as it loads it"),
+        ("GGML_CUDA_FA_TILES_ONCE", "the mask's tile classes copied from the first layer that read it"),
+    ],
+)
+def test_flash_attention_forward_keeps_what_its_backward_and_next_layers_read(f32_path, var, line):
+    """Patch 0092 (CUDA), each switch on by default and logged once at INFO, 0 turning it off (no such line): the
+    training forward keeps the BF16 Q, K and V its kernel read past its result, and the backward reads them rather
+    than converting Q, K and V again (GGML_CUDA_FA_KEEP_BF16); the forward kernel reads Q's F32 rows and rounds them
+    itself (GGML_CUDA_FA_FWD_Q_F32); the first layer's forward classifies the mask's tiles and the three layers after
+    it copy its classes (GGML_CUDA_FA_TILES_ONCE). Each gives the values the conversions and the classification gave,
+    so three full fine-tuning steps (AdamW, the 4-layer cut, two 256-token windows) give the same losses bit for bit,
+    each run its own process with the flash backward in its fixed order. A backward that read another layer's or the
+    last step's Q, K or V, a row rounded otherwise or left out, or tile classes copied from a stale or another mask
+    would change the second and third losses."""
+    _assert_switch_trains_the_same_steps(f32_path, "model", var, line)
+
+
 _CLASS_STEPS = """
 import json, logging, sys, numpy as np, llamabind
 from llamabind import train
@@ -575,6 +597,24 @@ def test_label_classes_train_the_same_steps_as_one_hot_labels(f32_path):
     else:
         assert losses(a) == losses(b)
     assert a["steps"][3][0] < a["steps"][2][0]  # it trains (the first AdamW step at lr 1e-3 overshoots)
+
+
+@pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
+def test_cross_entropy_forward_keeps_the_argmax_of_the_accuracy(f32_path):
+    """Patch 0093 (CUDA): the cross-entropy forward finds each logits row's argmax as it reads the row (the last
+    maximum, as ARGMAX's kernel), and the ARGMAX that ggml-opt counts the accuracy with copies it rather than reading
+    the logits again; it says so once at INFO. GGML_CUDA_CE_ARGMAX=0: ARGMAX's own kernel, no such line. Four steps
+    (the last two with masked labels) and a validation pass give the same accuracies and the same losses bit for bit,
+    each run its own process; the accuracy is not zero here (the windows repeat), so an argmax of the wrong row or
+    column, or one kept from the last step, would change it."""
+    code = _CLASS_STEPS.replace("sys.argv[1]", repr(str(f32_path)))
+    out = _run_each_setting(code, "GGML_CUDA_CE_ARGMAX", ("default", "0"))
+    runs = {k: r for k, (r, _) in out.items()}
+    logged = {k: "the argmax the cross-entropy computed" in err for k, (_, err) in out.items()}
+    print(runs, logged)
+    assert logged == {"default": True, "0": False}
+    assert runs["default"] == runs["0"]
+    assert max(s[1] for s in runs["default"]["steps"]) > 0.0
 
 
 _FUSE_STEPS = """
