@@ -1,0 +1,2 @@
+# issue 56, 2026-12-02 (second session), call 4 (warm): the 256 x 32 rows with PyTorch bf16 and peft bf16 in the call
+export OUT=${OUT:-/tmp/out} PYTEST_DISABLE_PLUGIN_AUTOLOAD=1; LB_BENCH="1b:256:32" LB_RUNNERS=full,lora,qlora LB_SETTINGS="GGML_CUDA_FA_KEEP_BF16=1,GGML_CUDA_CE_ARGMAX=1" timeout 300 bash tests/device/cuda_run.sh fa69 2>&1 | grep -E "row done"; rm -f $OUT/summary-*.log $OUT/bench-train-raw.log

@@ -1,0 +1,2 @@
+# issue 56, 2026-12-02 (second session), call 5 (warm): a full fine-tune of the 1B shape at 16,384 x 1 (4 steps, no PyTorch)
+export OUT=${OUT:-/tmp/out} PYTEST_DISABLE_PLUGIN_AUTOLOAD=1; LB_BENCH=1b:16384:1 LB_RUNNERS=full LB_TORCH_RUNS=none LB_STEPS=4 LB_SETTINGS="GGML_CUDA_FA_KEEP_BF16=1" timeout 280 bash tests/device/cuda_run.sh fa69 2>&1 | grep -E "row done|rror"; rm -f $OUT/summary-*.log $OUT/bench-train-raw.log
