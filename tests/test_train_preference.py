@@ -137,7 +137,8 @@ def test_preference_metrics_refuse_what_they_cannot_compute():
 
 def test_cli_eval_pairs_prints_trls_metrics(model_path, tmp_path, capsys):
     """``eval --pairs`` (issue 58 item 3, the metrics half): ORPO's numbers are preference_metrics' on
-    pair_logps of the model; DPO of an adapter whose B is zero (lora_init: the policy is the base) has the
+    pair_logps of the model, its nll over the chosen prompt and answer (TRL's; ``--no-prompt-loss``: the answer's
+    only); DPO of an adapter whose B is zero (lora_init: the policy is the base) has the
     rewards 0 and the loss log 2 exactly; without an adapter DPO is refused, as are --data and --pairs
     together, each with one error line."""
     from llamabind import cli
@@ -145,14 +146,20 @@ def test_cli_eval_pairs_prints_trls_metrics(model_path, tmp_path, capsys):
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     with llamabind.Model(model_path, repack=False, n_threads=2) as m:
-        pairs = train.read_pairs(path, m)
-        lengths = [[len(p.chosen), len(p.rejected)] for p in pairs]
-        want = train.preference_metrics(train.pair_logps(m, pairs), method="orpo", lengths=lengths, beta=0.2)
+        pairs = train.read_pairs(path, m, method="orpo")  # ORPO's tokenization: BOS first, EOS after the answers
+        lengths = np.array([[len(p.chosen), len(p.rejected)] for p in pairs])
+        lp = train.pair_logps(m, pairs, prompt=True)  # + the chosen prompts' log-likelihood and token count
+        nll = -(lp[:, 0].sum() + lp[:, 2].sum()) / (lengths[:, 0].sum() + lp[:, 3].sum())  # TRL: prompt + answer
+        want = train.preference_metrics(lp[:, :2], method="orpo", lengths=lengths, beta=0.2, nll=nll)
+        answers = train.preference_metrics(lp[:, :2], method="orpo", lengths=lengths, beta=0.2)
+        assert nll != pytest.approx(-lp[:, 0].sum() / lengths[:, 0].sum())
         train.lora_init(m, tmp_path / "zero.gguf", 2, 4.0, ["attn_q"])
     base = ["eval", "-m", str(model_path), "--pairs", str(path), "-t", "2"]
-    assert cli.main([*base, "--method", "orpo", "--beta", "0.2"]) == 0
-    out = capsys.readouterr().out
-    assert f"orpo over 3 pairs: loss {want.loss:.4f}" in out and f"rewards/margins {want.rewards_margins:.4f}" in out
+    for extra, metrics in (([], want), (["--no-prompt-loss"], answers)):
+        assert cli.main([*base, "--method", "orpo", "--beta", "0.2", *extra]) == 0
+        out = capsys.readouterr().out
+        assert f"orpo over 3 pairs: loss {metrics.loss:.4f}" in out, out
+        assert f"rewards/margins {metrics.rewards_margins:.4f}" in out
     assert cli.main([*base, "--lora", str(tmp_path / "zero.gguf")]) == 0
     out = capsys.readouterr().out
     assert f"loss {np.log(2):.4f}, rewards/chosen 0.0000, rewards/rejected 0.0000" in out, out
@@ -377,3 +384,33 @@ def test_cli_finetune_dpo(smollm2_f32_cut, doc_pairs, tmp_path):
         m.load_lora(out).close()
     bad = subprocess.run([*cmd[:-2], "--beta", "-1"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "beta must be" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_dpo_first_step_loss_is_ln_2(kind, smollm2_f32_cut):
+    """Issue 83 item 3: at step 1 the policy is the reference, so DPO's loss is ln 2 and its rewards 0, whatever the
+    backend and precision, provided the reference log-probabilities (forward-only evaluations before training) come
+    from the same numbers as the policy's (the training graph's forward pass). Pairs of 7/8 of a 512-token window
+    (224-token prompts, 168-token answers: bench/preference.py's), so that a per-token difference between the two
+    paths sums to a visible reward: on an H200 the 1B shape's first loss was 0.7060. On the CPU the same float
+    sums (bit for bit: exactly ln 2); on a GPU within 1e-4, each precision the run takes (default: BF16 products)."""
+    from pydoc_data.topics import topics
+
+    with llamabind.Model(smollm2_f32_cut, use_mmap=kind == "lora", repack=False, n_threads=2) as m:
+        toks = [m.tokenize(topics[k], add_special=False) for k in sorted(topics)]
+        toks = [t for t in toks if len(t) >= 392][:5]
+        pairs = [train.PreferencePair(*(np.asarray(x, np.int32) for x in (t[:224], t[224:392], o[224:392])))
+                 for t, o in zip(toks, toks[1:])]  # fmt: skip
+        on_gpu = bool(m.output_offloaded)
+        r = train.preference(
+            m, pairs, method="dpo", beta=0.1, ctx_size=512, batch_size=4, iters=1, val_split=0.0, shuffle=False,
+            lora_rank=8 if kind == "lora" else None, lr=1e-4 if kind == "lora" else 1e-6, progress=False, n_threads=2,
+        )  # fmt: skip
+    first = r.metrics[0]
+    print(kind, "first loss", r.losses[0], "rewards", first.rewards_chosen, first.rewards_rejected)
+    if on_gpu:
+        assert r.losses[0] == pytest.approx(np.log(2), abs=1e-4)
+        assert abs(first.rewards_chosen) < 2e-3 and abs(first.rewards_rejected) < 2e-3
+    else:
+        assert r.losses[0] == pytest.approx(np.log(2), abs=1e-6)
+        assert first.rewards_chosen == 0.0 and first.rewards_rejected == 0.0

@@ -28,7 +28,8 @@ class Optimizer:
     alternate a pair's chosen and rejected answer (an even n_seq_max; llama_opt_params.build_loss, patch
     0054), ``beta`` > 0 DPO's beta or ORPO's lambda. ``recompute``: gradient checkpointing, only the layers'
     outputs kept for the backward pass, the rest recomputed there (llama_opt_params.recompute_activations,
-    patch 0066)."""
+    patch 0066). ``max_grad_norm``: clip the gradients to this global L2 norm before each optimizer step
+    (torch.nn.utils.clip_grad_norm_; llama_opt_params.max_grad_norm, patch 0094); None or 0: no clipping."""
 
     def __init__(
         self,
@@ -43,35 +44,53 @@ class Optimizer:
         loss: str = "cross_entropy",
         beta: float = 0.1,
         recompute: bool = False,
+        max_grad_norm: float | None = None,
     ):
         self.context = context
         self._native = context._llama_context
         _core.opt_init(
             self._native, optimizer, as_float(lr, "lr"), as_float(weight_decay, "weight_decay"), params,
             as_int(grad_accum, "grad_accum", 1), bool(embeddings), precision, loss, as_float(beta, "beta"),
-            bool(recompute),
+            bool(recompute), 0.0 if max_grad_norm is None else as_float(max_grad_norm, "max_grad_norm"),
         )  # fmt: skip
 
     def eval(
-        self, windows: np.ndarray, train: bool, labels: np.ndarray | None = None, refs: np.ndarray | None = None
+        self,
+        windows: np.ndarray,
+        train: bool,
+        labels: np.ndarray | None = None,
+        refs: np.ndarray | None = None,
+        prompt_rows: np.ndarray | None = None,
     ) -> None:
         """One eval of n_seq_max windows, int32 C-contiguous (n_seq_max, n_ctx / n_seq_max + 1), one
         sequence each, with optional labels (n_seq_max, n_ctx / n_seq_max), -1 left out: forward, and
         with ``train`` backward and (every grad_accum-th eval) the optimizer step (llama_opt_epoch).
         Its loss adds to :meth:`result`. A preference loss needs ``labels`` (each window's answer tokens)
         and for DPO ``refs``, float64 (n_seq_max / 2,): each pair's reference log-ratio log p_ref(chosen)
-        - log p_ref(rejected) in nats. Raises ValueError for other shapes, ids out of range, a window
-        without a labelled position under a preference loss."""
+        - log p_ref(rejected) in nats. ORPO's nll over the chosen prompt and answer (TRL's) takes
+        ``prompt_rows``, int32 (n_seq_max / 2,): per pair, how many of its chosen window's labelled positions
+        are the prompt's (they come before the answer's; the odds ratio is of the answer's alone). Raises
+        ValueError for other shapes, ids out of range, a window without a labelled position under a
+        preference loss, prompt_rows without ORPO or not fewer than the chosen window's labelled positions."""
         if refs is not None:
             refs = np.ascontiguousarray(refs, dtype=np.float64).reshape(-1)
-        _core.opt_step(self._native, windows, bool(train), labels, refs)
+        if prompt_rows is not None:
+            prompt_rows = np.ascontiguousarray(prompt_rows, dtype=np.int32).reshape(-1)
+        _core.opt_step(self._native, windows, bool(train), labels, refs, prompt_rows)
 
-    def seq_logps(self) -> np.ndarray:
-        """float64 (n_seq_max,): the last :meth:`eval`'s per-window summed log-likelihood of its labelled
-        tokens (nats), read from the preference loss's graph after the eval (its per-window
-        ggml_cross_entropy_loss nodes, ggml_backend_tensor_get; patch 0054). ValueError without a
+    def seq_logps(self, prompt: bool = False) -> np.ndarray:
+        """float64 (n_seq_max,): the last :meth:`eval`'s per-window summed log-likelihood of its answer's
+        labelled tokens (nats), read from the preference loss's graph after the eval (its per-window
+        ggml_cross_entropy_loss nodes, ggml_backend_tensor_get; patch 0054); ``prompt``: of the labelled
+        prompt positions before them (ORPO's ``prompt_rows``; 0 where none). ValueError without a
         preference loss."""
-        return _core.opt_seq_logps(self._native)
+        return _core.opt_seq_logps(self._native, bool(prompt))
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the gradients at the last optimizer step, before clipping (transformers'
+        logged ``grad_norm``); NaN without ``max_grad_norm`` or before the first step. Wraps
+        ggml_opt_get_grad_norm (patch 0094)."""
+        return float(_core.opt_grad_norm(self._native))
 
     def result(self, train: bool) -> tuple[float, float, int]:
         """(mean cross-entropy per labelled token in nats, next-token accuracy, labelled tokens) of the

@@ -2,7 +2,9 @@
 //
 // The windows of a micro-batch alternate chosen, rejected (window 2i: pair i's prompt and chosen answer,
 // 2i + 1: the same prompt and the rejected one); only the answers' tokens are labelled (patch 0027), so
-// each sequence's logits rows are its answer's. A sequence's summed log-likelihood is -n x the mean
+// each sequence's logits rows are its answer's; under ORPO with its nll over the chosen prompt and answer (TRL's
+// ORPOTrainer), a chosen window's prompt positions are labelled too and come first in its rows. A sequence's
+// summed log-likelihood is -n x the mean
 // cross-entropy of its rows, ggml_cross_entropy_loss over a view of them (stable log-sum-exp, a backward
 // on every backend that trains), and the pair losses are a few scalar ops on those.
 #include "preference.h"
@@ -30,29 +32,44 @@ static ggml_tensor * log1m_exp_neg(ggml_context * ctx, ggml_tensor * ce) {
 ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_tensor * labels, const int32_t * seq_rows,
                               int32_t n_seq, void * userdata) {
     PrefLoss & p = *(PrefLoss *) userdata;
-    // opt_step checked these (an even number of windows, each with a labelled answer token, a ref per pair)
+    // opt_step checked these (an even number of windows, each with a labelled answer token, a ref per pair,
+    // ORPO's labelled prompt positions fewer than the chosen window's labelled positions)
     GGML_ASSERT(n_seq > 0 && n_seq % 2 == 0);
     GGML_ASSERT(p.method != PrefLoss::DPO || (int32_t) p.ref.size() == n_seq / 2);
+    GGML_ASSERT(p.prompt.empty() || (int32_t) p.prompt.size() == n_seq / 2);
     p.ce.clear();
-    p.rows.assign(seq_rows, seq_rows + n_seq);
+    p.ce_prompt.clear();
+    p.rows.clear();
+    p.rows_prompt.clear();
     int64_t r0 = 0;
     for (int32_t s = 0; s < n_seq; ++s) {
-        GGML_ASSERT(seq_rows[s] > 0);
-        ggml_tensor * ce = rows_ce(ctx, logits, labels, r0, seq_rows[s]);
+        // a chosen window's labelled prompt positions come first (ORPO's nll over the prompt and the answer)
+        const int32_t n_prompt = s % 2 == 0 && !p.prompt.empty() ? p.prompt[s / 2] : 0;
+        GGML_ASSERT(seq_rows[s] > n_prompt && n_prompt >= 0);
+        ggml_tensor * cp = nullptr;
+        if (n_prompt > 0) {
+            cp = rows_ce(ctx, logits, labels, r0, n_prompt);
+            ggml_format_name(cp, "pref_ce_prompt_%d", s);
+            ggml_set_output(cp);
+        }
+        ggml_tensor * ce = rows_ce(ctx, logits, labels, r0 + n_prompt, seq_rows[s] - n_prompt);
         ggml_format_name(ce, "pref_ce_%d", s);
         ggml_set_output(ce);  // read back after the eval (pref_read)
         p.ce.push_back(ce);
+        p.ce_prompt.push_back(cp);
+        p.rows.push_back(seq_rows[s] - n_prompt);
+        p.rows_prompt.push_back(n_prompt);
         r0 += seq_rows[s];
     }
     GGML_ASSERT(r0 == logits->ne[1]);
     const int32_t n_pairs = n_seq / 2;
     const float b = p.beta;
     ggml_tensor * pairs = nullptr;  // the sum over pairs of the pair term
-    ggml_tensor * nll = nullptr;    // ORPO: the chosen answers' tokens' summed cross-entropy
+    ggml_tensor * nll = nullptr;    // ORPO: the chosen windows' labelled tokens' summed cross-entropy
     int64_t n_chosen = 0;
     for (int32_t i = 0; i < n_pairs; ++i) {
         ggml_tensor *cc = p.ce[2 * i], *cr = p.ce[2 * i + 1];
-        const float nc = (float) seq_rows[2 * i], nr = (float) seq_rows[2 * i + 1];
+        const float nc = (float) p.rows[2 * i], nr = (float) p.rows[2 * i + 1];
         if (p.method == PrefLoss::DPO) {
             // z = beta ((log pi(c) - log pi(r)) - ref), log pi(c) = -nc cc; -log sigmoid(z) = softplus(-z)
             ggml_tensor * u = ggml_sub(ctx, ggml_scale(ctx, cr, b * nr), ggml_scale(ctx, cc, b * nc));
@@ -63,7 +80,8 @@ ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_ten
                 ggml_add(ctx, ggml_sub(ctx, cr, cc), ggml_sub(ctx, log1m_exp_neg(ctx, cr), log1m_exp_neg(ctx, cc)));
             pairs = add(ctx, pairs, ggml_softplus(ctx, ggml_scale(ctx, lor, -1.0f)));  // -log sigmoid(lor)
             nll = add(ctx, nll, ggml_scale(ctx, cc, nc));
-            n_chosen += seq_rows[2 * i];
+            if (ggml_tensor * cp = p.ce_prompt[2 * i]) nll = ggml_add(ctx, nll, ggml_scale(ctx, cp, (float) p.rows_prompt[2 * i]));
+            n_chosen += p.rows[2 * i] + p.rows_prompt[2 * i];
         }
     }
     // DPO: the mean over pairs; ORPO: the chosen tokens' mean nll + lambda x the mean pair term
@@ -75,10 +93,15 @@ ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_ten
 
 void pref_read(PrefLoss & p) {
     p.logps.resize(p.ce.size());
+    p.logps_prompt.assign(p.ce.size(), 0.0);
     for (size_t s = 0; s < p.ce.size(); ++s) {
         float ce = 0.0f;
         ggml_backend_tensor_get(p.ce[s], &ce, 0, sizeof(ce));
         p.logps[s] = -(double) p.rows[s] * ce;
+        if (p.ce_prompt[s]) {
+            ggml_backend_tensor_get(p.ce_prompt[s], &ce, 0, sizeof(ce));
+            p.logps_prompt[s] = -(double) p.rows_prompt[s] * ce;
+        }
     }
 }
 

@@ -15,9 +15,13 @@ struct PrefLoss {
     enum Method { DPO, ORPO } method = DPO;
     float beta = 0.1f;              // DPO's beta; ORPO's lambda
     std::vector<float> ref;         // DPO, per pair of the next eval: reference log-ratio log pi_ref(c) - log pi_ref(r)
-    std::vector<ggml_tensor *> ce;  // per sequence of the eval being built/run: its mean next-token cross-entropy
-    std::vector<int32_t> rows;      // per sequence: its labelled positions (the answer's tokens)
-    std::vector<double> logps;      // per sequence of the last eval: summed log-likelihood of its answer (nats)
+    std::vector<int32_t> prompt;    // ORPO, per pair of the next eval: labelled prompt positions before the chosen answer
+    std::vector<ggml_tensor *> ce;  // per sequence of the eval being built/run: its answer's mean cross-entropy
+    std::vector<ggml_tensor *> ce_prompt;  // per sequence: its labelled prompt positions' mean cross-entropy, or null
+    std::vector<int32_t> rows;             // per sequence: its answer's labelled positions
+    std::vector<int32_t> rows_prompt;      // per sequence: its labelled prompt positions (before the answer's)
+    std::vector<double> logps;             // per sequence of the last eval: summed log-likelihood of its answer (nats)
+    std::vector<double> logps_prompt;      // per sequence of the last eval: that of its labelled prompt positions
 };
 
 // llama_opt_params.build_loss with userdata a PrefLoss: the loss of the ubatch's sequences as pairs

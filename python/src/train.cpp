@@ -115,7 +115,7 @@ static bool all_but_token_embd(const ggml_tensor * t, void *) {
 // the adapters' are flagged here (ggml_set_param) before it, which is all ggml's backward pass looks at.
 static void opt_init(Context & c, const std::string & optimizer, float lr, float wd, const std::string & params,
                      int grad_accum, bool embeddings, const std::string & precision, const std::string & loss,
-                     float beta, bool recompute) {
+                     float beta, bool recompute, float max_grad_norm) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (c.train) raise_value("opt_init was already called on this context (llama_opt_init runs once)");
@@ -125,6 +125,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     if (!(lr > 0) || !std::isfinite(lr)) raise_value("lr must be a finite number > 0; got " + std::to_string(lr));
     if (!(wd >= 0 && wd <= 1))  // ggml-opt asserts it
         raise_value("weight_decay must be in [0, 1]; got " + std::to_string(wd));
+    if (!(max_grad_norm >= 0) || !std::isfinite(max_grad_norm))  // ggml-opt asserts it
+        raise_value("max_grad_norm must be a finite number >= 0 (0: no clipping); got " + std::to_string(max_grad_norm));
     if (grad_accum < 1 || grad_accum > 65536)
         raise_value("grad_accum (windows per optimizer step) must be in [1, 65536]; got " + std::to_string(grad_accum));
     auto st = std::make_shared<TrainState>();
@@ -177,6 +179,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     p.prec_products = precision == "bf16" ? GGML_PREC_BF16 : GGML_PREC_UNDEFINED;
     // patch 0066: gradient checkpointing, only the layers' outputs kept for the backward pass
     p.recompute_activations = recompute;
+    // patch 0094: global-norm gradient clipping before each optimizer step (0: none)
+    p.max_grad_norm = max_grad_norm;
     if (st->pref) {  // patch 0054: the loss of each ubatch's pairs of sequences
         p.build_loss = pref_build_loss;
         p.build_loss_ud = st->pref.get();
@@ -196,6 +200,7 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
 
 using Windows = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using F64In = nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using I32In = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 // the preference loss of the running opt_step (llama_opt_epoch's callbacks take no userdata; they run on the
 // thread that called it, after each eval, while the graph's tensors are allocated: patch 0054)
@@ -207,14 +212,14 @@ static void pref_after_eval(bool, ggml_opt_context_t, ggml_opt_dataset_t, ggml_o
 }
 
 // a preference loss's checks of a step: every window has a labelled position (an answer token); DPO's
-// reference log-ratio per pair
+// reference log-ratio per pair; ORPO's labelled prompt positions per pair, fewer than its chosen window's
 static void check_pref_step(PrefLoss & pref, const std::optional<Windows> & labels, const std::optional<F64In> & refs,
-                            int64_t n_seq, int64_t n_win) {
+                            const std::optional<I32In> & prompt_rows, int64_t n_seq, int64_t n_win) {
     if (!labels) raise_value("a preference loss needs labels: each window's answer tokens, -1 elsewhere");
+    std::vector<int64_t> labelled(n_seq, 0);
     for (int64_t s = 0; s < n_seq; ++s) {
-        bool any = false;
-        for (int64_t i = 0; i < n_win && !any; ++i) any = (*labels)(s, i) >= 0;
-        if (!any)
+        for (int64_t i = 0; i < n_win; ++i) labelled[s] += (*labels)(s, i) >= 0;
+        if (labelled[s] == 0)
             raise_value("window " + std::to_string(s) +
                         " has no labelled position: a preference pair's answer "
                         "needs at least one token in its window");
@@ -229,6 +234,22 @@ static void check_pref_step(PrefLoss & pref, const std::optional<Windows> & labe
             pref.ref.push_back((float) (*refs)(i));
         }
     }
+    pref.prompt.clear();
+    if (prompt_rows) {
+        if (pref.method != PrefLoss::ORPO)
+            raise_value("prompt_rows are for ORPO's nll over the chosen prompt and answer (opt_init with loss 'orpo')");
+        if ((int64_t) prompt_rows->shape(0) != n_seq / 2)
+            raise_value("prompt_rows must be int32 (" + std::to_string(n_seq / 2) + ",): per pair, the labelled "
+                        "positions of its chosen window's prompt; got " + std::to_string(prompt_rows->shape(0)));
+        for (int64_t i = 0; i < n_seq / 2; ++i) {
+            const int32_t n = (*prompt_rows)(i);
+            if (n < 0 || n >= labelled[2 * i])
+                raise_value("prompt_rows[" + std::to_string(i) + "] = " + std::to_string(n) + " must be in [0, " +
+                            std::to_string(labelled[2 * i]) + "): its chosen window's labelled positions less "
+                            "the answer's (at least one)");
+            pref.prompt.push_back(n);
+        }
+    }
 }
 
 // One datapoint: n_seq_max windows of n_win + 1 tokens (n_win = n_ctx / n_seq_max), each its own
@@ -236,7 +257,7 @@ static void check_pref_step(PrefLoss & pref, const std::optional<Windows> & labe
 // -1 for a position left out of the loss (patch 0027). train: forward, backward and, every
 // grad_accum-th training datapoint, an optimizer step; else forward only (validation loss).
 static void opt_step(Context & c, Windows windows, bool train, std::optional<Windows> labels,
-                     std::optional<F64In> refs) {
+                     std::optional<F64In> refs, std::optional<I32In> prompt_rows) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (!c.train) raise_value("call opt_init first");
@@ -273,9 +294,10 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
     }
     TrainState & st = *c.train;
     if (st.pref)
-        check_pref_step(*st.pref, labels, refs, n_seq, n_win);
-    else if (refs)
-        raise_value("refs are for a preference loss (opt_init with loss 'dpo')");
+        check_pref_step(*st.pref, labels, refs, prompt_rows, n_seq, n_win);
+    else if (refs || prompt_rows)
+        raise_value(std::string(refs ? "refs" : "prompt_rows") + " are for a preference loss (opt_init with loss '" +
+                    (refs ? "dpo" : "orpo") + "')");
     ggml_opt_dataset_t ds = ggml_opt_dataset_init(GGML_TYPE_I32, GGML_TYPE_I32, n_ctx, n_ctx, 1, 1);
     auto * data = (int32_t *) ggml_opt_dataset_data(ds)->data;
     auto * lab = (int32_t *) ggml_opt_dataset_labels(ds)->data;
@@ -310,6 +332,13 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
     st.correct[train] += std::llround(acc * rows);
 }
 
+// the gradients' global norm at the last optimizer step, where clipping computes it (patch 0094)
+static float opt_grad_norm(Context & c) {
+    if (!c.train) raise_value("call opt_init first");
+    ggml_opt_context_t opt = llama_opt_get_context(c.get());
+    return opt ? ggml_opt_get_grad_norm(opt) : NAN;
+}
+
 // (mean loss per labelled token, next-token accuracy, labelled tokens) since the last opt_reset,
 // token-weighted over the steps
 static nb::tuple opt_result(Context & c, bool train) {
@@ -320,10 +349,11 @@ static nb::tuple opt_result(Context & c, bool train) {
     return nb::make_tuple(st.loss_sum[train] / n, (double) st.correct[train] / n, n);
 }
 
-// the last opt_step's per-window summed log-likelihoods of the labelled tokens (nats), float64 (n_seq_max,)
-static nb::ndarray<nb::numpy, double, nb::ndim<1>> opt_seq_logps(Context & c) {
+// the last opt_step's per-window summed log-likelihoods of the labelled tokens (nats), float64 (n_seq_max,):
+// of each answer, or (prompt) of the labelled prompt positions before it (0 where none)
+static nb::ndarray<nb::numpy, double, nb::ndim<1>> opt_seq_logps(Context & c, bool prompt) {
     if (!c.train || !c.train->pref) raise_value("the context was not set up with a preference loss (opt_init)");
-    const auto & v = c.train->pref->logps;
+    const auto & v = prompt ? c.train->pref->logps_prompt : c.train->pref->logps;
     double * out = new double[v.size()];
     std::copy(v.begin(), v.end(), out);
     nb::capsule owner(out, [](void * p) noexcept { delete[] (double *) p; });
@@ -539,7 +569,7 @@ void register_train(nb::module_ & m) {
     m.def("opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
           nb::arg("params") = "model", nb::arg("grad_accum") = 1, nb::arg("embeddings") = true,
           nb::arg("precision") = "f32", nb::arg("loss") = "cross_entropy", nb::arg("beta") = 0.1f,
-          nb::arg("recompute") = false,
+          nb::arg("recompute") = false, nb::arg("max_grad_norm") = 0.0f,
           "llama_opt_init on a training context, ggml-opt's AdamW or SGD. params 'model': every F32 weight "
           "(llama_opt_param_filter_all; token_embd unless embeddings is false, patch 0033); 'lora': only the A/B "
           "tensors of the adapters applied to the context. grad_accum: opt_steps per optimizer step (their "
@@ -548,18 +578,24 @@ void register_train(nb::module_ & m) {
           "patch 0052); 'f32': F32. loss 'dpo' or 'orpo' (beta: DPO's beta, ORPO's lambda): a preference loss over "
           "windows that alternate chosen, rejected (llama_opt_params.build_loss, patch 0054). recompute: keep only "
           "the layers' outputs for the backward pass, recompute the rest (llama_opt_params.recompute_activations, "
-          "patch 0066).");
+          "patch 0066). max_grad_norm > 0: the gradients clipped to that global L2 norm before each optimizer step "
+          "(llama_opt_params.max_grad_norm, patch 0094); 0: none.");
+    m.def("opt_grad_norm", &opt_grad_norm, nb::arg("context"),
+          "ggml_opt_get_grad_norm: the gradients' global L2 norm at the last optimizer step (before clipping), "
+          "NaN without clipping or before the first step (patch 0094).");
     m.def("lora_write", &lora_write, nb::arg("path"), nb::arg("arch"), nb::arg("alpha"), nb::arg("tensors"),
           "Write a LoRA adapter GGUF: [(name, float32 (rows, cols))], names ending .lora_a / .lora_b.");
     m.def("lora_save", &lora_save, nb::arg("adapter"), nb::arg("path"),
           "Write a loaded adapter's current A/B tensors (e.g. after training) as a LoRA adapter GGUF.");
     m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("windows"), nb::arg("train"),
-          nb::arg("labels") = nb::none(), nb::arg("refs") = nb::none(),
+          nb::arg("labels") = nb::none(), nb::arg("refs") = nb::none(), nb::arg("prompt_rows") = nb::none(),
           "llama_opt_epoch on n_seq_max windows, int32 (n_seq_max, n_ctx / n_seq_max + 1), one sequence each "
-          "(next-token cross-entropy, or the preference loss of opt_init: refs float64 (n_seq_max / 2,) for DPO): "
+          "(next-token cross-entropy, or the preference loss of opt_init: refs float64 (n_seq_max / 2,) for DPO; "
+          "prompt_rows int32 (n_seq_max / 2,) for ORPO, each chosen window's labelled prompt positions): "
           "train=True adds the backward pass (and the optimizer step), False only accumulates the validation loss.");
-    m.def("opt_seq_logps", &opt_seq_logps, nb::arg("context"),
-          "float64 (n_seq_max,): the last opt_step's per-window summed log-likelihood of its labelled tokens.");
+    m.def("opt_seq_logps", &opt_seq_logps, nb::arg("context"), nb::arg("prompt") = false,
+          "float64 (n_seq_max,): the last opt_step's per-window summed log-likelihood of its answer's labelled "
+          "tokens (prompt: of the labelled prompt positions before them, 0 where none).");
     m.def("opt_result", &opt_result, nb::arg("context"), nb::arg("train"),
           "(mean loss per labelled token, next-token accuracy, labelled tokens) since opt_reset, token-weighted.");
     m.def("opt_reset", &opt_reset, nb::arg("context"));

@@ -73,7 +73,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -429,6 +429,26 @@ train42)
     --configs ${LB_PROFILE_135M:-256x8} -ngl 99 --modes ${LB_MODES:-pin,now} --threads 8 --steps 5 --profile-steps 2 \
     --out "$OUT/train-profile-135m.json" 2>&1 | tee "$OUT/train-profile-135m.txt" | tail -40
   echo "kernel tests and profiles in $((SECONDS - t0)) s"
+  ;;
+pref83)
+  # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf and .device-s; LB_NO_TOOLS=1) issue 83: the
+  # build, SmolLM2's first blocks in F32, then where DPO's reference log-probabilities part from the policy's at step 1
+  # (tests/device/pref_ref_diag.py: one process per switch, LB_DIAG_SETTINGS), then the ln 2 tests on CUDA0;
+  # LB_PREF83_1B=1: the diagnosis on the random-weight 1B shape too (LB_DIAG_1B settings, LoRA)
+  f32=/tmp/smollm2-f32-4l.gguf
+  [ -f $f32 ] || python3 -c "from llamabind import train; train.to_f32('/tmp/smollm2-4l.gguf', '$f32')"
+  timeout ${LB_DIAG_TIMEOUT:-300} python3 tests/device/pref_ref_diag.py $f32 --ctx 512 --pairs 8 \
+    ${LB_DIAG_SETTINGS:+--settings "$LB_DIAG_SETTINGS"} 2>&1 | tee -a "$OUT/pref83-diag.txt"
+  if [ -n "${LB_PREF83_1B:-}" ]; then
+    cp .device/tokenizer.gguf /tmp/ 2>/dev/null; mkdir -p $MODELS
+    [ -f $MODELS/llama-1b-f32.gguf ] || { python3 bench/make_model.py --size 1b --type q4_0 -o $MODELS/llama-1b-q4_0.gguf \
+      --tokenizer-from /tmp/tokenizer.gguf 2>&1 | tail -1; python3 -c "from llamabind import train; \
+      train.to_f32('$MODELS/llama-1b-q4_0.gguf', '$MODELS/llama-1b-f32.gguf')"; }
+    timeout ${LB_DIAG_TIMEOUT:-300} python3 tests/device/pref_ref_diag.py $MODELS/llama-1b-f32.gguf --ctx 512 --pairs 8 \
+      --kinds ${LB_DIAG_KINDS:-lora} --settings "${LB_DIAG_1B:-default:}" 2>&1 | sed 's/^/1b /' | tee -a "$OUT/pref83-diag.txt"
+  fi
+  [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REQUIRE_GPU=1 python3 -m pytest tests/test_train_preference.py $PYTEST_ARGS -s \
+    -k "${LB_PREF83_K:-ln_2}" 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/pref83-tests.log" | tail -12
   ;;
 fa56)
   # issue 56, first call (LB_NO_TOOLS=1): the build with the flash-attention kernels, random-weight 1B llamas

@@ -50,6 +50,12 @@ def _eval(args) -> int:
     return 0
 
 
+_NO_PROMPT_LOSS = (
+    "--method orpo: the nll term over the chosen answers only (the ORPO authors' disable_prompt_loss); default: over "
+    "the chosen prompt and answer, as TRL's ORPOTrainer"
+)
+
+
 def _eval_pairs(args, loras) -> int:
     """eval --pairs: DPO's or ORPO's loss and TRL's reward metrics of the model with --lora (the policy) on
     preference pairs; DPO's reference is the model without the adapters."""
@@ -60,12 +66,14 @@ def _eval_pairs(args, loras) -> int:
     if args.method == "dpo" and not loras:
         raise ValueError("--method dpo compares a tuned adapter with its base: give --lora (or --method orpo)")
     with Model(models.resolve(args.model), repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads) as m:
-        pairs = train.read_pairs(args.pairs, m)
+        pairs = train.read_pairs(args.pairs, m, method=args.method)
         adapters = [(m.load_lora(p), scale) for p, scale in loras]
-        policy = train.pair_logps(m, pairs, adapter=adapters, n_threads=args.threads)
+        prompt = args.method == "orpo" and not args.no_prompt_loss
+        policy = train.pair_logps(m, pairs, adapter=adapters, n_threads=args.threads, prompt=prompt)
         reference = train.pair_logps(m, pairs, n_threads=args.threads) if args.method == "dpo" else None
     lengths = [[len(p.chosen), len(p.rejected)] for p in pairs]
-    r = train.preference_metrics(policy, reference, method=args.method, beta=args.beta, lengths=lengths)
+    nll = -(policy[:, 0].sum() + policy[:, 2].sum()) / (sum(n for n, _ in lengths) + policy[:, 3].sum()) if prompt else None
+    r = train.preference_metrics(policy[:, :2], reference, method=args.method, beta=args.beta, lengths=lengths, nll=nll)
     print(f"{args.method} over {len(pairs)} pairs: loss {r.loss:.4f}, rewards/chosen {r.rewards_chosen:.4f}, "
           f"rewards/rejected {r.rewards_rejected:.4f}, rewards/accuracies {r.rewards_accuracies:.4f}, "
           f"rewards/margins {r.rewards_margins:.4f}, logps/chosen {r.logps_chosen:.4f}, "
@@ -115,7 +123,7 @@ def _training_args(args, ckpt_dir):
         lora_targets=tuple(args.lora_targets.split(",")), lr_schedule=args.lr_schedule, warmup=args.warmup,
         min_lr=args.min_lr, steps_per_eval=args.steps_per_eval, steps_per_report=args.steps_per_report, log=args.log,
         checkpoint_dir=ckpt_dir, save_every=args.save_every, precision=precision, flash_attn=flash,
-        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing=args.gradient_checkpointing, max_grad_norm=args.max_grad_norm,
     )  # fmt: skip
 
 
@@ -195,10 +203,11 @@ def _preference(args, m, settings, resume):
     """finetune --method dpo|orpo: train.preference on the pairs of --data (and --valid); prints TRL's metrics."""
     from .. import train
 
-    pairs = train.read_pairs(args.data, m)
-    valid = train.read_pairs(args.valid, m) if args.valid else None
+    pairs = train.read_pairs(args.data, m, method=args.method)
+    valid = train.read_pairs(args.valid, m, method=args.method) if args.valid else None
     print(f"{len(pairs)} preference pairs from {args.data}", file=sys.stderr)
-    res = train.preference(m, pairs, settings, method=args.method, beta=args.beta, valid=valid, resume=resume)
+    res = train.preference(m, pairs, settings, method=args.method, beta=args.beta, valid=valid, resume=resume,
+                           prompt_loss=not args.no_prompt_loss)  # fmt: skip
 
     def line(r):
         return (
@@ -248,6 +257,7 @@ def _finetune_parser(sub) -> None:
     f.add_argument(
         "--beta", type=float, default=0.1, help="--method dpo: DPO's beta; orpo: ORPO's lambda (default 0.1)"
     )
+    f.add_argument("--no-prompt-loss", action="store_true", help=_NO_PROMPT_LOSS)
     f.add_argument("--valid", default=None, help="held-out file of the same kinds (instead of --val-split)")
     f.add_argument("--test", default=None, help="held-out file: its loss and perplexity after training")
     f.add_argument("--train-on-prompt", action="store_true", help="count the loss on every token, not only the answers")
@@ -301,6 +311,13 @@ def _finetune_parser(sub) -> None:
         action="store_true",
         help="recompute each layer's activations in the backward pass: less memory, one more forward pass",
     )
+    f.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=None,
+        help="clip the gradients to this global L2 norm before each step (transformers' and TRL's max_grad_norm, "
+        "there 1.0 by default; default here: no clipping)",
+    )
     add_threads(f)
     f.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
     f.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
@@ -329,6 +346,7 @@ def _eval_and_fuse_parsers(sub) -> None:
     ev.add_argument("--pairs", default=None, metavar="FILE", help=pairs_help)
     ev.add_argument("--method", choices=["dpo", "orpo"], default="dpo", help="with --pairs: the loss")
     ev.add_argument("--beta", type=float, default=0.1, help="with --pairs: DPO's beta, ORPO's lambda")
+    ev.add_argument("--no-prompt-loss", action="store_true", help=_NO_PROMPT_LOSS)
     add_ctx_size(ev, 256, "tokens per window")
     ev.add_argument("--train-on-prompt", action="store_true", help="count every token, not only the answers")
     ev.add_argument("--chat-template-file", default=None, help="jinja chat template instead of the GGUF's")

@@ -82,6 +82,9 @@ class TrainingArgs:
             output layer is on a GPU, off on the CPU; True asks for it anywhere (llama.cpp turns it
             off, with a log line, where a layer's device has no backward pass); False: composed
             attention (KQ, soft_max, KQV).
+        max_grad_norm: clip the gradients to this global L2 norm before each optimizer step
+            (``torch.nn.utils.clip_grad_norm_``; transformers' and TRL's ``max_grad_norm``, whose default is
+            1.0; patch 0094); None (default): no clipping, as llama.cpp's finetune.
         gradient_checkpointing: recompute each layer's activations in the backward pass instead of
             keeping them from the forward pass (patch 0066): only the layers' outputs stay in memory,
             for one more forward pass's compute (PyTorch's / transformers' gradient checkpointing).
@@ -114,6 +117,7 @@ class TrainingArgs:
     lora_targets: Sequence[str] = field(default=("attn_q", "attn_v"))
     precision: str | None = None
     flash_attn: bool | None = None
+    max_grad_norm: float | None = None
     gradient_checkpointing: bool = False
     steps_per_eval: int | None = None
     steps_per_report: int | None = None
@@ -182,6 +186,9 @@ class TrainingArgs:
                 raise TypeError(f"{name} must be a path; got {type(v).__name__}")
         if self.flash_attn is not None:
             _bool(self.flash_attn, "flash_attn")
+        max_grad_norm = None
+        if self.max_grad_norm is not None:
+            max_grad_norm = as_float(self.max_grad_norm, "max_grad_norm", 0.0, lo_open=True, note=" (None: no clipping)")
         return dataclasses.replace(
             self,
             ctx_size=ctx_size,
@@ -197,6 +204,7 @@ class TrainingArgs:
             val_split=as_float(self.val_split, "val_split", 0.0, 0.9),
             seed=as_int(self.seed, "seed", 0),
             shuffle=_bool(self.shuffle, "shuffle"),
+            max_grad_norm=max_grad_norm,
             gradient_checkpointing=_bool(self.gradient_checkpointing, "gradient_checkpointing"),
             train_embeddings=_bool(self.train_embeddings, "train_embeddings"),
             lora_rank=rank,

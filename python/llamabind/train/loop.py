@@ -275,9 +275,11 @@ class _Run:
         self.n_tok += n_tok
         elapsed = time.perf_counter() - self.t_start
         tok_s = self.n_tok / elapsed
+        norm = {"grad_norm": self.trainer.optimizer.grad_norm()} if self.trainer.args.max_grad_norm else {}
         self.write(
-            step=steps, epoch=epoch + 1, loss=loss, lr=lr, tokens=self.n_tok, tokens_per_s=tok_s, seconds=elapsed
-        )
+            step=steps, epoch=epoch + 1, loss=loss, lr=lr, tokens=self.n_tok, tokens_per_s=tok_s, seconds=elapsed,
+            **norm,
+        )  # fmt: skip
         if self.report_every and steps % self.report_every == 0:
             eta = elapsed / (steps - self.first_step) * (self.total - steps)
             line = f"step {steps}/{self.total}: loss {loss:.4f}, lr {lr:.3g}, {tok_s:.1f} tokens/s"

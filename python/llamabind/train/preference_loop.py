@@ -25,7 +25,7 @@ import numpy as np
 
 from .._validate import as_float, expect, one_of
 from ..model import LoraAdapter, Model
-from .args import TrainingArgs
+from .args import TrainingArgs, _bool
 from .checkpoint import restore_optimizer, save_checkpoint
 from .loop import _new_adapter, _resumable, iterate_batches
 from .pairs import PreferenceMetrics, PreferencePair, preference_metrics, read_pairs
@@ -69,15 +69,16 @@ class PreferenceResult:
 
 
 def pair_windows(
-    pairs: Sequence[PreferencePair], ctx_size: int, pad: int
+    pairs: Sequence[PreferencePair], ctx_size: int, pad: int, *, prompt_labels: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """The training windows of ``pairs``: (windows int32 (2n, ctx_size + 1), labels int32 (2n, ctx_size),
     lengths int64 (n, 2), truncated). Window 2i is pair i's prompt then its chosen answer, 2i + 1 the prompt then
     the rejected one, padded with ``pad``; labels are the answer's tokens at the positions that predict them, -1
-    elsewhere; lengths the labelled tokens of each answer. A pair longer than the window keeps the end of its
-    prompt (at most half the window when the answers need the rest, as TRL's ``keep_end``) and the start of its
-    answers; ``truncated`` counts those. Numpy only (no ggml call). Raises ValueError for an answer left without
-    a labelled token."""
+    elsewhere (``prompt_labels``: the chosen window's prompt tokens after its first too, for ORPO's nll over the
+    chosen prompt and answer); lengths the labelled tokens of each answer. A pair longer than the window keeps the
+    end of its prompt (at most half the window when the answers need the rest, as TRL's ``keep_end``) and the
+    start of its answers; ``truncated`` counts those. Numpy only (no ggml call). Raises ValueError for an answer
+    left without a labelled token."""
     n, room = len(pairs), ctx_size + 1
     win = np.full((2 * n, room), pad, np.int32)
     lab = np.full((2 * n, ctx_size), -1, np.int32)
@@ -94,46 +95,50 @@ def pair_windows(
             first = max(len(prompt) - 1, 0)  # the position whose next token is the answer's first
             expect(len(toks) - 1 > first, f"pair {i}: its {('chosen', 'rejected')[j]} answer has no token to learn")
             win[2 * i + j, : len(toks)] = toks
-            lab[2 * i + j, first : len(toks) - 1] = toks[first + 1 :]
+            start = 0 if prompt_labels and j == 0 else first
+            lab[2 * i + j, start : len(toks) - 1] = toks[start + 1 :]
             lengths[i, j] = len(toks) - 1 - first
     return win, lab, lengths, truncated
 
 
 @dataclass
 class _Pairs:
-    """Pairs as windows, with their answers' lengths and (DPO) reference log-probabilities (n, 2)."""
+    """Pairs as windows, with their answers' lengths, (DPO) reference log-probabilities (n, 2) and (ORPO with
+    its nll over the chosen prompt too) the labelled prompt positions of each chosen window (n,)."""
 
     win: np.ndarray
     lab: np.ndarray
     lengths: np.ndarray
     ref: np.ndarray | None = None
+    prompt_rows: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.lengths)
 
 
-def _as_pairs(model: Model, data, what: str) -> list[PreferencePair]:
+def _as_pairs(model: Model, data, what: str, method: str) -> list[PreferencePair]:
     if isinstance(data, Sequence) and data and all(isinstance(p, PreferencePair) for p in data):
         return list(data)
     try:
-        return read_pairs(data, model, name=None if isinstance(data, (str, os.PathLike)) else what)
+        return read_pairs(data, model, name=None if isinstance(data, (str, os.PathLike)) else what, method=method)
     except ValueError as e:
         raise ValueError(e if str(e).startswith(what) else f"{what}: {e}") from None
 
 
-def _split(model: Model, data, valid, a: TrainingArgs) -> tuple[list[PreferencePair], list[PreferencePair]]:
-    pairs = _as_pairs(model, data, "data")
+def _split(model: Model, data, valid, a: TrainingArgs, method: str) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    pairs = _as_pairs(model, data, "data", method)
     if valid is not None:
-        return pairs, _as_pairs(model, valid, "valid")
+        return pairs, _as_pairs(model, valid, "valid", method)
     n_train = int(len(pairs) * (1.0 - a.val_split))
     expect(n_train >= 1, f"{len(pairs)} pair(s) leave none to train on with val_split={a.val_split}")
     return pairs[:n_train], pairs[n_train:]
 
 
 def _logps(trainer: Trainer, p: _Pairs, idx: np.ndarray, train: bool, refs: np.ndarray | None) -> np.ndarray:
-    """float64 (len(idx), 2): the summed log-likelihoods of pairs ``idx``' answers from the preference graph,
-    micro-batch by micro-batch (train: with the backward pass and the optimizer's steps); a last micro-batch
-    short of pairs is filled with copies of the last pair (their values dropped)."""
+    """float64 (len(idx), 3): the summed log-likelihoods of pairs ``idx``' answers (chosen, rejected) and of
+    the chosen window's labelled prompt positions (0 without) from the preference graph, micro-batch by
+    micro-batch (train: with the backward pass and the optimizer's steps); a last micro-batch short of pairs is
+    filled with copies of the last pair (their values dropped)."""
     opt, m = trainer.optimizer, trainer.micro_batch // 2
     n = len(idx)
     full = np.concatenate([idx, np.repeat(idx[-1:], -n % m)])
@@ -143,14 +148,21 @@ def _logps(trainer: Trainer, p: _Pairs, idx: np.ndarray, train: bool, refs: np.n
     opt.reset()
     for k in range(0, len(full), m):
         r = rows[2 * k : 2 * (k + m)]
-        opt.eval(p.win[r], train, p.lab[r], ref[k : k + m])
-        out.append(opt.seq_logps())
-    return np.concatenate(out).reshape(-1, 2)[:n]
+        prompt_rows = None if p.prompt_rows is None else p.prompt_rows[full[k : k + m]]
+        opt.eval(p.win[r], train, p.lab[r], ref[k : k + m], prompt_rows)
+        answers = opt.seq_logps().reshape(-1, 2)
+        out.append(np.concatenate([answers, opt.seq_logps(prompt=True)[0::2, None]], axis=1))
+    return np.concatenate(out)[:n]
 
 
 def _metrics(p: _Pairs, idx: np.ndarray, logps: np.ndarray, method: str, beta: float) -> PreferenceMetrics:
+    """The metrics of pairs ``idx`` from :func:`_logps`' values; ORPO's nll over the labelled tokens of the
+    chosen windows (with ``prompt_rows``: the prompt's too, TRL's)."""
+    nll = None
+    if method == "orpo" and p.prompt_rows is not None:
+        nll = -(logps[:, 0].sum() + logps[:, 2].sum()) / (p.lengths[idx, 0].sum() + p.prompt_rows[idx].sum())
     return preference_metrics(
-        logps, None if p.ref is None else p.ref[idx], method=method, beta=beta, lengths=p.lengths[idx]
+        logps[:, :2], None if p.ref is None else p.ref[idx], method=method, beta=beta, lengths=p.lengths[idx], nll=nll
     )
 
 
@@ -217,6 +229,7 @@ def preference(
     *,
     method: str = "dpo",
     beta: float = 0.1,
+    prompt_loss: bool = True,
     valid: Any = None,
     on_step: Callable[[int, PreferenceMetrics], Any] | None = None,
     resume: str | os.PathLike | None = None,
@@ -236,11 +249,16 @@ def preference(
             ``batch_size // grad_accum`` pairs is one graph), ``ctx_size`` is each window's tokens (a
             longer pair is cut: :func:`pair_windows`), ``val_split`` holds back the last pairs; the
             schedule, LoRA, precision, flash attention, checkpoints and reports as :func:`finetune`.
-        method: ``"dpo"`` (``-log sigmoid(beta ((log pi(c) - log ref(c)) - (log pi(r) - log ref(r))))``,
-            the log-probabilities summed over each answer's tokens) or ``"orpo"`` (the chosen answers'
-            mean token nll plus ``beta`` x ``-log sigmoid`` of the log odds ratio of the answers' mean token
-            probabilities; no reference).
+        method: ``"dpo"`` (Rafailov et al. 2023, eq. 7: ``-log sigmoid(beta ((log pi(c) - log ref(c)) -
+            (log pi(r) - log ref(r))))``, the log-probabilities summed over each answer's tokens, the mean over
+            the pairs; TRL's DPOTrainer, ``loss_type="sigmoid"``) or ``"orpo"`` (Hong et al. 2024, eq. 6-7:
+            the chosen sequences' mean token nll plus ``beta`` x the mean over the pairs of ``-log sigmoid`` of
+            the log odds ratio of the answers' mean token log-probabilities; no reference; TRL's
+            ORPOTrainer). The pairs are tokenized as that trainer does (:func:`read_pairs`).
         beta: DPO's beta or ORPO's lambda, > 0 (TRL's defaults: 0.1 for both).
+        prompt_loss: ORPO's nll covers the chosen prompt's tokens (after its first) and the chosen answer's,
+            pooled over the batch, as TRL's ORPOTrainer and the ORPO authors' code by default; False: the
+            chosen answers' tokens only (the authors' ``disable_prompt_loss``). DPO ignores it.
         valid: held-out pairs of the same kinds, instead of ``val_split``.
         on_step: called as on_step(step, metrics) after each optimizer step.
         resume: a checkpoint (or a checkpoint_dir: its newest) of the same run to continue from (the
@@ -260,10 +278,11 @@ def preference(
     expect(beta > 0 and math.isfinite(beta), f"beta must be a finite number > 0; got {beta}")
     a = TrainingArgs.of(args, **settings)
     check_model(model, a.lora)
-    train_pairs, val_pairs = _split(model, data, valid, a)
+    prompt_loss = method == "orpo" and _bool(prompt_loss, "prompt_loss")
+    train_pairs, val_pairs = _split(model, data, valid, a, method)
     n_train = len(train_pairs)
     expect(a.batch_size <= n_train, f"batch_size {a.batch_size} is larger than the {n_train} training pair(s)")
-    sets, truncated = _pair_sets(model, train_pairs, val_pairs, a.ctx_size)
+    sets, truncated = _pair_sets(model, train_pairs, val_pairs, a.ctx_size, prompt_loss)
     result = PreferenceResult(truncated=truncated)
     n_batches = -(-n_train // a.batch_size)
     total = a.iters if a.iters is not None else a.epochs * n_batches
@@ -272,7 +291,7 @@ def preference(
         kind="lora" if a.lora else "full", ctx_size=a.ctx_size, n_train=n_train, batch_size=a.batch_size,
         seed=a.seed, shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
         lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
-        method=method, beta=beta,
+        method=method, beta=beta, **({"prompt_loss": prompt_loss} if method == "orpo" else {}),
     )  # fmt: skip
     resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
     if a.lora:
@@ -303,16 +322,20 @@ def preference(
     return result
 
 
-def _pair_sets(model: Model, train_pairs, val_pairs, ctx_size: int) -> tuple[list[_Pairs], int]:
-    """The train and held-out pairs as windows (:func:`pair_windows`), and how many pairs were cut to fit."""
+def _pair_sets(model: Model, train_pairs, val_pairs, ctx_size: int, prompt_loss: bool) -> tuple[list[_Pairs], int]:
+    """The train and held-out pairs as windows (:func:`pair_windows`; ``prompt_loss``: the chosen prompts
+    labelled too, with their labelled positions counted), and how many pairs were cut to fit."""
     pad = model.token_eos if model.token_eos is not None and model.token_eos >= 0 else 0
     sets, truncated = [], 0
     for what, pairs in (("data", train_pairs), ("valid", val_pairs)):
         try:
-            *arrays, cut = pair_windows(pairs, ctx_size, pad) if pairs else (*_empty(ctx_size), 0)
+            *arrays, cut = pair_windows(pairs, ctx_size, pad, prompt_labels=prompt_loss) if pairs else (*_empty(ctx_size), 0)
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
-        sets.append(_Pairs(*arrays))
+        p = _Pairs(*arrays)
+        if prompt_loss:
+            p.prompt_rows = ((p.lab[0::2] >= 0).sum(axis=1) - p.lengths[:, 0]).astype(np.int32)
+        sets.append(p)
         truncated += cut
     if truncated:
         _log.warning("%d preference pair(s) cut to fit ctx_size %d", truncated, ctx_size)
@@ -335,7 +358,7 @@ def _set_reference(run: _PrefRun, resumed: tuple[Path, dict] | None) -> None:
         )
         return
     for p in (run.train, run.val):
-        p.ref = _logps(run.trainer, p, np.arange(len(p)), False, None) if len(p) else np.zeros((0, 2))
+        p.ref = _logps(run.trainer, p, np.arange(len(p)), False, None)[:, :2] if len(p) else np.zeros((0, 2))
 
 
 def _loop(run: _PrefRun, epochs: int, on_step: Callable[[int, PreferenceMetrics], Any] | None) -> None:
@@ -356,7 +379,8 @@ def _loop(run: _PrefRun, epochs: int, on_step: Callable[[int, PreferenceMetrics]
                 r.metrics.append(m)
                 n_tok += 2 * len(batch) * a.ctx_size
                 tok_s = n_tok / (time.perf_counter() - t0)
-                run.write(step=r.steps, epoch=epoch + 1, lr=lr, tokens_per_s=tok_s, **_trl_names(m))
+                norm = {"grad_norm": run.trainer.optimizer.grad_norm()} if a.max_grad_norm else {}
+                run.write(step=r.steps, epoch=epoch + 1, lr=lr, tokens_per_s=tok_s, **_trl_names(m), **norm)
                 if a.steps_per_report and r.steps % a.steps_per_report == 0:
                     print(
                         f"step {r.steps}/{run.total}: loss {m.loss:.4f}, margin {m.rewards_margins:.4f}, "

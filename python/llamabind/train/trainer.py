@@ -111,6 +111,7 @@ class Trainer:
             self.optimizer = Optimizer(
                 self.context, a.optimizer, a.lr, a.weight_decay, params, self.grad_accum, a.train_embeddings,
                 a.precision or ("bf16" if model.output_offloaded else "f32"), loss, beta, a.gradient_checkpointing,
+                a.max_grad_norm,
             )  # fmt: skip
         except BaseException:
             self.context.close()
