@@ -42,10 +42,12 @@ def one(args) -> None:
         kw["precision"] = args.precision
     lora = args.kind == "lora"
     with llamabind.Model(args.model, use_mmap=lora, repack=False, n_gpu_layers=-1) as m:
+        decode = train.pair_logps(m, pairs)  # llama_decode's: another path to the reference's numbers
         r = train.preference(m, pairs, lora_rank=8 if lora else None, lr=1e-4 if lora else 1e-6, **kw)
     m0 = r.metrics[0]
     print(json.dumps(dict(loss=r.losses[0], dev=abs(r.losses[0] - math.log(2)), d_chosen=m0.rewards_chosen / 0.1,
-                          d_rejected=m0.rewards_rejected / 0.1)))  # fmt: skip
+                          d_rejected=m0.rewards_rejected / 0.1, policy=m0.logps_chosen,
+                          ref=m0.logps_chosen - m0.rewards_chosen / 0.1, decode=float(decode[:, 0].mean()))))  # fmt: skip
 
 
 def main() -> None:
@@ -80,7 +82,8 @@ def main() -> None:
                 continue
             r = json.loads(line)
             print(f"{name:16s} {kind:5s} loss {r['loss']:.6f} |loss - ln 2| {r['dev']:.2e} "
-                  f"mean d logp chosen {r['d_chosen']:+.4f} rejected {r['d_rejected']:+.4f}", flush=True)  # fmt: skip
+                  f"mean d logp chosen {r['d_chosen']:+.4f} rejected {r['d_rejected']:+.4f}; logp chosen: policy "
+                  f"{r['policy']:.3f} ref {r['ref']:.3f} decode {r['decode']:.3f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
