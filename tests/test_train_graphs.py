@@ -685,3 +685,24 @@ def test_training_fusions_train_as_before(f32_path, params, fusion):
     assert all(logs["1"]) and not any(logs["0"])
     np.testing.assert_allclose(losses["1"], losses["0"], rtol=1e-6 if fusion == "gemm_add" else 1e-3)
     assert losses["1"][2] < losses["1"][0]
+
+
+def test_forward_as_training_drops_its_gradients(f32_path, wins):
+    """Patch 0095: with ggml_opt_set_forward_as_training, a forward-only evaluation between optimizer steps runs the
+    training graph (its backward pass computed, then dropped): the evaluation's loss is the step's own forward loss
+    (on this CPU bit for bit, as the plain forward graph's), and the steps around such evaluations, with gradient
+    accumulation over two micro-batches, take the same weights as without them, bit for bit (a gradient it left in
+    the accumulators, or a moved accumulation period, would change the next step)."""
+    runs = []
+    for on in (False, True):
+        with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
+            with train.Trainer(m, batch_size=4, grad_accum=2, optimizer="adamw", lr=1e-4, n_threads=2) as t:
+                t.optimizer.forward_as_training(on)
+                got = [t.evaluate(wins[2:4])[0]]
+                for _ in range(2):
+                    got.append(t.step(wins)[0])
+                    got.append(t.evaluate(wins[2:4])[0])
+                runs.append(got)
+    print(runs)
+    assert runs[0] == runs[1]
+    assert runs[0][2] != runs[0][0]  # the evaluation sees the steps' updates

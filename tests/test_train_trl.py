@@ -36,9 +36,15 @@ IMPLICIT = [  # the prompt is what both conversations begin with
      "rejected": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
                   {"role": "assistant", "content": "I like trains."}]},
 ]  # fmt: skip
-RUNS = [("dpo", "text", TEXT), ("dpo", "implicit", IMPLICIT), ("orpo", "text", TEXT), ("orpo", "messages", CONVERSATIONS)]
+RUNS = [
+    ("dpo", "text", TEXT),
+    ("dpo", "implicit", IMPLICIT),
+    ("orpo", "text", TEXT),
+    ("orpo", "messages", CONVERSATIONS),
+]
 METRICS = {"loss": "loss", "rewards/chosen": "rewards_chosen", "rewards/rejected": "rewards_rejected",
-           "rewards/margins": "rewards_margins", "logps/chosen": "logps_chosen", "logps/rejected": "logps_rejected"}  # fmt: skip
+           "rewards/margins": "rewards_margins", "logps/chosen": "logps_chosen",
+           "logps/rejected": "logps_rejected"}  # fmt: skip
 
 
 def test_dpo_and_orpo_equal_trls_trainers(smollm2_f32_cut, reference_python, tmp_path):
@@ -71,7 +77,9 @@ def test_dpo_and_orpo_equal_trls_trainers(smollm2_f32_cut, reference_python, tmp
             )  # fmt: skip
             m.save(tmp_path / f"{name}.gguf")
         logged = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
-        ids = [{"prompt": p.prompt.tolist(), "chosen": p.chosen.tolist(), "rejected": p.rejected.tolist()} for p in pairs]
+        ids = [
+            {"prompt": p.prompt.tolist(), "chosen": p.chosen.tolist(), "rejected": p.rejected.tolist()} for p in pairs
+        ]
         ours[name] = (ids, r.metrics, [row.get("grad_norm") for row in logged] if max_grad_norm else None)
         job["runs"].append(dict(name=name, method=method, rows=rows, beta=0.1, lr=1e-5, steps=3,
                                 max_grad_norm=max_grad_norm or 0.0, lr_scheduler_type="linear",
@@ -86,7 +94,8 @@ def test_dpo_and_orpo_equal_trls_trainers(smollm2_f32_cut, reference_python, tmp
         t = theirs[name]
         rel = np.array(list(t["update_rel"].values()))
         print(f"{name}: losses llamabind {[round(m.loss, 6) for m in metrics]}, TRL "
-              f"{[round(s['loss'], 6) for s in t['steps']]}; grad_norm {norms} / {[s.get('grad_norm') for s in t['steps']]}; "
+              f"{[round(s['loss'], 6) for s in t['steps']]}; grad_norm {norms} / "
+              f"{[s.get('grad_norm') for s in t['steps']]}; "
               f"weights {np.median(rel):.1e} median, {rel.max():.1e} largest")  # fmt: skip
         assert ids == t["ids"], name
         assert len(t["steps"]) == len(metrics) == 3
@@ -95,7 +104,10 @@ def test_dpo_and_orpo_equal_trls_trainers(smollm2_f32_cut, reference_python, tmp
                 assert getattr(mine, field) == pytest.approx(step[trl_name], rel=2e-5, abs=1e-5), (name, trl_name)
         if norms is not None:
             np.testing.assert_allclose(norms, [s["grad_norm"] for s in t["steps"]], rtol=2e-5, err_msg=name)
-        assert np.median(rel) <= 1e-3 and rel.max() <= 2e-2, (name, sorted(t["update_rel"].items(), key=lambda kv: -kv[1])[:3])
+        assert np.median(rel) <= 1e-3 and rel.max() <= 2e-2, (
+            name,
+            sorted(t["update_rel"].items(), key=lambda kv: -kv[1])[:3],
+        )
 
 
 def test_pairs_are_tokenized_as_trl_splits_them(model_path):

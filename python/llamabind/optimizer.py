@@ -86,6 +86,13 @@ class Optimizer:
         preference loss."""
         return _core.opt_seq_logps(self._native, bool(prompt))
 
+    def forward_as_training(self, on: bool) -> None:
+        """Evaluate the forward-only :meth:`eval` calls (``train=False``) made between optimizer steps in the
+        training graph: its backward pass computed and dropped (no step, the accumulation period unmoved), so that
+        the backend computes the forward nodes as a training step does (the same fusions and in-place ops, the same
+        roundings). Costs a backward pass a call. Wraps ggml_opt_set_forward_as_training (patch 0095)."""
+        _core.opt_forward_as_training(self._native, bool(on))
+
     def grad_norm(self) -> float:
         """The global L2 norm of the gradients at the last optimizer step, before clipping (transformers'
         logged ``grad_norm``); NaN without ``max_grad_norm`` or before the first step. Wraps

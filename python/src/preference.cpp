@@ -80,7 +80,8 @@ ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_ten
                 ggml_add(ctx, ggml_sub(ctx, cr, cc), ggml_sub(ctx, log1m_exp_neg(ctx, cr), log1m_exp_neg(ctx, cc)));
             pairs = add(ctx, pairs, ggml_softplus(ctx, ggml_scale(ctx, lor, -1.0f)));  // -log sigmoid(lor)
             nll = add(ctx, nll, ggml_scale(ctx, cc, nc));
-            if (ggml_tensor * cp = p.ce_prompt[2 * i]) nll = ggml_add(ctx, nll, ggml_scale(ctx, cp, (float) p.rows_prompt[2 * i]));
+            if (ggml_tensor * cp = p.ce_prompt[2 * i])
+                nll = ggml_add(ctx, nll, ggml_scale(ctx, cp, (float) p.rows_prompt[2 * i]));
             n_chosen += p.rows[2 * i] + p.rows_prompt[2 * i];
         }
     }

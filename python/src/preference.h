@@ -13,10 +13,10 @@ namespace lb {
 
 struct PrefLoss {
     enum Method { DPO, ORPO } method = DPO;
-    float beta = 0.1f;              // DPO's beta; ORPO's lambda
-    std::vector<float> ref;         // DPO, per pair of the next eval: reference log-ratio log pi_ref(c) - log pi_ref(r)
-    std::vector<int32_t> prompt;    // ORPO, per pair of the next eval: labelled prompt positions before the chosen answer
-    std::vector<ggml_tensor *> ce;  // per sequence of the eval being built/run: its answer's mean cross-entropy
+    float beta = 0.1f;            // DPO's beta; ORPO's lambda
+    std::vector<float> ref;       // DPO, per pair of the next eval: reference log-ratio log pi_ref(c) - log pi_ref(r)
+    std::vector<int32_t> prompt;  // ORPO, per pair of the next eval: labelled prompt positions before the chosen answer
+    std::vector<ggml_tensor *> ce;         // per sequence of the eval being built/run: its answer's mean cross-entropy
     std::vector<ggml_tensor *> ce_prompt;  // per sequence: its labelled prompt positions' mean cross-entropy, or null
     std::vector<int32_t> rows;             // per sequence: its answer's labelled positions
     std::vector<int32_t> rows_prompt;      // per sequence: its labelled prompt positions (before the answer's)

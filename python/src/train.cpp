@@ -126,7 +126,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     if (!(wd >= 0 && wd <= 1))  // ggml-opt asserts it
         raise_value("weight_decay must be in [0, 1]; got " + std::to_string(wd));
     if (!(max_grad_norm >= 0) || !std::isfinite(max_grad_norm))  // ggml-opt asserts it
-        raise_value("max_grad_norm must be a finite number >= 0 (0: no clipping); got " + std::to_string(max_grad_norm));
+        raise_value("max_grad_norm must be a finite number >= 0 (0: no clipping); got " +
+                    std::to_string(max_grad_norm));
     if (grad_accum < 1 || grad_accum > 65536)
         raise_value("grad_accum (windows per optimizer step) must be in [1, 65536]; got " + std::to_string(grad_accum));
     auto st = std::make_shared<TrainState>();
@@ -239,13 +240,16 @@ static void check_pref_step(PrefLoss & pref, const std::optional<Windows> & labe
         if (pref.method != PrefLoss::ORPO)
             raise_value("prompt_rows are for ORPO's nll over the chosen prompt and answer (opt_init with loss 'orpo')");
         if ((int64_t) prompt_rows->shape(0) != n_seq / 2)
-            raise_value("prompt_rows must be int32 (" + std::to_string(n_seq / 2) + ",): per pair, the labelled "
-                        "positions of its chosen window's prompt; got " + std::to_string(prompt_rows->shape(0)));
+            raise_value("prompt_rows must be int32 (" + std::to_string(n_seq / 2) +
+                        ",): per pair, the labelled "
+                        "positions of its chosen window's prompt; got " +
+                        std::to_string(prompt_rows->shape(0)));
         for (int64_t i = 0; i < n_seq / 2; ++i) {
             const int32_t n = (*prompt_rows)(i);
             if (n < 0 || n >= labelled[2 * i])
                 raise_value("prompt_rows[" + std::to_string(i) + "] = " + std::to_string(n) + " must be in [0, " +
-                            std::to_string(labelled[2 * i]) + "): its chosen window's labelled positions less "
+                            std::to_string(labelled[2 * i]) +
+                            "): its chosen window's labelled positions less "
                             "the answer's (at least one)");
             pref.prompt.push_back(n);
         }
@@ -256,8 +260,8 @@ static void check_pref_step(PrefLoss & pref, const std::optional<Windows> & labe
 // sequence; inputs windows[:, :-1], labels windows[:, 1:], or ``labels`` (n_seq_max, n_win) ids,
 // -1 for a position left out of the loss (patch 0027). train: forward, backward and, every
 // grad_accum-th training datapoint, an optimizer step; else forward only (validation loss).
-static void opt_step(Context & c, Windows windows, bool train, std::optional<Windows> labels,
-                     std::optional<F64In> refs, std::optional<I32In> prompt_rows) {
+static void opt_step(Context & c, Windows windows, bool train, std::optional<Windows> labels, std::optional<F64In> refs,
+                     std::optional<I32In> prompt_rows) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (!c.train) raise_value("call opt_init first");
@@ -330,6 +334,12 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
     st.loss_sum[train] += loss * rows;
     st.rows[train] += rows;
     st.correct[train] += std::llround(acc * rows);
+}
+
+// forward-only evals computed in the training graph (patch 0095)
+static void opt_forward_as_training(Context & c, bool on) {
+    if (!c.train) raise_value("call opt_init first");
+    if (ggml_opt_context_t opt = llama_opt_get_context(c.get())) ggml_opt_set_forward_as_training(opt, on);
 }
 
 // the gradients' global norm at the last optimizer step, where clipping computes it (patch 0094)
@@ -580,6 +590,10 @@ void register_train(nb::module_ & m) {
           "the layers' outputs for the backward pass, recompute the rest (llama_opt_params.recompute_activations, "
           "patch 0066). max_grad_norm > 0: the gradients clipped to that global L2 norm before each optimizer step "
           "(llama_opt_params.max_grad_norm, patch 0094); 0: none.");
+    m.def("opt_forward_as_training", &opt_forward_as_training, nb::arg("context"), nb::arg("on"),
+          "ggml_opt_set_forward_as_training: forward-only opt_steps (train=False) between optimizer steps evaluate the "
+          "training graph (its backward pass computed and dropped), so that a backend computes their forward nodes as "
+          "in a training step (patch 0095).");
     m.def("opt_grad_norm", &opt_grad_norm, nb::arg("context"),
           "ggml_opt_get_grad_norm: the gradients' global L2 norm at the last optimizer step (before clipping), "
           "NaN without clipping or before the first step (patch 0094).");

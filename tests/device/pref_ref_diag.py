@@ -19,7 +19,8 @@ SETTINGS = (
     "bf16_reuse0:GGML_CUDA_BF16_REUSE=0 gemm_add0:GGML_CUDA_FUSE_GEMM_ADD=0 no_fusion:GGML_CUDA_DISABLE_FUSION=1 "
     "no_graphs:GGML_CUDA_DISABLE_GRAPHS=1 bf16_inputs0:LLAMA_OPT_BF16_INPUTS=0 bf16_ffn0:LLAMA_OPT_BF16_FFN=0 "
     "bf16_frozen0:LLAMA_OPT_BF16_FROZEN=0 ce_bf16_0:GGML_CUDA_CE_BF16=0 tiles_once0:GGML_CUDA_FA_TILES_ONCE=0 "
-    "fwd_q_f32_0:GGML_CUDA_FA_FWD_Q_F32=0 reuse_disable:LLAMA_GRAPH_REUSE_DISABLE=1 no_flash:@flash=0 f32:@precision=f32"
+    "fwd_q_f32_0:GGML_CUDA_FA_FWD_Q_F32=0 reuse_disable:LLAMA_GRAPH_REUSE_DISABLE=1 no_flash:@flash=0 "
+    "f32:@precision=f32"
 )
 
 
@@ -33,7 +34,10 @@ def one(args) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from preference import make_pairs
 
-    pairs = [train.PreferencePair(*(np.asarray(x, np.int32) for x in p)) for p in make_pairs(args.model, args.ctx, args.pairs)]
+    pairs = [
+        train.PreferencePair(*(np.asarray(x, np.int32) for x in p))
+        for p in make_pairs(args.model, args.ctx, args.pairs)
+    ]
     kw = dict(method="dpo", beta=0.1, ctx_size=args.ctx, batch_size=args.pairs, iters=1, val_split=0.0, shuffle=False,
               progress=False)  # fmt: skip
     if args.flash is not None:
@@ -45,9 +49,10 @@ def one(args) -> None:
         decode = train.pair_logps(m, pairs)  # llama_decode's: another path to the reference's numbers
         r = train.preference(m, pairs, lora_rank=8 if lora else None, lr=1e-4 if lora else 1e-6, **kw)
     m0 = r.metrics[0]
+    ref = m0.logps_chosen - m0.rewards_chosen / 0.1
     print(json.dumps(dict(loss=r.losses[0], dev=abs(r.losses[0] - math.log(2)), d_chosen=m0.rewards_chosen / 0.1,
-                          d_rejected=m0.rewards_rejected / 0.1, policy=m0.logps_chosen,
-                          ref=m0.logps_chosen - m0.rewards_chosen / 0.1, decode=float(decode[:, 0].mean()))))  # fmt: skip
+                          d_rejected=m0.rewards_rejected / 0.1, policy=m0.logps_chosen, ref=ref,
+                          decode=float(decode[:, 0].mean()))))  # fmt: skip
 
 
 def main() -> None:
@@ -74,7 +79,18 @@ def main() -> None:
             else:
                 env[k] = v
         for kind in args.kinds.split(","):
-            cmd = [sys.executable, __file__, args.model, "--ctx", str(args.ctx), "--pairs", str(args.pairs), "--child", kind, *extra]
+            cmd = [
+                sys.executable,
+                __file__,
+                args.model,
+                "--ctx",
+                str(args.ctx),
+                "--pairs",
+                str(args.pairs),
+                "--child",
+                kind,
+                *extra,
+            ]
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
             line = next((x for x in p.stdout.splitlines() if x.startswith("{")), None)
             if line is None:

@@ -72,7 +72,11 @@ def _eval_pairs(args, loras) -> int:
         policy = train.pair_logps(m, pairs, adapter=adapters, n_threads=args.threads, prompt=prompt)
         reference = train.pair_logps(m, pairs, n_threads=args.threads) if args.method == "dpo" else None
     lengths = [[len(p.chosen), len(p.rejected)] for p in pairs]
-    nll = -(policy[:, 0].sum() + policy[:, 2].sum()) / (sum(n for n, _ in lengths) + policy[:, 3].sum()) if prompt else None
+    nll = (
+        -(policy[:, 0].sum() + policy[:, 2].sum()) / (sum(n for n, _ in lengths) + policy[:, 3].sum())
+        if prompt
+        else None
+    )
     r = train.preference_metrics(policy[:, :2], reference, method=args.method, beta=args.beta, lengths=lengths, nll=nll)
     print(f"{args.method} over {len(pairs)} pairs: loss {r.loss:.4f}, rewards/chosen {r.rewards_chosen:.4f}, "
           f"rewards/rejected {r.rewards_rejected:.4f}, rewards/accuracies {r.rewards_accuracies:.4f}, "

@@ -188,7 +188,9 @@ class TrainingArgs:
             _bool(self.flash_attn, "flash_attn")
         max_grad_norm = None
         if self.max_grad_norm is not None:
-            max_grad_norm = as_float(self.max_grad_norm, "max_grad_norm", 0.0, lo_open=True, note=" (None: no clipping)")
+            max_grad_norm = as_float(
+                self.max_grad_norm, "max_grad_norm", 0.0, lo_open=True, note=" (None: no clipping)"
+            )
         return dataclasses.replace(
             self,
             ctx_size=ctx_size,

@@ -133,14 +133,15 @@ def _pair(row: dict, model: Model, at: str, method: str) -> PreferencePair:
             expect(k == "prompt" or row[k].strip(), f"{at}: field {k!r} is empty")
         prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
         if method == "dpo":  # TRL's DPOTrainer: EOS as text after a text answer
-            eos = _special_text(model, model.token_eos)
-            chosen, rejected = (a if not eos or a.endswith(eos) else a + eos for a in (chosen, rejected))
+            eos_text = _special_text(model, model.token_eos)
+            chosen, rejected = (a if not eos_text or a.endswith(eos_text) else a + eos_text for a in (chosen, rejected))
         conversation = False
     else:
         prompt, chosen, rejected = _conversation_texts(row, model, at)
         conversation = True
     add_special = method == "dpo"  # DPO: the tokenizer's own BOS; ORPO: none, then BOS put first below
-    ids = [model.tokenize(t, add_special=add_special, parse_special=True) for t in (prompt, prompt + chosen, prompt + rejected)]
+    ids = [model.tokenize(t, add_special=add_special, parse_special=True) for t in (prompt, prompt + chosen,
+                                                                                     prompt + rejected)]  # fmt: skip
     n = min(_common_prefix(ids[0], ids[1]), _common_prefix(ids[0], ids[2]))
     p, c, r = ids[0][:n], ids[1][n:], ids[2][n:]
     if method == "orpo":  # TRL's ORPOTrainer (add_bos_token_if_needed, add_eos_token_if_needed)
@@ -148,7 +149,8 @@ def _pair(row: dict, model: Model, at: str, method: str) -> PreferencePair:
         if bos is not None and bos >= 0 and (not p or p[0] != bos):
             p = [bos, *p]
         if eos is not None and eos >= 0:
-            c, r = (a if a and a[-1] == eos else [*a, eos] for a in (c, r))
+            c = c if c and c[-1] == eos else [*c, eos]
+            r = r if r and r[-1] == eos else [*r, eos]
     what = "message" if conversation else "text"
     for k, answer in (("chosen", c), ("rejected", r)):
         expect(bool(answer), f"{at}: the {k} answer's {what} adds no token to the prompt's")

@@ -125,7 +125,9 @@ def _as_pairs(model: Model, data, what: str, method: str) -> list[PreferencePair
         raise ValueError(e if str(e).startswith(what) else f"{what}: {e}") from None
 
 
-def _split(model: Model, data, valid, a: TrainingArgs, method: str) -> tuple[list[PreferencePair], list[PreferencePair]]:
+def _split(
+    model: Model, data, valid, a: TrainingArgs, method: str
+) -> tuple[list[PreferencePair], list[PreferencePair]]:
     pairs = _as_pairs(model, data, "data", method)
     if valid is not None:
         return pairs, _as_pairs(model, valid, "valid", method)
@@ -300,6 +302,11 @@ def preference(
         model, a.replace(batch_size=2 * a.batch_size), params="lora" if a.lora else "model",
         adapter=result.adapter, loss=method, beta=beta,
     )  # fmt: skip
+    if method == "dpo" and model.output_offloaded:
+        # DPO's reference log-probabilities and the validations from the training graph's forward pass, as the policy's
+        # at step 1 (patch 0095): a GPU's forward graph alone fuses and rounds otherwise (an H200's first loss was
+        # 0.7067, not ln 2); on the CPU the two are the same sums already
+        trainer.optimizer.forward_as_training(True)
     run = _PrefRun(trainer, sets[0], sets[1], method, beta, a, total, result, run_id)
     try:
         if a.log is not None:
@@ -329,7 +336,9 @@ def _pair_sets(model: Model, train_pairs, val_pairs, ctx_size: int, prompt_loss:
     sets, truncated = [], 0
     for what, pairs in (("data", train_pairs), ("valid", val_pairs)):
         try:
-            *arrays, cut = pair_windows(pairs, ctx_size, pad, prompt_labels=prompt_loss) if pairs else (*_empty(ctx_size), 0)
+            *arrays, cut = (
+                pair_windows(pairs, ctx_size, pad, prompt_labels=prompt_loss) if pairs else (*_empty(ctx_size), 0)
+            )
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
         p = _Pairs(*arrays)
