@@ -1,7 +1,12 @@
 // LoRA adapters (llama_adapter_lora_*): loaded on a Model, applied per Context with a scale.
 #include "objects.h"
 
+#include <gguf.h>
+#include <llama-adapter.h>  // llama.cpp's internal adapter struct (ab_map), as train.cpp
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <sys/stat.h>
 
@@ -73,6 +78,74 @@ void set_loras(Context & self, const std::vector<std::pair<Lora *, double>> & lo
     for (const auto & [l, s] : loras) self.loras.push_back({ l, (float) s });
 }
 
+// Writing adapters: a new one from numpy arrays (train.lora_init), a trained one from its tensors (Lora.save).
+using F32Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+struct F32Tensor {
+    std::string name;
+    const float * data;
+    int64_t rows, cols;  // numpy (rows, cols) is ggml ne = [cols, rows]
+};
+
+// A LoRA adapter GGUF as llama_adapter_lora_init reads it: general.type "adapter",
+// general.architecture, adapter.type "lora", adapter.lora.alpha, F32 tensors NAME.lora_a/.lora_b.
+// gguf_write_to_file reads the data where it lies (no copy).
+static void write_lora(const std::string & path, const std::string & arch, float alpha,
+                       const std::vector<F32Tensor> & tensors) {
+    ggml_init_params ip = { (tensors.size() + 1) * ggml_tensor_overhead(), nullptr, /*no_alloc =*/true };
+    ggml_context * ctx = ggml_init(ip);
+    gguf_context * g = gguf_init_empty();
+    gguf_set_val_str(g, "general.type", "adapter");
+    gguf_set_val_str(g, "general.architecture", arch.c_str());
+    gguf_set_val_str(g, "adapter.type", "lora");
+    gguf_set_val_f32(g, "adapter.lora.alpha", alpha);
+    for (const auto & d : tensors) {
+        if (d.name.size() >= GGML_MAX_NAME) {
+            gguf_free(g);
+            ggml_free(ctx);
+            raise_value("tensor name too long: " + d.name);
+        }
+        ggml_tensor * t = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, d.cols, d.rows);
+        ggml_set_name(t, d.name.c_str());
+        t->data = (void *) d.data;
+        gguf_add_tensor(g, t);
+    }
+    const bool ok = gguf_write_to_file(g, path.c_str(), false);
+    gguf_free(g);
+    ggml_free(ctx);
+    if (!ok) raise_value("cannot write '" + path + "'");
+}
+
+static void lora_write(const std::string & path, const std::string & arch, float alpha,
+                       const std::vector<std::pair<std::string, F32Matrix>> & tensors) {
+    std::vector<F32Tensor> views;
+    for (auto & [name, a] : tensors) views.push_back({ name, a.data(), (int64_t) a.shape(0), (int64_t) a.shape(1) });
+    write_lora(path, arch, alpha, views);
+}
+
+// The adapter's A/B tensors as they are now (after training), read back from their buffers.
+static void lora_save(Lora & l, const std::string & path) {
+    if (!l.adapter) raise_value("the LoRA adapter is closed");
+    char arch[128] = { 0 };
+    llama_model_meta_val_str(l.owner->get(), "general.architecture", arch, sizeof(arch));
+    std::vector<std::string> names;
+    for (auto & [name, w] : l.adapter->ab_map) names.push_back(name);
+    std::sort(names.begin(), names.end());
+    std::vector<std::vector<float>> data;  // host copies of the (possibly device) tensors
+    std::vector<F32Tensor> views;
+    data.reserve(2 * names.size());
+    for (auto & name : names) {
+        const auto & w = l.adapter->ab_map.at(name);
+        for (ggml_tensor * t : { w.a, w.b }) {
+            if (t->type != GGML_TYPE_F32) raise_type("only F32 adapters can be saved; '" + name + "' is not");
+            data.emplace_back(ggml_nelements(t));
+            ggml_backend_tensor_get(t, data.back().data(), 0, ggml_nbytes(t));
+            views.push_back({ t->name, data.back().data(), t->ne[1], t->ne[0] });
+        }
+    }
+    write_lora(path, arch, l.adapter->alpha, views);
+}
+
 void register_lora(nb::module_ & m) {
     nb::class_<Lora>(m, "Lora", "A LoRA adapter loaded on a Model (llama_adapter_lora_init).")
         .def("__init__", &lora_init, nb::arg("model"), nb::arg("path"), nb::keep_alive<1, 2>())
@@ -90,6 +163,10 @@ void register_lora(nb::module_ & m) {
             }
             return out;
         });
+    m.def("lora_write", &lora_write, nb::arg("path"), nb::arg("arch"), nb::arg("alpha"), nb::arg("tensors"),
+          "Write a LoRA adapter GGUF: [(name, float32 (rows, cols))], names ending .lora_a / .lora_b.");
+    m.def("lora_save", &lora_save, nb::arg("adapter"), nb::arg("path"),
+          "Write a loaded adapter's current A/B tensors (e.g. after training) as a LoRA adapter GGUF.");
 }
 
 }  // namespace lb

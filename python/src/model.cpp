@@ -9,6 +9,7 @@
 
 #include <Python.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -301,6 +302,31 @@ static nb::object opt_token(llama_token t) {
     return t == LLAMA_TOKEN_NULL ? nb::object(nb::none()) : nb::object(nb::int_(t));
 }
 
+// llama_model_save_to_file (a full fine-tune's weights) and llama_model_quantize, for llamabind.train
+static void model_save(Model & m, const std::string & path) {
+    llama_model * model = m.get();
+    if (m.vocab_only) raise_value("a vocab_only model has no weights to save");
+    FILE * f = std::fopen(path.c_str(), "wb");  // llama_model_save_to_file throws on this inside llama.cpp
+    if (!f) raise_value("cannot write '" + path + "': " + std::strerror(errno));
+    std::fclose(f);
+    nb::gil_scoped_release release;
+    llama_model_save_to_file(model, path.c_str());
+}
+
+static void quantize_model(const std::string & src, const std::string & dst, int ftype, int n_threads) {
+    llama_model_quantize_params p = llama_model_quantize_default_params();
+    p.ftype = (llama_ftype) ftype;
+    p.allow_requantize = true;
+    p.nthread = n_threads;
+    uint32_t rc;
+    {
+        nb::gil_scoped_release release;
+        clear_recent_errors();
+        rc = llama_model_quantize(src.c_str(), dst.c_str(), &p);
+    }
+    if (rc != 0) throw LlamaError("llama_model_quantize failed for '" + src + "'\n" + take_recent_errors());
+}
+
 void register_model(nb::module_ & m) {
     nb::class_<Model>(m, "Model", "A GGUF model loaded by llama_model_load_from_file (see llamabind.Model).")
         .def("__init__", &model_init, nb::arg("path"), nb::arg("n_gpu_layers") = -1, nb::arg("load_mode") = -1,
@@ -361,6 +387,9 @@ void register_model(nb::module_ & m) {
           "[(name, ggml type name, ne list)] of a GGUF file's tensors (ggml order: ne[0] first).");
     m.def("read_metadata", &read_metadata, nb::arg("path"),
           "GGUF key/values of a file as a dict (typed: int, float, bool, str, list). Wraps gguf_init_from_file.");
+    m.def("model_save", &model_save, nb::arg("model"), nb::arg("path"), "llama_model_save_to_file.");
+    m.def("quantize_model", &quantize_model, nb::arg("src"), nb::arg("dst"), nb::arg("ftype"), nb::arg("n_threads"),
+          "llama_model_quantize with allow_requantize (ftype: llama_ftype, e.g. 0 = ALL_F32, 1 = MOSTLY_F16).");
 }
 
 }  // namespace lb

@@ -6,8 +6,8 @@
 #include "objects.h"
 #include "preference.h"
 
-// llama.cpp's internal adapter struct (ab_map: the A/B tensors), for LoRA training and saving;
-// this file alone sees src/ (CMakeLists.txt), and the pin fixes its layout
+// llama.cpp's internal adapter struct (ab_map: the A/B tensors), for LoRA training (lora.cpp saves them);
+// src/ is on the include path (CMakeLists.txt), and the pin fixes its layout
 #include <llama-adapter.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -336,17 +336,21 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
     st.correct[train] += std::llround(acc * rows);
 }
 
+// the context's ggml_opt_context (null before llama_opt_init builds it)
+static ggml_opt_context_t opt_of(Context & c) {
+    if (!c.train) raise_value("call opt_init first");
+    return llama_opt_get_context(c.get());
+}
+
 // forward-only evals computed in the training graph (patch 0095)
 static void opt_forward_as_training(Context & c, bool on) {
-    if (!c.train) raise_value("call opt_init first");
-    if (ggml_opt_context_t opt = llama_opt_get_context(c.get())) ggml_opt_set_forward_as_training(opt, on);
+    if (ggml_opt_context_t o = opt_of(c)) ggml_opt_set_forward_as_training(o, on);
 }
 
 // the gradients' global norm at the last optimizer step, where clipping computes it (patch 0094)
 static float opt_grad_norm(Context & c) {
-    if (!c.train) raise_value("call opt_init first");
-    ggml_opt_context_t opt = llama_opt_get_context(c.get());
-    return opt ? ggml_opt_get_grad_norm(opt) : NAN;
+    ggml_opt_context_t o = opt_of(c);
+    return o ? ggml_opt_get_grad_norm(o) : NAN;
 }
 
 // (mean loss per labelled token, next-token accuracy, labelled tokens) since the last opt_reset,
@@ -413,8 +417,7 @@ using F32Flat = nb::ndarray<nb::numpy, float, nb::ndim<1>>;
 using F32In = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 static ggml_opt_context_t opt_context(Context & c) {
-    if (!c.train) raise_value("call opt_init first");
-    ggml_opt_context_t o = llama_opt_get_context(c.get());  // patch 0028
+    ggml_opt_context_t o = opt_of(c);  // patch 0028
     if (!o || ggml_opt_n_params(o) == 0)
         raise_value("the optimizer state exists from the first opt_step on (a forward-only one will do)");
     return o;
@@ -482,99 +485,6 @@ static void opt_set_lr(Context & c, float lr) {
     c.train->lr = lr;
 }
 
-using F32Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-
-struct F32Tensor {
-    std::string name;
-    const float * data;
-    int64_t rows, cols;  // numpy (rows, cols) is ggml ne = [cols, rows]
-};
-
-// A LoRA adapter GGUF as llama_adapter_lora_init reads it: general.type "adapter",
-// general.architecture, adapter.type "lora", adapter.lora.alpha, F32 tensors NAME.lora_a/.lora_b.
-// gguf_write_to_file reads the data where it lies (no copy).
-static void write_lora(const std::string & path, const std::string & arch, float alpha,
-                       const std::vector<F32Tensor> & tensors) {
-    ggml_init_params ip = { (tensors.size() + 1) * ggml_tensor_overhead(), nullptr, /*no_alloc =*/true };
-    ggml_context * ctx = ggml_init(ip);
-    gguf_context * g = gguf_init_empty();
-    gguf_set_val_str(g, "general.type", "adapter");
-    gguf_set_val_str(g, "general.architecture", arch.c_str());
-    gguf_set_val_str(g, "adapter.type", "lora");
-    gguf_set_val_f32(g, "adapter.lora.alpha", alpha);
-    for (const auto & d : tensors) {
-        if (d.name.size() >= GGML_MAX_NAME) {
-            gguf_free(g);
-            ggml_free(ctx);
-            raise_value("tensor name too long: " + d.name);
-        }
-        ggml_tensor * t = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, d.cols, d.rows);
-        ggml_set_name(t, d.name.c_str());
-        t->data = (void *) d.data;
-        gguf_add_tensor(g, t);
-    }
-    const bool ok = gguf_write_to_file(g, path.c_str(), false);
-    gguf_free(g);
-    ggml_free(ctx);
-    if (!ok) raise_value("cannot write '" + path + "'");
-}
-
-using F32Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-
-static void lora_write(const std::string & path, const std::string & arch, float alpha,
-                       const std::vector<std::pair<std::string, F32Matrix>> & tensors) {
-    std::vector<F32Tensor> views;
-    for (auto & [name, a] : tensors) views.push_back({ name, a.data(), (int64_t) a.shape(0), (int64_t) a.shape(1) });
-    write_lora(path, arch, alpha, views);
-}
-
-// The adapter's A/B tensors as they are now (after training), read back from their buffers.
-static void lora_save(Lora & l, const std::string & path) {
-    if (!l.adapter) raise_value("the LoRA adapter is closed");
-    char arch[128] = { 0 };
-    llama_model_meta_val_str(l.owner->get(), "general.architecture", arch, sizeof(arch));
-    std::vector<std::string> names;
-    for (auto & [name, w] : l.adapter->ab_map) names.push_back(name);
-    std::sort(names.begin(), names.end());
-    std::vector<std::vector<float>> data;  // host copies of the (possibly device) tensors
-    std::vector<F32Tensor> views;
-    data.reserve(2 * names.size());
-    for (auto & name : names) {
-        const auto & w = l.adapter->ab_map.at(name);
-        for (ggml_tensor * t : { w.a, w.b }) {
-            if (t->type != GGML_TYPE_F32) raise_type("only F32 adapters can be saved; '" + name + "' is not");
-            data.emplace_back(ggml_nelements(t));
-            ggml_backend_tensor_get(t, data.back().data(), 0, ggml_nbytes(t));
-            views.push_back({ t->name, data.back().data(), t->ne[1], t->ne[0] });
-        }
-    }
-    write_lora(path, arch, l.adapter->alpha, views);
-}
-
-static void model_save(Model & m, const std::string & path) {
-    llama_model * model = m.get();
-    if (m.vocab_only) raise_value("a vocab_only model has no weights to save");
-    FILE * f = std::fopen(path.c_str(), "wb");  // llama_model_save_to_file throws on this inside llama.cpp
-    if (!f) raise_value("cannot write '" + path + "': " + std::strerror(errno));
-    std::fclose(f);
-    nb::gil_scoped_release release;
-    llama_model_save_to_file(model, path.c_str());
-}
-
-static void quantize_model(const std::string & src, const std::string & dst, int ftype, int n_threads) {
-    llama_model_quantize_params p = llama_model_quantize_default_params();
-    p.ftype = (llama_ftype) ftype;
-    p.allow_requantize = true;
-    p.nthread = n_threads;
-    uint32_t rc;
-    {
-        nb::gil_scoped_release release;
-        clear_recent_errors();
-        rc = llama_model_quantize(src.c_str(), dst.c_str(), &p);
-    }
-    if (rc != 0) throw LlamaError("llama_model_quantize failed for '" + src + "'\n" + take_recent_errors());
-}
-
 void register_train(nb::module_ & m) {
     m.def("opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
           nb::arg("params") = "model", nb::arg("grad_accum") = 1, nb::arg("embeddings") = true,
@@ -597,10 +507,6 @@ void register_train(nb::module_ & m) {
     m.def("opt_grad_norm", &opt_grad_norm, nb::arg("context"),
           "ggml_opt_get_grad_norm: the gradients' global L2 norm at the last optimizer step (before clipping), "
           "NaN without clipping or before the first step (patch 0094).");
-    m.def("lora_write", &lora_write, nb::arg("path"), nb::arg("arch"), nb::arg("alpha"), nb::arg("tensors"),
-          "Write a LoRA adapter GGUF: [(name, float32 (rows, cols))], names ending .lora_a / .lora_b.");
-    m.def("lora_save", &lora_save, nb::arg("adapter"), nb::arg("path"),
-          "Write a loaded adapter's current A/B tensors (e.g. after training) as a LoRA adapter GGUF.");
     m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("windows"), nb::arg("train"),
           nb::arg("labels") = nb::none(), nb::arg("refs") = nb::none(), nb::arg("prompt_rows") = nb::none(),
           "llama_opt_epoch on n_seq_max windows, int32 (n_seq_max, n_ctx / n_seq_max + 1), one sequence each "
@@ -621,9 +527,6 @@ void register_train(nb::module_ & m) {
           "(iter, [(name, m, v)]): ggml-opt's optimizer state (patch 0028).");
     m.def("opt_set_state", &opt_set_state, nb::arg("context"), nb::arg("iter"), nb::arg("state"),
           "Set ggml-opt's optimizer state (patch 0028).");
-    m.def("model_save", &model_save, nb::arg("model"), nb::arg("path"), "llama_model_save_to_file.");
-    m.def("quantize_model", &quantize_model, nb::arg("src"), nb::arg("dst"), nb::arg("ftype"), nb::arg("n_threads"),
-          "llama_model_quantize with allow_requantize (ftype: llama_ftype, e.g. 0 = ALL_F32, 1 = MOSTLY_F16).");
 }
 
 }  // namespace lb
