@@ -289,12 +289,7 @@ def preference(
     n_batches = -(-n_train // a.batch_size)
     total = a.iters if a.iters is not None else a.epochs * n_batches
     epochs = a.epochs if a.iters is None else -(-a.iters // n_batches)
-    run_id = dict(
-        kind="lora" if a.lora else "full", ctx_size=a.ctx_size, n_train=n_train, batch_size=a.batch_size,
-        seed=a.seed, shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
-        lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
-        method=method, beta=beta, **({"prompt_loss": prompt_loss} if method == "orpo" else {}),
-    )  # fmt: skip
+    run_id = _run_id(a, n_train, method, beta, prompt_loss)
     resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
     if a.lora:
         result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
@@ -327,6 +322,16 @@ def preference(
         if run.log is not None:
             run.log.close()
     return result
+
+
+def _run_id(a: TrainingArgs, n_train: int, method: str, beta: float, prompt_loss: bool) -> dict:
+    """What a checkpoint of the run records, for a resumed run to match."""
+    return dict(
+        kind="lora" if a.lora else "full", ctx_size=a.ctx_size, n_train=n_train, batch_size=a.batch_size,
+        seed=a.seed, shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
+        lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
+        method=method, beta=beta, **({"prompt_loss": prompt_loss} if method == "orpo" else {}),
+    )  # fmt: skip
 
 
 def _pair_sets(model: Model, train_pairs, val_pairs, ctx_size: int, prompt_loss: bool) -> tuple[list[_Pairs], int]:
