@@ -343,6 +343,19 @@ def reference_python(vendor_dir) -> Path:
 _REFERENCE_VENV = None  # a Future of _make_reference_venv, started by pytest_collection_finish
 
 
+def reference_job(python: Path, script: str, work: Path, job: dict, timeout: float = 1200) -> dict:
+    """Run tests/SCRIPT in the reference venv's ``python`` on WORK/job.json (``job``); its WORK/result.json. The
+    test fails with the script's stderr if it does."""
+    import subprocess
+
+    (work / "job.json").write_text(json.dumps(job))
+    path = ROOT / "tests" / script
+    p = subprocess.run([str(python), str(path), str(work)], capture_output=True, text=True, timeout=timeout,
+                       cwd=path.parent)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads((work / "result.json").read_text())
+
+
 def _make_reference_venv(nice: int = 0) -> Path:
     """reference_python's venv, made (at niceness ``nice``) unless its stamp is current; RuntimeError
     with pip's output if a step fails."""

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import reference_job
 
 import llamabind
 from llamabind import train
@@ -102,12 +102,7 @@ def test_pair_logps_and_losses_match_pytorch(smollm2_f32_cut, reference_python, 
         "pairs": [[p.prompt.tolist(), p.chosen.tolist(), p.rejected.tolist()] for p in pairs],
         "policy": ours.tolist(), "reference": reference.tolist(), "lengths": lengths.tolist(), "beta": 0.3,
     }  # fmt: skip
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    script = Path(__file__).parent / "preference_reference.py"
-    r = subprocess.run([str(reference_python), str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
-                       cwd=script.parent)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    ref = json.loads((tmp_path / "result.json").read_text())
+    ref = reference_job(reference_python, "preference_reference.py", tmp_path, job, timeout=600)
     print("log-probs, llamabind / PyTorch:", ours.round(4).tolist(), np.round(ref["logps"], 4).tolist())
     if m_on_gpu:  # cuBLAS runs F32 products in TF32 (operands rounded to 10 mantissa bits, 4.9e-4 relative):
         np.testing.assert_allclose(ours, ref["logps"], rtol=2e-3)  # H100: 7e-4 relative on these sums
@@ -226,12 +221,7 @@ def test_dpo_and_orpo_step_match_pytorch(smollm2_f32_cut, reference_python, tmp_
                 adapter.save(files[k])
                 adapter.close()
             job[method] = files
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    script = Path(__file__).parent / "preference_train_reference.py"
-    r = subprocess.run([str(reference_python), str(script), str(tmp_path)], capture_output=True, text=True,
-                       timeout=1200, cwd=script.parent)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    ref = json.loads((tmp_path / "result.json").read_text())
+    ref = reference_job(reference_python, "preference_train_reference.py", tmp_path, job)
     for method in ("dpo", "orpo"):
         want, (loss0, graph0) = ref[method], ours[method, "sgd"][0]
         adamw = [a for a, _ in ours[method, "adamw"]]

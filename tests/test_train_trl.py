@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import reference_job
 
 import llamabind
 from llamabind import train
@@ -84,12 +83,7 @@ def test_dpo_and_orpo_equal_trls_trainers(smollm2_f32_cut, reference_python, tmp
         job["runs"].append(dict(name=name, method=method, rows=rows, beta=0.1, lr=1e-5, steps=3,
                                 max_grad_norm=max_grad_norm or 0.0, lr_scheduler_type="linear",
                                 ours=str(tmp_path / f"{name}.gguf")))  # fmt: skip
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    script = Path(__file__).parent / "trl_reference.py"
-    p = subprocess.run([str(reference_python), str(script), str(tmp_path)], capture_output=True, text=True,
-                       timeout=1200, cwd=script.parent)  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
-    theirs = json.loads((tmp_path / "result.json").read_text())
+    theirs = reference_job(reference_python, "trl_reference.py", tmp_path, job)
     for name, (ids, metrics, norms) in ours.items():
         t = theirs[name]
         rel = np.array(list(t["update_rel"].values()))
