@@ -230,14 +230,45 @@ def test_tokenize_detokenize(srv, model):
         (dict(logprobs=True, top_logprobs=1000000), "top_logprobs"),
         (dict(extra_body={"n_probs": -1}), "n_probs"),
         (dict(presence_penalty=5), "presence_penalty"),
+        (dict(logit_bias={"99999999": 5}), "logit_bias"),
+        (dict(extra_body={"logit_bias": 5}), "logit_bias"),
+        (dict(extra_body={"logit_bias": {"abc": 1}}), "logit_bias"),
+        (dict(extra_body={"logit_bias": {"10": "x"}}), "logit_bias"),
+        (dict(extra_body={"stop": 5}), "stop"),
+        (dict(extra_body={"mirostat": 7}), "mirostat"),
+        (dict(extra_body={"logprobs": 3}), "logprobs"),
+        (dict(extra_body={"seed": "x"}), "seed"),
+        (dict(max_tokens=0), "max_tokens"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
 def test_out_of_range_sampling_fields_are_400s_naming_the_field(client, srv, kw, field):
-    """Issue 59: llama-server answered 200 to these (temperature 1e308, top_p -3, ...); through the
-    openai client each is a 400 (BadRequestError) whose message names the field and its range."""
-    with pytest.raises(openai.BadRequestError, match=f"'{field}' must be"):
-        _chat(client, srv, "Hi", max_tokens=2, **kw)
+    """Issues 59 and 86: llama-server answered 200 to these (temperature 1e308, top_p -3, a logit_bias id outside
+    the vocabulary or a bare number, stop 5, mirostat 7, ...); through the openai client each is a 400
+    (BadRequestError) in OpenAI's error shape, its message naming the field and what it takes, ``param`` the
+    field."""
+    kw = {"max_tokens": 2, **kw}
+    with pytest.raises(openai.BadRequestError, match=f"'{field}'") as e:
+        _chat(client, srv, "Hi", **kw)
+    body = e.value.body if isinstance(e.value.body, dict) else {}
+    err = body.get("error", body)
+    assert err.get("param") == field and err.get("type") == "invalid_request_error", body
+
+
+def test_logit_bias_and_logprobs_of_llama_servers_routes(srv):
+    """Issue 86: /v1/completions' logprobs is OpenAI's integer in [0, 5] (1000000 was a 200); /completion takes
+    llama-server's logit_bias forms (token ids, [token, bias] pairs, text whose tokens take the bias, false for
+    never) and refuses ids outside the vocabulary and biases that are not numbers, each a 400 naming the field."""
+    url = srv.url
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 1000000})
+    assert r.status_code == 400 and _error(r)["param"] == "logprobs", r.text
+    ok = [{"15": -1.5}, [[15, 2.0]], {"hello": -100}, [["hello", False]]]
+    for bias in ok:
+        r = httpx.post(url + "/completion", json={"prompt": "Hi", "n_predict": 2, "logit_bias": bias}, timeout=120)
+        assert r.status_code == 200, (bias, r.text)
+    for bias in ({"-3": 1}, [[srv.context.n_vocab, 1]], {"15": [1]}, [[15]], "x"):
+        r = httpx.post(url + "/completion", json={"prompt": "Hi", "n_predict": 2, "logit_bias": bias})
+        assert r.status_code == 400 and _error(r)["param"] == "logit_bias", (bias, r.text)
 
 
 def test_detokenize_refuses_ids_outside_the_vocabulary(srv):

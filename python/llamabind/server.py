@@ -27,6 +27,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -50,10 +51,13 @@ NO_KEY_WARNING = (
 log = logging.getLogger("llamabind.server")
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", code: Any = None) -> Any:
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", code: Any = None, param: str | None = None
+) -> Any:
+    """OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``; ``param`` names the request field."""
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
 def _authorized(headers: Any, api_key: str) -> bool:
@@ -77,33 +81,82 @@ _INT_FIELDS: dict[str, tuple[int, int | None]] = {
 }
 
 
-def _field_error(data: dict) -> str | None:
-    """What is wrong with a request's sampling fields (None: nothing)."""
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _field_error(data: dict, path: str, n_vocab: int | None) -> tuple[str, str] | None:
+    """What is wrong with a request's sampling fields: (message, the field), or None."""
     for key, (lo, hi) in _REAL_FIELDS.items():
         v = data.get(key)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi):
-            return f"'{key}' must be a number in [{lo:g}, {hi:g}]; got {v!r}"
+        if v is not None and not (_is_number(v) and lo <= v <= hi):
+            return f"'{key}' must be a number in [{lo:g}, {hi:g}]; got {v!r}", key
     for key, (first, last) in _INT_FIELDS.items():
         v = data.get(key)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < first or (last is not None and v > last):
-            return f"'{key}' must be an integer in [{first}, {'...' if last is None else last}]; got {v!r}"
+        if v is not None and not (_is_int(v) and v >= first and (last is None or v <= last)):
+            return f"'{key}' must be an integer in [{first}, {'...' if last is None else last}]; got {v!r}", key
+    mirostat = data.get("mirostat")
+    if mirostat is not None and not (_is_int(mirostat) and mirostat in (0, 1, 2)):
+        return f"'mirostat' must be 0 (off), 1 or 2; got {mirostat!r}", "mirostat"
+    for key in ("mirostat_tau", "mirostat_eta"):
+        if data.get(key) is not None and not (_is_number(data[key]) and data[key] >= 0):
+            return f"'{key}' must be a number >= 0; got {data[key]!r}", key
+    stop = data.get("stop")
+    if stop is not None and not isinstance(stop, str):
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            return f"'stop' must be a string or an array of strings; got {stop!r}", "stop"
+    if data.get("seed") is not None and not _is_int(data["seed"]):
+        return f"'seed' must be an integer; got {data['seed']!r}", "seed"
+    if data.get("n_predict") is not None and not (_is_int(data["n_predict"]) and data["n_predict"] >= -1):
+        return f"'n_predict' must be an integer >= -1 (-1: until the end); got {data['n_predict']!r}", "n_predict"
+    lp = data.get("logprobs")
+    if lp is not None and path.endswith("/chat/completions") and not isinstance(lp, bool):
+        return f"'logprobs' must be true or false; got {lp!r}", "logprobs"
+    if lp is not None and path == "/v1/completions" and not (_is_int(lp) and 0 <= lp <= 5):
+        return f"'logprobs' must be an integer in [0, 5]; got {lp!r}", "logprobs"
+    if "logit_bias" in data:
+        return _logit_bias_error(data["logit_bias"], path.startswith("/v1/"), n_vocab)
     return None
 
 
-def _token_error(data: dict, n_vocab: int | None) -> str | None:
+def _logit_bias_error(bias: Any, openai: bool, n_vocab: int | None) -> tuple[str, str] | None:
+    """'logit_bias': OpenAI's object of token ids (as strings) to biases, or llama-server's array of [token, bias]
+    pairs; on llama-server's own routes a key may also be text (its tokens take the bias). A bias is a number, or
+    false (the token never sampled)."""
+    if bias is None:
+        return None
+    vocab = f"[0, {n_vocab if n_vocab is not None else 'n_vocab'})"
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, list) and all(isinstance(x, list) and len(x) == 2 for x in bias):
+        items = [(k, v) for k, v in bias]
+    else:
+        return f"'logit_bias' must be an object of token ids to biases; got {bias!r}", "logit_bias"
+    for key, value in items:
+        tok = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+        if _is_int(tok):
+            if tok < 0 or (n_vocab is not None and tok >= n_vocab):
+                return f"'logit_bias' has token id {key!r} outside the vocabulary {vocab}", "logit_bias"
+        elif openai or not isinstance(tok, str) or not tok:
+            return f"'logit_bias' keys must be token ids in {vocab}; got {key!r}", "logit_bias"
+        if not (_is_number(value) or value is False):
+            return f"'logit_bias'[{key!r}] must be a number (or false: never); got {value!r}", "logit_bias"
+    return None
+
+
+def _token_error(data: dict, n_vocab: int | None) -> tuple[str, str] | None:
     """/detokenize: 'tokens' must be token ids of this vocabulary (llama.cpp answered a raw C++ range error)."""
     ids = data.get("tokens")
     if not isinstance(ids, list):
-        return "'tokens' must be an array of token ids"
+        return "'tokens' must be an array of token ids", "tokens"
     for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (n_vocab is not None and t >= n_vocab):
-            return (
-                f"'tokens'[{i}] must be a token id in [0, {n_vocab if n_vocab is not None else 'n_vocab'}); got {t!r}"
-            )
+        if not _is_int(t) or t < 0 or (n_vocab is not None and t >= n_vocab):
+            vocab = n_vocab if n_vocab is not None else "n_vocab"
+            return f"'tokens'[{i}] must be a token id in [0, {vocab}); got {t!r}", "tokens"
     return None
 
 
@@ -124,24 +177,24 @@ def _prepare(
     if path.startswith("/v1/") and "model" in data:
         model = data["model"]
         if not isinstance(model, str):
-            return b"", _error(400, "'model' must be a string")
+            return b"", _error(400, "'model' must be a string", param="model")
         if model not in model_names:
             msg = f"the model {model!r} does not exist; this server has {model_id!r}"
-            return b"", _error(404, msg, code="model_not_found")
+            return b"", _error(404, msg, code="model_not_found", param="model")
     if path.endswith("/chat/completions") and (not isinstance(data.get("messages"), list) or not data["messages"]):
-        return b"", _error(400, "'messages' must be a non-empty array")
+        return b"", _error(400, "'messages' must be a non-empty array", param="messages")
     for key in ("max_tokens", "max_completion_tokens"):
         v = data.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            return b"", _error(400, f"'{key}' must be an integer >= 1; got {v!r}")
-    problem = _token_error(data, n_vocab) if path == "/detokenize" else _field_error(data)
+        if v is not None and not (_is_int(v) and v >= 1):
+            return b"", _error(400, f"'{key}' must be an integer >= 1; got {v!r}", param=key)
+    problem = _token_error(data, n_vocab) if path == "/detokenize" else _field_error(data, path, n_vocab)
     if problem is not None:
-        return b"", _error(400, problem)
+        return b"", _error(400, problem[0], param=problem[1])
     if isinstance(data.get("tool_choice"), dict):
         try:
             data["tools"], data["tool_choice"] = tool_choice(data.get("tools"), data["tool_choice"])
         except (TypeError, ValueError) as e:
-            return b"", _error(400, str(e))
+            return b"", _error(400, str(e), param="tool_choice")
         body = json.dumps(data).encode()
     return body, None
 
