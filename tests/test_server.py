@@ -255,6 +255,17 @@ def test_out_of_range_sampling_fields_are_400s_naming_the_field(client, srv, kw,
     assert err.get("param") == field and err.get("type") == "invalid_request_error", body
 
 
+def test_fields_llama_cpps_parser_rejects_have_the_same_error_shape(srv):
+    """Issue 86: a field of the wrong type that llama.cpp's own JSON reading rejects ("Field 'n_keep':
+    [json.exception.type_error.302] ...") is a 400 in the same shape as ours, ``param`` naming the field."""
+    for field, value in (("n_keep", "x"), ("cache_prompt", "x"), ("ignore_eos", 3)):
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, field: value}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 400, r.text
+        err = _error(r)
+        assert err["param"] == field and err["type"] == "invalid_request_error" and "code" in err, err
+
+
 def test_logit_bias_and_logprobs_of_llama_servers_routes(srv):
     """Issue 86: /v1/completions' logprobs is OpenAI's integer in [0, 5] (1000000 was a 200); /completion takes
     llama-server's logit_bias forms (token ids, [token, bias] pairs, text whose tokens take the bias, false for

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -160,6 +161,23 @@ def _token_error(data: dict, n_vocab: int | None) -> tuple[str, str] | None:
     return None
 
 
+def _openai_error_body(body: bytes) -> bytes:
+    """llama.cpp's error body in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, param the field
+    its JSON parser names ("Field 'seed': [json.exception.type_error.302] ...") or null; other bodies as they are."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return body
+    err = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(err, dict) or not isinstance(err.get("message"), str):
+        return body
+    field = re.match(r"\s*Field '([^']+)'", err["message"])
+    err.setdefault("param", field.group(1) if field else None)
+    err.setdefault("type", "invalid_request_error")
+    err.setdefault("code", None)
+    return json.dumps({"error": err}).encode()
+
+
 def _prepare(
     path: str, body: bytes, model_names: frozenset[str], model_id: str, n_vocab: int | None = None
 ) -> tuple[bytes, Any]:
@@ -268,7 +286,8 @@ def create_app(core: ServerContext, *, api_key: str | None = None, max_body: int
         try:
             await run(r, request)
             headers = dict(r.headers)
-            whole = None if r.is_stream else Response(r.body, r.status, headers, media_type=r.content_type or None)
+            body = r.body if r.is_stream or r.status < 400 else _openai_error_body(r.body)
+            whole = None if r.is_stream else Response(body, r.status, headers, media_type=r.content_type or None)
         except BaseException:
             release()
             raise
