@@ -373,5 +373,12 @@ def test_what_is_not_training_data_says_so(model_path, tmp_path):
             train.finetune(m, dd, lora_rank=4, progress=False)
         t = train.Trainer(m, params="lora", adapter=train_adapter(m), n_threads=2)
         t.close()
-        with pytest.raises(ValueError, match="Trainer is closed"):
-            t.step(np.zeros((1, 257), np.int32))
+        for call in (
+            lambda: t.step(np.zeros((1, 257), np.int32)),
+            lambda: t.set_lr(1e-4),
+            t.state,
+            t.stats,
+            lambda: t.set_state(1, []),
+        ):  # issue 86: state/set_lr said "call opt_init first"
+            with pytest.raises(ValueError, match="Trainer is closed"):
+                call()

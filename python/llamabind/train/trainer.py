@@ -152,6 +152,7 @@ class Trainer:
 
     def set_lr(self, lr: float) -> None:
         """Set ``lr`` (> 0) as the learning rate of the next optimizer steps (ggml-opt reads it at each step)."""
+        self._check_open()
         self.optimizer.set_lr(lr)
 
     def step(self, windows: np.ndarray, labels: np.ndarray | None = None) -> tuple[float, float, int]:
@@ -203,6 +204,7 @@ class Trainer:
         (an empty list for SGD). Wraps ggml_opt_get_iter / ggml_opt_get_param (patch 0028).
         Raises ValueError before the first :meth:`step` or :meth:`evaluate` (ggml-opt allocates
         the moments with its first graph)."""
+        self._check_open()
         return self.optimizer.state()
 
     def set_state(self, iter: int, state: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> None:
@@ -210,6 +212,7 @@ class Trainer:
         optimizer): every trained tensor by name with as many float32 values; nothing is written
         unless all are. Raises ValueError (a missing or extra tensor, a wrong size, iter < 1,
         before the first step). Wraps ggml_opt_set_iter and ggml_backend_tensor_set (patch 0028)."""
+        self._check_open()
         self.optimizer.set_state(iter, state)
 
     def stats(self) -> dict[str, float]:
@@ -221,6 +224,7 @@ class Trainer:
         batch and memory state on the host), ``t_build_ms``, ``t_alloc_ms``, ``t_inputs_ms``,
         ``t_eval_ms`` (compute); ``compute_buffer_bytes``: the largest of the graphs' compute buffers
         (activations and the backward pass's temporaries, summed over the backends; patch 0066)."""
+        self._check_open()
         return self.optimizer.stats()
 
     def profile(self) -> list[dict[str, Any]]:
@@ -228,6 +232,7 @@ class Trainer:
         timed since the last call, slowest first; needs ``profile=True`` (ValueError otherwise).
         The scheduler runs every node on its own and waits for it: the times are the ops'
         compute plus a launch and a synchronization each."""
+        self._check_open()
         rows = [dict(phase=p, op=op, ms=ms, nodes=n) for p, op, ms, n in self.optimizer.profile()]
         return sorted(rows, key=lambda r: -r["ms"])
 
