@@ -407,3 +407,13 @@ def test_two_chats_at_once_keep_each_others_history(tmp_path, monkeypatch):
     lines = path.read_text().splitlines()
     assert lines == ["an old line", "the other chat's line", "this chat's line"], lines
     readline.clear_history()
+
+
+def test_a_role_templates_do_not_know_is_refused(model_path):
+    """Issue 86 item 5: a message whose role is not OpenAI's (system, developer, user, assistant, tool) is a
+    ValueError naming the message and the roles, before the template renders it (it rendered "banana")."""
+    with llamabind.Model(model_path, vocab_only=True) as m:
+        tpl = m.chat_templates()
+        with pytest.raises(ValueError, match=r"messages\[1\]\['role'\] must be one of system, developer, user"):
+            tpl.render([{"role": "user", "content": "hi"}, {"role": "banana", "content": "x"}])
+        assert "hi" in tpl.render([{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}])

@@ -404,6 +404,10 @@ class LoraAdapter:
         return f"<llamabind.LoraAdapter {self.path.name}{' (closed)' if self.closed else ''}>"
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The roles a conversation's messages may take (OpenAI's, which chat templates render)."""
+
+
 class ChatTemplates:
     """A model's chat templates, or ``template`` (jinja source) instead of the GGUF's one.
     Wraps common_chat_templates_init; raises ValueError for a template that does not parse."""
@@ -444,14 +448,16 @@ class ChatTemplates:
         once. add_generation_prompt: end the prompt with the assistant turn's header (False: render the
         conversation as it is, e.g. for training). enable_thinking: let reasoning models think (the
         templates' ``enable_thinking``). template_kwargs: extra jinja variables (JSON values).
-        Raises TypeError/ValueError for malformed messages, tools or schema. Wraps
-        common_chat_templates_apply.
+        Raises TypeError/ValueError for malformed messages (a role other than :data:`ROLES`), tools or schema.
+        Wraps common_chat_templates_apply.
         """
         if isinstance(messages, (str, bytes)) or not all(isinstance(m, dict) for m in messages):
             raise TypeError("messages must be a sequence of dicts like {'role': 'user', 'content': '...'}")
         for i, m in enumerate(messages):
             if not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] has no 'role' (str)")
+            if m["role"] not in ROLES:
+                raise ValueError(f"messages[{i}]['role'] must be one of {', '.join(ROLES)}; got {m['role']!r}")
         tools, tool_choice = _tool_choice(tools, tool_choice)
         schema = (
             None if json_schema is None else (json_schema if isinstance(json_schema, str) else json.dumps(json_schema))

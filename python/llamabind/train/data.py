@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .._validate import as_int
-from ..model import ChatTemplates, Model
+from ..model import ROLES, ChatTemplates, Model
 
 __all__ = [
     "Example", "chat_example", "from_dataset", "load_dataset", "load_jsonl", "read_data", "windows", "example_windows",
@@ -229,8 +229,6 @@ def _examples(p: Path, text: str, model: Model, chat_template: str | None, train
 
 FORMATS = "a 'text' column, 'prompt' and 'completion' columns, or a 'messages' column (the JSONL formats)"
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
-"""The roles a training conversation's messages may take (OpenAI's, which chat templates render)."""
 
 
 def is_dataset(obj) -> bool:
