@@ -359,6 +359,9 @@ def test_what_is_not_training_data_says_so(model_path, tmp_path):
         for name in (str(tmp_path / "d.jsonl"), "HuggingFaceH4/no_robots"):
             with pytest.raises(ValueError, match=r"names a file or a Hub dataset.*train.read_data"):
                 train.finetune(m, name, lora_rank=4, progress=False)
+        for empty in ("", "  \n "):  # issue 86 item 5: "" was taken for a file's name
+            with pytest.raises(ValueError, match="data is an empty string"):
+                train.finetune(m, empty, lora_rank=4, progress=False)
         with pytest.raises(ValueError, match="valid is empty"):
             train.finetune(m, "word " * 2000, valid=[], lora_rank=4, progress=False)
         with pytest.raises(ValueError, match=r"^valid: the data has \d+ tokens"):  # found by tests/fuzz/train_e2e.py

@@ -380,7 +380,10 @@ def _split(model: Model, data, valid, a: TrainingArgs) -> tuple[Windows, Windows
 
 def _check_not_a_name(text: str, what: str) -> None:
     """A short one-line str that names a file or looks like a Hub dataset id is not training text: it
-    trained on its own few tokens ("the data has 10 tokens ..."). ValueError pointing at read_data."""
+    trained on its own few tokens ("the data has 10 tokens ..."). ValueError pointing at read_data; for an empty
+    string, ValueError saying so (Path("") is the current directory: it was taken for a file's name)."""
+    if not text.strip():
+        raise ValueError(f"{what} is an empty string: give training text, examples, or train.read_data(path, model)")
     if len(text) > 512 or "\n" in text or " " in text.strip():
         return
     import re
