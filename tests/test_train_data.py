@@ -356,9 +356,12 @@ def test_what_is_not_training_data_says_so(model_path, tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
     (tmp_path / "x.bin").write_bytes(b"\x00\xff\xfe" * 100)
     with llamabind.Model(model_path, repack=False, n_threads=2) as m:
-        for name in (str(tmp_path / "d.jsonl"), "HuggingFaceH4/no_robots"):
-            with pytest.raises(ValueError, match=r"names a file or a Hub dataset.*train.read_data"):
+        for name, kind in ((str(tmp_path / "d.jsonl"), "a file"), ("HuggingFaceH4/no_robots", "a Hub dataset"),
+                           (str(tmp_path), "a directory")):  # fmt: skip
+            with pytest.raises(ValueError, match=f"names {kind}: .*train.read_data"):
                 train.finetune(m, name, lora_rank=4, progress=False)
+        with llamabind.Model(model_path, vocab_only=True) as v, pytest.raises(ValueError, match="vocab_only=True"):
+            train.finetune(v, "word " * 2000, lora_rank=4, progress=False)  # issue 86: it said "load with repack=False"
         for empty in ("", "  \n "):  # issue 86 item 5: "" was taken for a file's name
             with pytest.raises(ValueError, match="data is an empty string"):
                 train.finetune(m, empty, lora_rank=4, progress=False)

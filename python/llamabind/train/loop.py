@@ -393,8 +393,9 @@ def _check_not_a_name(text: str, what: str) -> None:
     except (OSError, ValueError):  # not a path at all (a NUL byte, too long)
         exists = False
     if exists or re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?", text):
+        kind = "a directory" if exists and Path(text).is_dir() else "a file" if exists else "a Hub dataset"
         raise ValueError(
-            f"{what} is the string {text!r}, which names a file or a Hub dataset: finetune trains on a str as text; "
+            f"{what} is the string {text!r}, which names {kind}: finetune trains on a str as text; "
             f"read it first: train.read_data({text!r}, model)"
         )
 

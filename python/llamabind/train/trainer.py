@@ -21,12 +21,15 @@ __all__ = ["Trainer"]
 
 def check_model(model: Model, lora: bool) -> None:
     """What training needs of ``model``: a causal language model (an encoder such as BERT is refused:
-    its first step crashed in llama.cpp); for LoRA (``lora``) over a quantized model, weights in the
-    GGUF's layout (repack=False); for a full fine-tune, F32 weights loaded with use_mmap=False.
+    its first step crashed in llama.cpp), with weights (not vocab_only); for LoRA (``lora``) over a quantized
+    model, weights in the GGUF's layout (repack=False); for a full fine-tune, F32 weights loaded with
+    use_mmap=False.
     Raises TypeError (not a Model) or ValueError naming the fix; before any llama.cpp call (the
     backward pass over a repacked weight would abort in ggml's scheduler: no backend runs it)."""
     if not isinstance(model, Model):
         raise TypeError(f"model must be a llamabind.Model; got {type(model).__name__}")
+    if model.vocab_only:
+        raise ValueError("the model was loaded with vocab_only=True: it has no weights to train; load it without")
     meta = model.metadata
     arch = meta.get("general.architecture", "?")
     if meta.get(f"{arch}.attention.causal") is False:  # an encoder (BERT and kin): next-token training means nothing
