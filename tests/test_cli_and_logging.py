@@ -230,3 +230,17 @@ def test_busy_core_note(monkeypatch):
     note = run._busy_note(None)
     assert f"1.0 of {cores} cores busy" in note and f"-t {max(1, cores - 1)}" in note
     assert run._busy_note(max(1, cores - 1)) == ""  # already leaves the busy core alone
+
+
+def test_flags_are_spelled_whole(capsys):
+    """Issue 86 item 2: argparse's prefix abbreviations are off (``serve --batch 4`` was taken as ``--batch-size 4``,
+    ``finetune --lora-r 4`` as ``--lora-rank 4``): a flag spelled in part is an error naming it."""
+    from llamabind import cli
+
+    ap = cli.parser()
+    assert ap.parse_args(["serve", "m.gguf", "--batch-size", "4"]).batch_size == 4
+    partial = (["serve", "m.gguf", "--batch", "4"], ["finetune", "-m", "m", "--data", "d", "-o", "o", "--lora-r", "4"])
+    for argv in partial:
+        with pytest.raises(SystemExit) as e:
+            ap.parse_args(argv)
+        assert e.value.code == 2 and f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err

@@ -55,9 +55,18 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser without prefix abbreviations (``serve --batch 4`` became ``--batch-size 4`` silently):
+    a flag is spelled whole, or it is an error naming it; the subcommands' parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line's parser, every subcommand's but rpc-server's (:func:`llamabind.rpc.parser`)."""
-    ap = argparse.ArgumentParser(prog="python -m llamabind", description="llamabind: llama.cpp from Python")
+    ap = _Parser(prog="python -m llamabind", description="llamabind: llama.cpp from Python")
     ap.add_argument("--version", action=_Version, help="the package, the pinned llama.cpp and its patches")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     run.add_parsers(sub)
