@@ -244,3 +244,18 @@ def test_flags_are_spelled_whole(capsys):
         with pytest.raises(SystemExit) as e:
             ap.parse_args(argv)
         assert e.value.code == 2 and f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err
+
+
+def test_cli_n_predict_minus_one_and_two_as_llama_cpp(model_path, capsys):
+    """Issue 86 item 2: ``-n -1`` (until the end) and ``-n -2`` (until the context is full) mean what they mean in
+    llama-cli: here, without context shift, both run to EOS or the full context (256 tokens: the prompt's 4 and 252
+    generated ones decoded, then a 253rd sampled: finish "length"); below -2 is an error line naming the flag."""
+    from llamabind import cli
+
+    base = ["generate", "Once upon a time", "--model", str(model_path), "-c", "256", "-t", "2", "--temp", "0"]
+    for n in ("-1", "-2"):
+        assert cli.main([*base, "-n", n]) == 0
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "finish: length" in last and "prompt: 4 tokens" in last and "generated: 253 tokens" in last, last
+    assert cli.main([*base, "-n", "-3"]) == 2
+    assert "-n/--n-predict must be >= 0, -1 (until the end) or -2" in capsys.readouterr().err

@@ -37,10 +37,18 @@ def _media_parts(images, audio) -> list[dict]:
     return [{"type": "image", "image": f} for f in images or []] + [{"type": "audio", "audio": f} for f in audio or []]
 
 
+# llama.cpp's -n -1 (generate until the end of the text) and -2 (until the context is full): without context shift
+# (these commands have none) both end at EOS or where the context is full
+_UNTIL_THE_END = 1 << 30
+
+
 def _generation_kwargs(args) -> dict:
     """The streamed generate()/chat() arguments the generate and chat commands share."""
+    n = args.max_tokens
+    if n < -2:
+        raise ValueError(f"-n/--n-predict must be >= 0, -1 (until the end) or -2 (fill the context); got {n}")
     return dict(
-        max_tokens=args.max_tokens,
+        max_tokens=_UNTIL_THE_END if n in (-1, -2) else n,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -299,7 +307,7 @@ def _model_and_sampling(p, max_tokens: int) -> None:
     add_hf(p, mmproj=True)
     p.add_argument(
         "--n-predict", "-n", "--max-tokens", dest="max_tokens", type=int, default=max_tokens,
-        help="tokens to generate at most",
+        help="tokens to generate at most; -1: until the end of the text, -2: until the context is full (llama.cpp's)",
     )  # fmt: skip
     p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens (0: all)")
