@@ -233,12 +233,15 @@ def test_busy_core_note(monkeypatch):
 
 
 def test_flags_are_spelled_whole(capsys):
-    """Issue 86 item 2: argparse's prefix abbreviations are off (``serve --batch 4`` was taken as ``--batch-size 4``,
-    ``finetune --lora-r 4`` as ``--lora-rank 4``): a flag spelled in part is an error naming it."""
+    """Issue 86 item 2: ``-t 0`` and ``-t -1`` are all the cores, as llama.cpp's; argparse's prefix abbreviations
+    are off (``serve --batch 4`` was taken as ``--batch-size 4``, ``finetune --lora-r 4`` as ``--lora-rank 4``): a
+    flag spelled in part is an error naming it."""
     from llamabind import cli
 
     ap = cli.parser()
     assert ap.parse_args(["serve", "m.gguf", "--batch-size", "4"]).batch_size == 4
+    for t, want in (("0", None), ("-1", None), ("3", 3)):  # llama.cpp's -t 0 / -1: all the cores
+        assert ap.parse_args(["generate", "x", "-t", t]).threads == want
     partial = (["serve", "m.gguf", "--batch", "4"], ["finetune", "-m", "m", "--data", "d", "-o", "o", "--lora-r", "4"])
     for argv in partial:
         with pytest.raises(SystemExit) as e:

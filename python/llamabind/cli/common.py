@@ -69,9 +69,19 @@ def add_ctx_size(p: argparse.ArgumentParser, default: int | None, help: str = "c
     p.add_argument("--ctx-size", "-c", "--n-ctx", dest="n_ctx", type=int, default=default, help=help)
 
 
+def _threads(text: str) -> int | None:
+    """``-t`` as llama.cpp reads it: a count >= 1, or 0 (and -1) for all the cores there are (None)."""
+    n = int(text)
+    if n < -1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, or 0 / -1 for all the cores; got {n}")
+    return n if n > 0 else None
+
+
 def add_threads(p: argparse.ArgumentParser) -> None:
-    """``-t/--threads``: CPU threads."""
-    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: the cores there are)")
+    """``-t/--threads``: CPU threads (0 or -1: all the cores, as llama.cpp)."""
+    p.add_argument(
+        "--threads", "-t", type=_threads, default=None, help="CPU threads (default, 0 or -1: the cores there are)"
+    )
 
 
 def add_lora(p: argparse.ArgumentParser) -> None:
