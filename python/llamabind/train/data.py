@@ -230,7 +230,6 @@ def _examples(p: Path, text: str, model: Model, chat_template: str | None, train
 FORMATS = "a 'text' column, 'prompt' and 'completion' columns, or a 'messages' column (the JSONL formats)"
 
 
-
 def is_dataset(obj) -> bool:
     """Whether ``obj`` is a 🤗 datasets Dataset or IterableDataset (told without importing datasets); a
     DatasetDict counts too (from_dataset then asks for one of its splits)."""
