@@ -161,9 +161,12 @@ def _token_error(data: dict, n_vocab: int | None) -> tuple[str, str] | None:
     return None
 
 
-def _openai_error_body(body: bytes) -> bytes:
-    """llama.cpp's error body in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, param the field
-    its JSON parser names ("Field 'seed': [json.exception.type_error.302] ...") or null; other bodies as they are."""
+def _openai_error_body(status: int, body: bytes) -> bytes:
+    """llama.cpp's error body (status >= 400) in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``,
+    param the field its JSON parser names ("Field 'seed': [json.exception.type_error.302] ...") or null; other
+    bodies as they are."""
+    if status < 400:
+        return body
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -285,8 +288,7 @@ def create_app(core: ServerContext, *, api_key: str | None = None, max_body: int
 
         try:
             await run(r, request)
-            headers = dict(r.headers)
-            body = r.body if r.is_stream or r.status < 400 else _openai_error_body(r.body)
+            headers, body = dict(r.headers), b"" if r.is_stream else _openai_error_body(r.status, r.body)
             whole = None if r.is_stream else Response(body, r.status, headers, media_type=r.content_type or None)
         except BaseException:
             release()
