@@ -59,6 +59,9 @@ class Context:
             generation.
         training_profile: with training, time every node of the training graphs (the
             scheduler's eval callback; slower steps: :meth:`llamabind.train.Trainer.profile`).
+        packed: with training, one window of n_ctx tokens (one KV stream) that holds up to n_seq_max
+            documents, each attending only to itself with its positions from 0 (sequence packing:
+            :meth:`llamabind.optimizer.Optimizer.eval`'s ``segments``; llama_opt_set_segments, patch 0096).
         type_k: the KV cache's K element type (llama_context_params.type_k, llama.cpp's
             ``--cache-type-k``): "f16" (default), "f32", "bf16", "q8_0", "q4_0", "q4_1",
             "iq4_nl", "q5_0", "q5_1"; q8_0 halves the cache's memory.
@@ -92,6 +95,7 @@ class Context:
         type_v: str = "f16",
         flash_attn: str = "auto",
         training_profile: bool = False,
+        packed: bool = False,
     ):
         _log.sync_level()
         if not isinstance(model, Model):
@@ -126,6 +130,7 @@ class Context:
             tv,
             fa,
             bool(training_profile),
+            bool(packed),
         )
 
     def close(self) -> None:

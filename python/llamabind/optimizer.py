@@ -61,6 +61,7 @@ class Optimizer:
         labels: np.ndarray | None = None,
         refs: np.ndarray | None = None,
         prompt_rows: np.ndarray | None = None,
+        segments: np.ndarray | None = None,
     ) -> None:
         """One eval of n_seq_max windows, int32 C-contiguous (n_seq_max, n_ctx / n_seq_max + 1), one
         sequence each, with optional labels (n_seq_max, n_ctx / n_seq_max), -1 left out: forward, and
@@ -71,12 +72,17 @@ class Optimizer:
         ``prompt_rows``, int32 (n_seq_max / 2,): per pair, how many of its chosen window's labelled positions
         are the prompt's (they come before the answer's; the odds ratio is of the answer's alone). Raises
         ValueError for other shapes, ids out of range, a window without a labelled position under a
-        preference loss, prompt_rows without ORPO or not fewer than the chosen window's labelled positions."""
+        preference loss, prompt_rows without ORPO or not fewer than the chosen window's labelled positions.
+        A ``packed=True`` context takes any number m of windows that divides n_ctx, (m, n_ctx / m + 1), and
+        ``segments``, int32 (m, n_ctx / m): each position's document in its window, counted from 0 in steps
+        of 1 (None: one document a window); each document attends only to itself, its positions from 0
+        (llama_opt_set_segments, patch 0096); ValueError for segments otherwise or more documents than
+        n_seq_max."""
         if refs is not None:
             refs = np.ascontiguousarray(refs, dtype=np.float64).reshape(-1)
         if prompt_rows is not None:
             prompt_rows = np.ascontiguousarray(prompt_rows, dtype=np.int32).reshape(-1)
-        _core.opt_step(self._native, windows, bool(train), labels, refs, prompt_rows)
+        _core.opt_step(self._native, windows, bool(train), labels, refs, prompt_rows, segments)
 
     def seq_logps(self, prompt: bool = False) -> np.ndarray:
         """float64 (n_seq_max,): the last :meth:`eval`'s per-window summed log-likelihood of its answer's

@@ -81,7 +81,7 @@ static bool kv_cache_type_ok(int t) {
 static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch,
                          int n_threads, int n_threads_batch, uint32_t n_seq_max, bool embeddings, int pooling,
                          bool kv_unified, bool op_offload, bool training, int type_k, int type_v, int flash_attn,
-                         bool training_profile) {
+                         bool training_profile, bool packed) {
     new (self) Context();
     llama_model * m = model.get();
     if (model.vocab_only)
@@ -128,7 +128,8 @@ static void context_init(Context * self, Model & model, uint32_t n_ctx, uint32_t
                                          (flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED);
     p.no_perf = false;
     if (training_profile && !training) raise_value("training_profile needs training=True");
-    if (training) training_context_params(p, *self, training_profile);  // train.cpp
+    if (packed && !training) raise_value("packed needs training=True");
+    if (training) training_context_params(p, *self, training_profile, packed);  // train.cpp
     llama_context * c;
     {
         nb::gil_scoped_release release;
@@ -474,10 +475,13 @@ void register_context(nb::module_ & m) {
             nb::arg("n_seq_max") = 1, nb::arg("embeddings") = false, nb::arg("pooling") = -1,
             nb::arg("kv_unified") = true, nb::arg("op_offload") = true, nb::arg("training") = false,
             nb::arg("type_k") = (int) GGML_TYPE_F16, nb::arg("type_v") = (int) GGML_TYPE_F16,
-            nb::arg("flash_attn") = -1, nb::arg("training_profile") = false, nb::keep_alive<1, 2>(),
+            nb::arg("flash_attn") = -1, nb::arg("training_profile") = false, nb::arg("packed") = false,
+            nb::keep_alive<1, 2>(),
             "Wraps llama_init_from_model. n_threads=0: all cores. training: F32 KV cache, no flash "
             "attention, n_ctx == n_batch == n_ubatch, n_seq_max windows of n_ctx / n_seq_max tokens in one "
-            "ubatch (for llama_opt_init); training_profile: time every node of the training graphs (cb_eval).")
+            "ubatch (for llama_opt_init); training_profile: time every node of the training graphs (cb_eval); "
+            "packed (with training): one unified window of n_ctx tokens holding up to n_seq_max documents "
+            "(llama_opt_set_segments, patch 0096).")
         .def("close", &Context::close)
         .def_prop_ro("closed", [](const Context & s) { return s.ctx == nullptr; })
         .def_prop_ro("n_ctx", [](const Context & s) { return llama_n_ctx(s.get()); })

@@ -74,8 +74,9 @@ struct Context {
     bool encoder_only = false;  // e.g. BERT: llama_encode, no KV cache
     std::vector<std::pair<Lora *, float>> loras;  // adapters applied (set_loras)
     std::shared_ptr<struct TrainState> train;     // llama_opt_* state once opt_init ran (train.cpp)
-    std::shared_ptr<struct OpProfile> profile;    // per-node times of a training_profile context (train.cpp)
-    Sampler * backend_sampler = nullptr;          // the chain llama_set_sampler attached to seq 0
+    bool packed = false;  // a training context of one window of packed documents (llama_opt_set_segments)
+    std::shared_ptr<struct OpProfile> profile;  // per-node times of a training_profile context (train.cpp)
+    Sampler * backend_sampler = nullptr;        // the chain llama_set_sampler attached to seq 0
     BatchBuf batch;
     // Media whose tokens outnumber their positions, per sequence in position order: an M-RoPE image
     // puts n_tokens embeddings (a grid) on n_pos positions, every KV cell at position p0, so neither
@@ -128,7 +129,7 @@ void forget_backend_sampler(Context & c);
 
 // train.cpp: what llama_opt_* needs of a context (F32 KV cache, no flash attention, n_ctx ==
 // n_batch == n_ubatch, a multiple of 256); raises ValueError otherwise
-void training_context_params(llama_context_params & p, Context & c, bool profile);
+void training_context_params(llama_context_params & p, Context & c, bool profile, bool packed);
 
 // lora.cpp: [(adapter, scale)] applied to a context (llama_set_adapters_lora)
 void set_loras(Context & self, const std::vector<std::pair<Lora *, double>> & loras);

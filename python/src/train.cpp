@@ -67,20 +67,22 @@ static bool profile_node(ggml_tensor * t, bool ask, void * ud) {
     return true;
 }
 
-void training_context_params(llama_context_params & p, Context & c, bool profile) {
+void training_context_params(llama_context_params & p, Context & c, bool profile, bool packed) {
     // upstream's finetune does the same: F32 K/V (OUT_PROD had no F16 kernel); flash attention only when asked
     // for (flash_attn 'on': patch 0052 keeps it where every layer's device has its backward pass, patch 0050)
     if (p.n_ubatch != p.n_ctx || p.n_batch != p.n_ctx)
         raise_value("a training context needs n_ctx == n_batch == n_ubatch (gradients do not flow through the KV "
                     "cache); got " +
                     std::to_string(p.n_ctx) + ", " + std::to_string(p.n_batch) + ", " + std::to_string(p.n_ubatch));
+    // packed: one window of n_ctx tokens in one KV stream, its documents (up to n_seq_max) the sequences (patch 0096)
+    c.packed = packed;
     // n_seq_max windows of n_ctx / n_seq_max tokens, one sequence (KV stream) each, in one ubatch
-    const uint32_t n_seq = std::max(1u, p.n_seq_max);
+    const uint32_t n_seq = packed ? 1u : std::max(1u, p.n_seq_max);
     if (p.n_ctx % n_seq != 0 || (p.n_ctx / n_seq) % 256 != 0)
         raise_value("a training context holds n_seq_max windows of n_ctx / n_seq_max tokens, a multiple of 256 "
                     "(llama.cpp pads each sequence's cells to 256); got n_ctx " +
                     std::to_string(p.n_ctx) + ", n_seq_max " + std::to_string(n_seq));
-    p.kv_unified = n_seq == 1;  // one KV stream per window: the attention stays within each (patch 0031)
+    p.kv_unified = packed || n_seq == 1;  // one KV stream per window: the attention stays within each (patch 0031)
     p.type_k = GGML_TYPE_F32;
     p.type_v = GGML_TYPE_F32;
     if (p.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_AUTO) p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
@@ -145,6 +147,7 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     if (loss != "cross_entropy") {
         if (!(beta > 0) || !std::isfinite(beta))
             raise_value("beta must be a finite number > 0; got " + std::to_string(beta));
+        if (c.packed) raise_value("a preference loss takes a window a sequence: not a packed context");
         if (llama_n_seq_max(ctx) % 2 != 0)
             raise_value("a preference loss takes pairs of windows (chosen, rejected): n_seq_max must be even; got " +
                         std::to_string(llama_n_seq_max(ctx)));
@@ -260,12 +263,50 @@ static void check_pref_step(PrefLoss & pref, const std::optional<Windows> & labe
 // sequence; inputs windows[:, :-1], labels windows[:, 1:], or ``labels`` (n_seq_max, n_win) ids,
 // -1 for a position left out of the loss (patch 0027). train: forward, backward and, every
 // grad_accum-th training datapoint, an optimizer step; else forward only (validation loss).
+// the documents of a packed context's datapoint (patch 0096): segments (n_seq, n_win), each row non-decreasing from 0
+// in steps of 1 (none: a document a window), numbered on across the windows; set on the context for llama_opt_epoch
+static void set_segments(Context & c, const std::optional<Windows> & segments, int64_t n_seq, int64_t n_win) {
+    if (!c.packed) {
+        if (segments) raise_value("segments are for a packed training context (Context(..., packed=True))");
+        return;
+    }
+    if (segments && ((int64_t) segments->shape(0) != n_seq || (int64_t) segments->shape(1) != n_win))
+        raise_value("segments are (windows, ctx_size) = (" + std::to_string(n_seq) + ", " + std::to_string(n_win) +
+                    ") document indices; got (" + std::to_string(segments->shape(0)) + ", " +
+                    std::to_string(segments->shape(1)) + ")");
+    std::vector<int32_t> seg(n_seq * n_win);
+    int32_t next = 0;
+    for (int64_t s = 0; s < n_seq; ++s) {
+        int32_t prev = 0;
+        for (int64_t i = 0; i < n_win; ++i) {
+            const int32_t v = segments ? (*segments)(s, i) : 0;
+            if (i == 0 ? v != 0 : (v != prev && v != prev + 1))
+                raise_value("segments[" + std::to_string(s) + "] must count documents from 0 in steps of 1; got " +
+                            std::to_string(v) + " at " + std::to_string(i) + " after " + std::to_string(prev));
+            seg[s * n_win + i] = next + v;
+            prev = v;
+        }
+        next += prev + 1;
+    }
+    const int64_t n_max = llama_n_seq_max(c.get());
+    if (next > n_max)
+        raise_value("the step holds " + std::to_string(next) + " documents; this packed context holds at most " +
+                    std::to_string(n_max) + " (n_seq_max)");
+    if (!llama_opt_set_segments(c.get(), seg.data(), seg.size()))
+        raise_value("llama_opt_set_segments refused the documents");  // the checks above are its rules
+}
+
 static void opt_step(Context & c, Windows windows, bool train, std::optional<Windows> labels, std::optional<F64In> refs,
-                     std::optional<I32In> prompt_rows) {
+                     std::optional<I32In> prompt_rows, std::optional<Windows> segments) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (!c.train) raise_value("call opt_init first");
-    const int64_t n_ctx = llama_n_ctx(ctx), n_seq = llama_n_seq_max(ctx), n_win = n_ctx / n_seq;
+    // a packed context's datapoint is one window of n_ctx tokens: any number of windows that divides it
+    const int64_t n_ctx = llama_n_ctx(ctx), n_seq = c.packed ? (int64_t) windows.shape(0) : llama_n_seq_max(ctx);
+    if (n_seq < 1 || n_ctx % n_seq != 0)
+        raise_value("a packed training step takes windows whose count divides n_ctx = " + std::to_string(n_ctx) +
+                    "; got " + std::to_string(windows.shape(0)));
+    const int64_t n_win = n_ctx / n_seq;
     if ((int64_t) windows.shape(0) != n_seq || (int64_t) windows.shape(1) != n_win + 1)
         raise_value("a training step takes n_seq_max = " + std::to_string(n_seq) +
                     " windows of n_ctx / n_seq_max + 1 = " + std::to_string(n_win + 1) + " tokens; got (" +
@@ -296,6 +337,7 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
         // an all-masked datapoint would be skipped by llama_opt_epoch, shifting the accumulation period
         if (!any) raise_value("every label of the step is masked (-1): nothing to learn from it");
     }
+    set_segments(c, segments, n_seq, n_win);
     TrainState & st = *c.train;
     if (st.pref)
         check_pref_step(*st.pref, labels, refs, prompt_rows, n_seq, n_win);
@@ -509,10 +551,14 @@ void register_train(nb::module_ & m) {
           "NaN without clipping or before the first step (patch 0094).");
     m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("windows"), nb::arg("train"),
           nb::arg("labels") = nb::none(), nb::arg("refs") = nb::none(), nb::arg("prompt_rows") = nb::none(),
+          nb::arg("segments") = nb::none(),
           "llama_opt_epoch on n_seq_max windows, int32 (n_seq_max, n_ctx / n_seq_max + 1), one sequence each "
           "(next-token cross-entropy, or the preference loss of opt_init: refs float64 (n_seq_max / 2,) for DPO; "
           "prompt_rows int32 (n_seq_max / 2,) for ORPO, each chosen window's labelled prompt positions): "
-          "train=True adds the backward pass (and the optimizer step), False only accumulates the validation loss.");
+          "train=True adds the backward pass (and the optimizer step), False only accumulates the validation loss. "
+          "A packed context takes any number m of windows dividing n_ctx, (m, n_ctx / m + 1), and segments int32 "
+          "(m, n_ctx / m): each position's document in its window, from 0 in steps of 1 (none: one a window; "
+          "llama_opt_set_segments, patch 0096).");
     m.def("opt_seq_logps", &opt_seq_logps, nb::arg("context"), nb::arg("prompt") = false,
           "float64 (n_seq_max,): the last opt_step's per-window summed log-likelihood of its answer's labelled "
           "tokens (prompt: of the labelled prompt positions before them, 0 where none).");

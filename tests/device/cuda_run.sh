@@ -67,13 +67,16 @@
 #         "1b:256:1,8"): bench/train.py rows SIZE:CTX:BATCHES, runners LB_RUNNERS, PyTorch LB_TORCH_RUNS.
 # train42c: (after train42) more bench/train.py rows only (LB_BENCH, as train42b).
 # pref58: (carry .device-b after build) issue 58: the preference tests on CUDA0, then bench/preference.py.
+# pack84: (carry .device/llama.cpp.tar.xz, whl, tokenizer.gguf and .device-s; LB_NO_TOOLS=1) issue 84: the build, the
+#         packing tests on CUDA0, bench/pack.py on the random-weight 1B (packed against padded windows).
+# attn84: (after pack84) issue 84: SDPA and llamabind's flash-attention kernels at 8k-64k tokens, 1B/8B/70B head shapes.
 # bench:  bench/generation.py on each model, full offload, llama-bench beside it in the same run
 #         (LB_ROUNDS x LB_REPS, default 5 x 20).
 # Logs, JSON and summaries go to $OUT (then bench/results/).
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: pack84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -429,6 +432,42 @@ train42)
     --configs ${LB_PROFILE_135M:-256x8} -ngl 99 --modes ${LB_MODES:-pin,now} --threads 8 --steps 5 --profile-steps 2 \
     --out "$OUT/train-profile-135m.json" 2>&1 | tee "$OUT/train-profile-135m.txt" | tail -40
   echo "kernel tests and profiles in $((SECONDS - t0)) s"
+  ;;
+pack84)
+  # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf and .device-s; LB_NO_TOOLS=1) issue 84: the
+  # build, the random-weight 1B (Q4_0 and its F32 copy) written in the background, the packing tests on CUDA0
+  # (tests/test_train_pack.py, patch 0096), then bench/pack.py (packed against padded windows of the standard library's
+  # modules) on the F32 1B at LB_PACK_CTX (default "32768 4096")
+  cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
+  [ -f $MODELS/llama-1b-f32.gguf ] || { python3 bench/make_model.py --size 1b --type q4_0 -o $MODELS/llama-1b-q4_0.gguf \
+    --tokenizer-from /tmp/tokenizer.gguf && python3 -c "from llamabind import train; \
+    train.to_f32('$MODELS/llama-1b-q4_0.gguf', '$MODELS/llama-1b-f32.gguf')"; } > $MODELS/make.log 2>&1 &
+  [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REQUIRE_GPU=1 timeout ${LB_TEST_TIMEOUT:-240} python3 -m pytest tests/test_train_pack.py \
+    $PYTEST_ARGS -s 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/pack84-tests.log" | tail -15
+  wait; tail -2 $MODELS/make.log
+  for c in ${LB_PACK_CTX:-32768 4096}; do
+    python3 bench/pack.py --model $MODELS/llama-1b-f32.gguf --ctx $c --steps ${LB_PACK_STEPS:-3} --out "$OUT/pack-1b-ctx$c.json" \
+      2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee -a "$OUT/pack84-bench.txt" | tail -5
+  done
+  ;;
+attn84)
+  # issue 84, item 1 (after pack84 or fa56: the build): the attention at long contexts, batch 1, the 1B (32 (8) heads x 64),
+  # 8B (32 (8) x 128) and 70B (64 (8) x 128) shapes: PyTorch SDPA's bf16 flash forward and backward (CUDA events) at
+  # LB_ATTN_CTX (default 8192 16384 32768 65536), and llamabind's kernels (ops.grad of flash_attn_ext) each timed by
+  # Nsight Compute (gpu__time_duration) up to LB_ATTN_NCU_MAX tokens (default 32768: the F16 mask of 64k is 8 GiB)
+  for shape in ${LB_ATTN_SHAPES:-32:8:64 32:8:128 64:8:128}; do
+    IFS=: read -r h hk d <<< "$shape"
+    for n in ${LB_ATTN_CTX:-8192 16384 32768 65536}; do
+      args="--batch 1 --heads $h --kv-heads $hk --ctx $n --head-dim $d"
+      python3 bench/attention_backward.py $args --runners torch --reps 5 --out "$OUT/sdpa-$h-$hk-$d-$n.json" 2>&1 | grep "PyTorch" \
+        | tee -a "$OUT/attn84-sdpa.txt"
+      [ "$n" -le "${LB_ATTN_NCU_MAX:-32768}" ] || continue
+      ncu -k regex:"fa_|flash" --metrics gpu__time_duration.sum --csv python3 bench/attention_backward.py $args \
+        --runners llamabind --reps 1 > "$OUT/ncu-$h-$hk-$d-$n.csv" 2>&1
+      echo "$h $hk $d $n: $(grep -E '^"[0-9]' "$OUT/ncu-$h-$hk-$d-$n.csv" | awk -F'","' '{print $5"="$NF}' | tr -d '"' | tr '\n' ' ')" \
+        | tee -a "$OUT/attn84-ncu.txt"
+    done
+  done
   ;;
 pref83)
   # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf and .device-s; LB_NO_TOOLS=1) issue 83: the

@@ -127,7 +127,7 @@ def _training_args(args, ckpt_dir):
         lora_targets=tuple(args.lora_targets.split(",")), lr_schedule=args.lr_schedule, warmup=args.warmup,
         min_lr=args.min_lr, steps_per_eval=args.steps_per_eval, steps_per_report=args.steps_per_report, log=args.log,
         checkpoint_dir=ckpt_dir, save_every=args.save_every, precision=precision, flash_attn=flash,
-        gradient_checkpointing=args.gradient_checkpointing, max_grad_norm=args.max_grad_norm,
+        gradient_checkpointing=args.gradient_checkpointing, max_grad_norm=args.max_grad_norm, pack=args.pack,
     )  # fmt: skip
 
 
@@ -314,6 +314,12 @@ def _finetune_parser(sub) -> None:
         "--gradient-checkpointing",
         action="store_true",
         help="recompute each layer's activations in the backward pass: less memory, one more forward pass",
+    )
+    f.add_argument(
+        "--pack",
+        action="store_true",
+        help="pack several examples (JSONL rows) into each window, each attending only to itself with its positions "
+        "from 0 (sequence packing, TRL's padding_free): no compute spent on padding",
     )
     f.add_argument(
         "--max-grad-norm",

@@ -49,7 +49,17 @@ ORPO's losses and reward metrics (:func:`preference_metrics`) judge a model on h
 
 from .args import PRECISIONS, TrainingArgs
 from .checkpoint import latest_checkpoint
-from .data import Example, chat_example, example_windows, from_dataset, load_dataset, load_jsonl, read_data, windows
+from .data import (
+    Example,
+    chat_example,
+    example_windows,
+    from_dataset,
+    load_dataset,
+    load_jsonl,
+    packed_windows,
+    read_data,
+    windows,
+)  # fmt: skip
 from .evaluate import EvalResult, evaluate
 from .fuse import fuse
 from .loop import EpochStats, TrainResult, finetune, iterate_batches
@@ -85,6 +95,7 @@ __all__ = [
     "latest_checkpoint",
     "lora_init",
     "lr_at",
+    "packed_windows",
     "pair_logps",
     "pair_windows",
     "preference",

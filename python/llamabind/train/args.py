@@ -88,6 +88,12 @@ class TrainingArgs:
         gradient_checkpointing: recompute each layer's activations in the backward pass instead of
             keeping them from the forward pass (patch 0066): only the layers' outputs stay in memory,
             for one more forward pass's compute (PyTorch's / transformers' gradient checkpointing).
+        pack: pack the examples (JSONL rows, a dataset's rows) into windows, several a window, instead of a
+            window each padded to ctx_size (sequence packing, TRL's ``padding_free`` packing, mlx-lm's): each
+            example attends only to itself and its positions start at 0, so it trains as alone in a window
+            (patch 0096), and no window position is padding but a window's last few. Best-fit decreasing
+            over the examples' lengths, at most 256 // (batch_size // grad_accum) a window. Text and token ids,
+            cut into full windows, are not packed (ValueError); neither are preference pairs.
         steps_per_eval: also validate every N steps.
         steps_per_report: print step, loss, lr, tokens/s and ETA to stderr every N steps.
         log: a JSONL file, one object per step and per validation.
@@ -119,6 +125,7 @@ class TrainingArgs:
     flash_attn: bool | None = None
     max_grad_norm: float | None = None
     gradient_checkpointing: bool = False
+    pack: bool = False
     steps_per_eval: int | None = None
     steps_per_report: int | None = None
     log: str | os.PathLike | None = None
@@ -208,6 +215,7 @@ class TrainingArgs:
             shuffle=_bool(self.shuffle, "shuffle"),
             max_grad_norm=max_grad_norm,
             gradient_checkpointing=_bool(self.gradient_checkpointing, "gradient_checkpointing"),
+            pack=_bool(self.pack, "pack"),
             train_embeddings=_bool(self.train_embeddings, "train_embeddings"),
             lora_rank=rank,
             lora_alpha=alpha,

@@ -23,6 +23,7 @@ from ..model import ROLES, ChatTemplates, Model
 
 __all__ = [
     "Example", "chat_example", "from_dataset", "load_dataset", "load_jsonl", "read_data", "windows", "example_windows",
+    "packed_windows",
 ]  # fmt: skip
 
 
@@ -83,6 +84,55 @@ def example_windows(examples: Sequence[Example], ctx_size: int, pad: int) -> tup
     if not toks:
         raise ValueError(f"no example has a counted token within ctx_size + 1 = {ctx_size + 1} tokens")
     return np.stack(toks), np.stack(labs), cut
+
+
+def packed_windows(
+    examples: Sequence[Example], ctx_size: int, pad: int, max_docs: int = 256
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Examples packed several to a window (sequence packing): (tokens int32 (n, ctx_size + 1), labels
+    int32 (n, ctx_size), segments int32 (n, ctx_size), examples cut). An example of m tokens (cut to
+    ctx_size + 1 as in :func:`example_windows`) takes m - 1 positions: its tokens but the last as
+    inputs, its labels (tokens[j + 1] where counted, else -1) as targets; segments[i, j] is the index in
+    its window of the example at position j, counted from 0 (the window's padding, ``pad`` with labels
+    -1, belongs to its last example). Trained through a packed context (patch 0096), each example then
+    sees only itself from position 0 and has the loss and gradient it has alone in a window. Best-fit
+    decreasing (TRL's "bfd"): longest first, each into the window with the least room that holds it
+    and fewer than ``max_docs`` examples; an example keeps its order within its window. Examples
+    with no counted label are dropped; ValueError if none remains."""
+    import bisect
+
+    docs, cut = [], 0
+    for ex in examples:
+        cut += len(ex) > ctx_size + 1
+        t, lab = ex.labelled(ctx_size)
+        if (lab >= 0).any():
+            docs.append((t[:-1], lab))
+    if not docs:
+        raise ValueError(f"no example has a counted token within ctx_size + 1 = {ctx_size + 1} tokens")
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (free positions, window) of the windows that take more examples, sorted
+    for i in sorted(range(len(docs)), key=lambda i: -len(docs[i][0])):
+        n = len(docs[i][0])
+        k = bisect.bisect_left(room, (n, -1))
+        if k == len(room):
+            bins.append([i])
+            free, b = ctx_size - n, len(bins) - 1
+        else:
+            free, b = room.pop(k)
+            bins[b].append(i)
+            free -= n
+        if len(bins[b]) < max_docs:
+            bisect.insort(room, (free, b))
+    toks = np.full((len(bins), ctx_size + 1), pad, np.int32)
+    labs = np.full((len(bins), ctx_size), -1, np.int32)
+    segs = np.zeros((len(bins), ctx_size), np.int32)
+    for w, members in enumerate(bins):
+        at = 0
+        for d, i in enumerate(sorted(members)):
+            t, lab = docs[i]
+            toks[w, at : at + len(t)], labs[w, at : at + len(t)], segs[w, at:] = t, lab, d
+            at += len(t)
+    return toks, labs, segs, cut
 
 
 def chat_example(

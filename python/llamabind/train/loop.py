@@ -19,10 +19,10 @@ import numpy as np
 from ..model import LoraAdapter, Model
 from .args import TrainingArgs
 from .checkpoint import check_matches, load_state, restore_optimizer, save_checkpoint
-from .data import Example, example_windows, from_dataset, is_dataset, is_stream, windows
+from .data import Example, example_windows, from_dataset, is_dataset, is_stream, packed_windows, windows
 from .lora import lora_init
 from .schedule import lr_at
-from .trainer import Trainer, check_model
+from .trainer import MAX_DOCS, Trainer, check_model
 
 __all__ = ["EpochStats", "TrainResult", "finetune"]
 
@@ -135,6 +135,7 @@ def finetune(
     run_id = dict(
         kind="lora" if a.lora else "full", ctx_size=a.ctx_size, n_train=n_train, batch_size=a.batch_size,
         seed=a.seed, shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
+        **({"pack": True} if a.pack else {}),
         lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
     )  # fmt: skip
     resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
@@ -226,7 +227,7 @@ def iterate_batches(
         yield epoch, batches
 
 
-Windows = tuple[np.ndarray, "np.ndarray | None"]
+Windows = tuple[np.ndarray, "np.ndarray | None", "np.ndarray | None"]  # tokens, labels, segments
 
 
 @dataclass
@@ -348,8 +349,8 @@ def _epoch(run: _Run, batches: np.ndarray, epoch: int) -> EpochStats | None:
 
 
 def _take(windows: Windows, idx) -> Windows:
-    w, lab = windows
-    return w[idx], None if lab is None else lab[idx]
+    w, lab, seg = windows
+    return w[idx], None if lab is None else lab[idx], None if seg is None else seg[idx]
 
 
 # the batches of a streamed validation set read (a stream may be endless), as mlx-lm's --val-batches
@@ -368,14 +369,15 @@ def _split(model: Model, data, valid, a: TrainingArgs) -> tuple[Windows, Windows
                 "give iters, the optimizer steps to train, and its rows are read for those steps"
             )
         limit = math.ceil(a.iters * a.batch_size / (1.0 - (0.0 if valid is not None else a.val_split))) + 1
-    win, lab = _windows(model, data, a.ctx_size, "data", limit)
+    pack = MAX_DOCS // (a.batch_size // a.grad_accum) if a.pack else 0
+    win, lab, seg = _windows(model, data, a.ctx_size, "data", limit, pack)
     if valid is not None:
         valid_rows = VALID_STREAM_BATCHES * a.batch_size if is_stream(valid) else None
-        return (win, lab), _windows(model, valid, a.ctx_size, "valid", valid_rows)
+        return (win, lab, seg), _windows(model, valid, a.ctx_size, "valid", valid_rows, pack)
     n_train = int(len(win) * (1.0 - a.val_split))  # as llama-finetune's idata_split
     if n_train < 1:
         raise ValueError(f"{len(win)} window(s) leave none to train on with val_split={a.val_split}")
-    return _take((win, lab), slice(0, n_train)), _take((win, lab), slice(n_train, None))
+    return _take((win, lab, seg), slice(0, n_train)), _take((win, lab, seg), slice(n_train, None))
 
 
 def _check_not_a_name(text: str, what: str) -> None:
@@ -400,25 +402,35 @@ def _check_not_a_name(text: str, what: str) -> None:
         )
 
 
-def _windows(
-    model: Model, data, ctx_size: int, what: str, limit: int | None = None
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """(windows (n, ctx_size + 1), labels (n, ctx_size) or None) of text, token ids, examples or a
-    🤗 dataset (its rows, the first ``limit`` if given, as examples: :func:`~llamabind.train.from_dataset`)."""
+def _windows(model: Model, data, ctx_size: int, what: str, limit: int | None = None, pack: int = 0) -> Windows:
+    """(windows (n, ctx_size + 1), labels (n, ctx_size) or None, segments (n, ctx_size) or None) of text,
+    token ids, examples or a 🤗 dataset (its rows, the first ``limit`` if given, as examples:
+    :func:`~llamabind.train.from_dataset`); ``pack`` > 0: examples packed up to that many a window
+    (:func:`~llamabind.train.packed_windows`), ValueError for text or token ids."""
     if is_dataset(data):
         data = from_dataset(data, model, name=f"{what} (a dataset)", limit=limit)
+    examples = isinstance(data, Sequence) and len(data) > 0 and all(isinstance(e, Example) for e in data)
+    if pack and not examples:
+        raise ValueError(
+            f"pack: {what} is text or token ids, cut into full windows already; packing is for examples "
+            "(train.read_data of a JSONL file, a dataset's rows, a list of train.Example)"
+        )
     if isinstance(data, str):
         _check_not_a_name(data, what)
-        return _named_windows(np.asarray(model.tokenize(data, add_special=True), dtype=np.int64), ctx_size, what), None
+        tokens = np.asarray(model.tokenize(data, add_special=True), dtype=np.int64)
+        return _named_windows(tokens, ctx_size, what), None, None
     if isinstance(data, Sequence) and not len(data):
         raise ValueError(f"{what} is empty: no text, token ids or examples to make windows of")
-    if isinstance(data, Sequence) and len(data) and all(isinstance(e, Example) for e in data):
+    if examples:
         eos = model.token_eos if model.token_eos is not None and model.token_eos >= 0 else 0
         try:
+            if pack:
+                win, lab, seg, _ = packed_windows(data, ctx_size, eos, pack)
+                return win, lab, seg
             win, lab, _ = example_windows(data, ctx_size, eos)
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
-        return win, lab
+        return win, lab, None
     tokens = np.asarray(data)
     if tokens.ndim != 1 or not (np.issubdtype(tokens.dtype, np.integer) or tokens.size == 0):
         raise TypeError(
@@ -427,7 +439,7 @@ def _windows(
         )
     if tokens.size and (tokens.min() < 0 or tokens.max() >= model.n_vocab):
         raise ValueError(f"{what}: token ids must be in [0, n_vocab = {model.n_vocab})")
-    return _named_windows(tokens, ctx_size, what), None
+    return _named_windows(tokens, ctx_size, what), None, None
 
 
 def _named_windows(tokens: np.ndarray, ctx_size: int, what: str) -> np.ndarray:

@@ -279,6 +279,7 @@ def preference(
     beta = as_float(beta, "beta")
     expect(beta > 0 and math.isfinite(beta), f"beta must be a finite number > 0; got {beta}")
     a = TrainingArgs.of(args, **settings)
+    expect(not a.pack, "pack: a preference loss takes a window a sequence (chosen, rejected); not packed pairs")
     check_model(model, a.lora)
     prompt_loss = method == "orpo" and _bool(prompt_loss, "prompt_loss")
     train_pairs, val_pairs = _split(model, data, valid, a, method)

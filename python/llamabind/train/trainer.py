@@ -18,6 +18,9 @@ from .args import TrainingArgs
 
 __all__ = ["Trainer"]
 
+MAX_DOCS = 256
+"""The most documents a packed micro-batch holds (llama.cpp's LLAMA_MAX_SEQ: a packed context's n_seq_max)."""
+
 
 def check_model(model: Model, lora: bool) -> None:
     """What training needs of ``model``: a causal language model (an encoder such as BERT is refused:
@@ -126,9 +129,12 @@ class Trainer:
         # flash attention (patch 0050): by default where the output layer runs on a GPU; llama.cpp turns it
         # off where a layer's device has no backward pass for it (patch 0052)
         flash = a.flash_attn if a.flash_attn is not None else bool(model.output_offloaded)
+        expect(not (a.pack and loss != "cross_entropy"), "pack: a preference loss takes a window a sequence")
+        # packed (patch 0096): the micro-batch's windows in one KV stream, up to 256 documents
         self.context = Context(
-            model, n_ctx=n, n_batch=n, n_ubatch=n, n_seq_max=self.micro_batch, kv_unified=self.micro_batch == 1,
-            n_threads=a.n_threads, training=True, training_profile=bool(profile), flash_attn="on" if flash else "off",
+            model, n_ctx=n, n_batch=n, n_ubatch=n, n_seq_max=MAX_DOCS if a.pack else self.micro_batch,
+            kv_unified=a.pack or self.micro_batch == 1, n_threads=a.n_threads, training=True,
+            training_profile=bool(profile), flash_attn="on" if flash else "off", packed=a.pack,
         )  # fmt: skip
         precision = a.precision or ("bf16" if model.output_offloaded else "f32")
         try:
@@ -158,16 +164,22 @@ class Trainer:
         self._check_open()
         self.optimizer.set_lr(lr)
 
-    def step(self, windows: np.ndarray, labels: np.ndarray | None = None) -> tuple[float, float, int]:
+    def step(
+        self, windows: np.ndarray, labels: np.ndarray | None = None, segments: np.ndarray | None = None
+    ) -> tuple[float, float, int]:
         """One optimizer step over ``windows``, int (batch_size, ctx_size + 1) token ids: the
         next-token cross-entropy of windows[:, :-1] against windows[:, 1:], or against ``labels``,
         int (batch_size, ctx_size), -1 leaving a position out (patch 0027); the loss the step
         follows is the mean over the micro-batch's labelled positions (PyTorch's batch mean).
+        With ``pack``: ``segments``, int (batch_size, ctx_size), each position's document in its window,
+        counted from 0 in steps of 1 (:func:`~llamabind.train.packed_windows`; None: a document a
+        window), at most 256 documents a micro-batch.
         Returns (mean loss per labelled token in nats, next-token accuracy, labelled tokens),
         token-weighted over the micro-batches. Raises TypeError/ValueError for other shapes, ids
         outside [0, n_vocab), or a micro-batch whose labels are all -1."""
         self._check_open()
         w, lab = self._check(windows, labels, self.batch_size)
+        seg = self._segments(segments, w.shape[0])
         m = self.micro_batch
         if lab is not None:  # before any micro-batch runs: a refused one would leave a step half-accumulated
             for k in range(0, self.batch_size, m):
@@ -177,15 +189,20 @@ class Trainer:
                     )
         self.optimizer.reset()
         for k in range(0, self.batch_size, m):
-            self.optimizer.eval(w[k : k + m], True, None if lab is None else lab[k : k + m])
+            self.optimizer.eval(
+                w[k : k + m], True, None if lab is None else lab[k : k + m], segments=_rows(seg, k, k + m)
+            )
         return self.optimizer.result(True)
 
-    def evaluate(self, windows: np.ndarray, labels: np.ndarray | None = None) -> tuple[float, float, int]:
+    def evaluate(
+        self, windows: np.ndarray, labels: np.ndarray | None = None, segments: np.ndarray | None = None
+    ) -> tuple[float, float, int]:
         """Forward passes only over any number of windows (shapes as :meth:`step`): (mean loss per
         labelled token, accuracy, labelled tokens), token-weighted; NaN, NaN, 0 for none. A last
         micro-batch short of windows is filled with copies whose labels are all -1 (not counted)."""
         self._check_open()
         w, lab = self._check(windows, labels, None)
+        seg = self._segments(segments, w.shape[0])
         if not len(w):
             return float("nan"), float("nan"), 0
         if lab is None:
@@ -195,9 +212,10 @@ class Trainer:
         if pad:
             w = np.concatenate([w, np.repeat(w[-1:], pad, axis=0)])
             lab = np.concatenate([lab, np.full((pad, lab.shape[1]), -1, np.int32)])
+            seg = None if seg is None else np.concatenate([seg, np.zeros((pad, seg.shape[1]), np.int32)])
         self.optimizer.reset()
         for k in range(0, len(w), m):
-            self.optimizer.eval(w[k : k + m], False, lab[k : k + m])
+            self.optimizer.eval(w[k : k + m], False, lab[k : k + m], segments=_rows(seg, k, k + m))
         return self.optimizer.result(False)
 
     def state(self) -> tuple[int, list[tuple[str, np.ndarray, np.ndarray]]]:
@@ -243,6 +261,20 @@ class Trainer:
         if self.context.closed:
             raise ValueError("this Trainer is closed: make a new one (its training context was freed)")
 
+    def _segments(self, segments, rows: int) -> np.ndarray | None:
+        """segments as int32 (rows, ctx_size), or None; ValueError without ``pack`` (the rest: opt_step)."""
+        if segments is None:
+            return None
+        expect(self.args.pack, "segments are for a Trainer made with pack=True (packed windows)")
+        seg = np.asarray(segments)
+        if seg.ndim != 2 or not np.issubdtype(seg.dtype, np.integer):
+            raise TypeError(f"segments must be a 2-D integer array (windows, ctx_size); got {seg.dtype} {seg.shape}")
+        expect(
+            seg.shape == (rows, self.ctx_size), f"segments must have the shape {(rows, self.ctx_size)}; got {seg.shape}"
+        )
+        expect(not seg.size or (seg.min() >= 0 and seg.max() < MAX_DOCS), "segments: document indices are in [0, 256)")
+        return np.ascontiguousarray(seg, dtype=np.int32)
+
     def _check(self, windows, labels, rows: int | None) -> tuple[np.ndarray, np.ndarray | None]:
         w = np.asarray(windows)
         if w.ndim != 2 or not np.issubdtype(w.dtype, np.integer):
@@ -263,3 +295,7 @@ class Trainer:
                 raise ValueError("labels: ids must be in [0, n_vocab) or -1")
             lab = np.ascontiguousarray(lab, dtype=np.int32)
         return np.ascontiguousarray(w, dtype=np.int32), lab
+
+
+def _rows(a: np.ndarray | None, lo: int, hi: int) -> np.ndarray | None:
+    return None if a is None else a[lo:hi]
