@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 import llamabind
 from llamabind import train
 
-# a document attending to another moves the loss by 1e-2 and more; the same tokens in graphs of other
-# shapes: on the CPU the same sums to float32 rounding, on a GPU the TF32/BF16 products' sums move
-# with the shape (4e-5 on an H100 for patch 0031's windows)
-REL = 2e-4 if GPU_BUILD else 1e-5
+# a document attending to another moves the loss by 3e-3 to 7e-3 here; the same tokens in graphs of other
+# shapes: on the CPU the same sums to float32 rounding, on a GPU the BF16 products' sums move with the shape
+# (an H200: 6.7e-5 before a step, 4.2e-4 after an SGD step whose gradient was summed so too)
+REL = 1e-3 if GPU_BUILD else 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -110,19 +110,20 @@ def test_packed_window_trains_as_its_documents_alone(smollm2_f32_cut, docs):
 
 def test_packed_steps_reuse_their_batch_only_for_the_same_documents(smollm2_f32_cut, docs):
     """The kept batch and mask (patch 0063) serve a packed window only with the same segments: the same
-    window again is kept; the same tokens and labels with other segments are laid out again, with the
-    other loss (the first segments' mask would give the first loss)."""
+    window again is kept, with the same loss; the same tokens and labels with other segments are laid out
+    again, with the other loss (the first segments' mask would give the first loss), and so is the first
+    window after them. Forward passes (no step between them: the weights stay)."""
     pw, pl, ps, _ = train.packed_windows(docs, 256, pad=0)
     with llamabind.Model(smollm2_f32_cut, use_mmap=False, n_threads=2) as m:
-        with train.Trainer(m, pack=True, optimizer="sgd", lr=1e-9, n_threads=2) as t:
-            a = t.step(pw, pl, ps)[0]
-            b = t.step(pw, pl, ps)[0]
+        with train.Trainer(m, pack=True, n_threads=2) as t:
+            a = t.evaluate(pw, pl, ps)[0]
+            b = t.evaluate(pw, pl, ps)[0]
             kept = t.stats()["n_kept_batches"]
-            c = t.step(pw, pl, np.zeros_like(ps))[0]
+            c = t.evaluate(pw, pl, np.zeros_like(ps))[0]
             assert t.stats()["n_kept_batches"] == kept
-            d = t.step(pw, pl, ps)[0]
+            d = t.evaluate(pw, pl, ps)[0]
     assert kept >= 1
-    assert b == pytest.approx(a, rel=1e-5) and d == pytest.approx(a, rel=1e-5)
+    assert b == a and d == a
     assert abs(c - a) > 2e-3 * a
 
 

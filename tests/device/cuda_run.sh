@@ -67,6 +67,7 @@
 #         "1b:256:1,8"): bench/train.py rows SIZE:CTX:BATCHES, runners LB_RUNNERS, PyTorch LB_TORCH_RUNS.
 # train42c: (after train42) more bench/train.py rows only (LB_BENCH, as train42b).
 # pref58: (carry .device-b after build) issue 58: the preference tests on CUDA0, then bench/preference.py.
+# amx:    (LB_NO_CUDA=1; LB_AMX_STEP=build, then test) the CPU suite on the device's Intel Xeon with AMX_INT8.
 # pack84: (carry .device/llama.cpp.tar.xz, whl, tokenizer.gguf and .device-s; LB_NO_TOOLS=1) issue 84: the build, the
 #         packing tests on CUDA0, bench/pack.py on the random-weight 1B (packed against padded windows).
 # attn84: (after pack84) issue 84: SDPA and llamabind's flash-attention kernels at 8k-64k tokens, 1B/8B/70B head shapes.
@@ -76,7 +77,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: pack84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: amx, pack84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -432,6 +433,30 @@ train42)
     --configs ${LB_PROFILE_135M:-256x8} -ngl 99 --modes ${LB_MODES:-pin,now} --threads 8 --steps 5 --profile-steps 2 \
     --out "$OUT/train-profile-135m.json" 2>&1 | tee "$OUT/train-profile-135m.txt" | tail -40
   echo "kernel tests and profiles in $((SECONDS - t0)) s"
+  ;;
+amx)
+  # (LB_NO_CUDA=1) the CPU test suite on this machine's CPU, an Intel Xeon with AMX_INT8, where ggml-cpu takes its AMX
+  # kernels for the quantized products (CI's AMX hosts; a cold CI of main failed on one on 2026-12-03). Two calls:
+  # LB_AMX_STEP=build (carry .device/llama.cpp.tar.xz, .device/smollm2.part-a, .device/whl, .device-x): a native
+  # CPU-only build (tools off: the tests that need them skip) into build/lb-cpu, SmolLM2's part-a kept in /tmp;
+  # LB_AMX_STEP=test (carry .device-b and .device-x): SmolLM2 joined, the suite less SUITE_EXCLUDES under pytest-xdist
+  # (-n LB_AMX_JOBS, default 14; LB_AMX_FILES, default tests), the reference Python this image's (torch, transformers)
+  export PYTHONPATH=$PWD/build/lb-cpu:/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-x/*.whl 2>/dev/null
+  if [ "${LB_AMX_STEP:-test}" = build ]; then
+    cp .device/smollm2.part-a /tmp/
+    t0=$SECONDS
+    CMAKE_ARGS="-DGGML_CUDA=OFF" LLAMABIND_BUILD_TOOLS=OFF CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -v \
+      --no-build-isolation --no-deps --upgrade --target build/lb-cpu . > "$OUT/build-cpu.log" 2>&1
+    echo "CPU build rc=$? in $((SECONDS - t0)) s"; python3 -m llamabind info | grep -E "system|backends"
+  else
+    join_model
+    t0=$SECONDS
+    CUDA_VISIBLE_DEVICES= LLAMABIND_REFERENCE_PYTHON=python3 timeout ${LB_AMX_TIMEOUT:-560} python3 -m pytest \
+      ${LB_AMX_FILES:-tests} $PYTEST_ARGS -p xdist.plugin -n ${LB_AMX_JOBS:-14} "${SUITE_EXCLUDES[@]}" 2>&1 | tee "$OUT/amx-tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | tail -40
+    echo "AMX suite in $((SECONDS - t0)) s"
+  fi
   ;;
 pack84)
   # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf and .device-s; LB_NO_TOOLS=1) issue 84: the
