@@ -437,14 +437,16 @@ train42)
 amx)
   # (LB_NO_CUDA=1) the CPU test suite on this machine's CPU, an Intel Xeon with AMX_INT8, where ggml-cpu takes its AMX
   # kernels for the quantized products (CI's AMX hosts; a cold CI of main failed on one on 2026-12-03). Two calls:
-  # LB_AMX_STEP=build (carry .device/llama.cpp.tar.xz, .device/smollm2.part-a, .device/whl, .device-x): a native
-  # CPU-only build (tools off: the tests that need them skip) into build/lb-cpu, SmolLM2's part-a kept in /tmp;
-  # LB_AMX_STEP=test (carry .device-b and .device-x): SmolLM2 joined, the suite less SUITE_EXCLUDES under pytest-xdist
+  # the tree and a carry hold 64 MiB: SmolLM2 travels in .device-m1 (its first 45,000,000 bytes) and .device-m2 (the
+  # rest, with pytest-xdist's wheels). LB_AMX_STEP=build (carry .device/llama.cpp.tar.xz, .device/whl, .device-m1): a
+  # native CPU-only build (tools off: the tests that need them skip) into build/lb-cpu, the first part kept in /tmp;
+  # LB_AMX_STEP=test (carry .device-m2): SmolLM2 joined, the suite less SUITE_EXCLUDES under pytest-xdist
   # (-n LB_AMX_JOBS, default 14; LB_AMX_FILES, default tests), the reference Python this image's (torch, transformers)
   export PYTHONPATH=$PWD/build/lb-cpu:/tmp/site
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-x/*.whl 2>/dev/null
+  [ -d .device-m2 ] && cp .device-m2/smollm2.part-b /tmp/ && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --target /tmp/site .device-m2/*.whl
   if [ "${LB_AMX_STEP:-test}" = build ]; then
-    cp .device/smollm2.part-a /tmp/
+    cp .device-m1/smollm2.part-a /tmp/
     t0=$SECONDS
     CMAKE_ARGS="-DGGML_CUDA=OFF" LLAMABIND_BUILD_TOOLS=OFF CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -v \
       --no-build-isolation --no-deps --upgrade --target build/lb-cpu . > "$OUT/build-cpu.log" 2>&1
