@@ -108,6 +108,21 @@ def test_packed_window_trains_as_its_documents_alone(smollm2_f32_cut, docs):
     assert abs(joined[0][0] - unpacked[0][0]) > 2e-3 * unpacked[0][0]
 
 
+def test_packed_micro_batch_of_two_windows(smollm2_f32_cut, docs):
+    """batch_size 2 with pack: the micro-batch's two packed windows (2 and 1 documents) are one KV stream of
+    512 positions, the second window's documents numbered after the first's; the loss before and after an
+    SGD step is the three padded windows' again."""
+    pw, pl, ps, _ = train.packed_windows(docs, 256, pad=0, max_docs=2)
+    assert pw.shape == (2, 257) and sorted(s.max() for s in ps) == [0, 1]
+    uw, ul, _ = train.example_windows(docs, 256, pad=0)
+    out = []
+    for w, lab, seg, kw in [(uw, ul, None, dict(batch_size=3)), (pw, pl, ps, dict(batch_size=2, pack=True))]:
+        with llamabind.Model(smollm2_f32_cut, use_mmap=False, n_threads=2) as m:
+            with train.Trainer(m, optimizer="sgd", lr=2e-3, n_threads=2, **kw) as t:
+                out.append([t.step(w, lab, seg)[0], t.evaluate(w, lab, seg)[0]])
+    assert out[1] == pytest.approx(out[0], rel=REL)
+
+
 def test_packed_steps_reuse_their_batch_only_for_the_same_documents(smollm2_f32_cut, docs):
     """The kept batch and mask (patch 0063) serve a packed window only with the same segments: the same
     window again is kept, with the same loss; the same tokens and labels with other segments are laid out

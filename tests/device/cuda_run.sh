@@ -491,7 +491,8 @@ attn84)
   # issue 84, item 1 (after pack84 or fa56: the build): the attention at long contexts, batch 1, the 1B (32 (8) heads x 64),
   # 8B (32 (8) x 128) and 70B (64 (8) x 128) shapes: PyTorch SDPA's bf16 flash forward and backward (CUDA events) at
   # LB_ATTN_CTX (default 8192 16384 32768 65536), and llamabind's kernels (ops.grad of flash_attn_ext) each timed by
-  # Nsight Compute (gpu__time_duration) up to LB_ATTN_NCU_MAX tokens (default 32768: the F16 mask of 64k is 8 GiB)
+  # Nsight Compute (gpu__time_duration; --clock-control none: at the clocks SDPA runs at, where 2026-12-04's run had
+  # ncu's base clock) up to LB_ATTN_NCU_MAX tokens (default 32768: the F16 mask of 64k is 8 GiB)
   for shape in ${LB_ATTN_SHAPES:-32:8:64 32:8:128 64:8:128}; do
     IFS=: read -r h hk d <<< "$shape"
     for n in ${LB_ATTN_CTX:-8192 16384 32768 65536}; do
@@ -499,7 +500,7 @@ attn84)
       python3 bench/attention_backward.py $args --runners torch --reps 5 --out "$OUT/sdpa-$h-$hk-$d-$n.json" 2>&1 | grep "PyTorch" \
         | tee -a "$OUT/attn84-sdpa.txt"
       [ "$n" -le "${LB_ATTN_NCU_MAX:-32768}" ] || continue
-      ncu -k regex:"fa_|flash" --metrics gpu__time_duration.sum --csv python3 bench/attention_backward.py $args \
+      ncu --clock-control none -k regex:"fa_|flash" --metrics gpu__time_duration.sum --csv python3 bench/attention_backward.py $args \
         --runners llamabind --reps 1 > "$OUT/ncu-$h-$hk-$d-$n.csv" 2>&1
       echo "$h $hk $d $n: $(grep -E '^"[0-9]' "$OUT/ncu-$h-$hk-$d-$n.csv" | awk -F'","' '{print $5"="$NF}' | tr -d '"' | tr '\n' ' ')" \
         | tee -a "$OUT/attn84-ncu.txt"

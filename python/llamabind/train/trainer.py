@@ -198,8 +198,9 @@ class Trainer:
         self, windows: np.ndarray, labels: np.ndarray | None = None, segments: np.ndarray | None = None
     ) -> tuple[float, float, int]:
         """Forward passes only over any number of windows (shapes as :meth:`step`): (mean loss per
-        labelled token, accuracy, labelled tokens), token-weighted; NaN, NaN, 0 for none. A last
-        micro-batch short of windows is filled with copies whose labels are all -1 (not counted)."""
+        labelled token, accuracy, labelled tokens), token-weighted; NaN, NaN, 0 for none; ``segments``
+        with ``pack`` as in :meth:`step`. A last micro-batch short of windows is filled with copies whose
+        labels are all -1 (not counted)."""
         self._check_open()
         w, lab = self._check(windows, labels, None)
         seg = self._segments(segments, w.shape[0])
