@@ -249,6 +249,26 @@ def test_flags_are_spelled_whole(capsys):
         assert e.value.code == 2 and f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err
 
 
+def test_ngl_auto_and_all_as_llama_cpp(capsys):
+    """Issue 86 item 2: ``-ngl`` takes llama.cpp's ``auto`` and ``all`` (and ``--gpu-layers``): for the commands
+    that load a Model every layer (its -1; Model has no memory fit), for ``serve`` llama-server's meanings (auto,
+    -1: the layers that fit, passed as its default None; all: -2); below that an error naming the flag."""
+    from llamabind import cli
+
+    ap = cli.parser()
+    for cmd in (["generate", "x"], ["chat"], ["finetune", "-m", "m", "--data", "d", "-o", "o"], ["eval", "--data", "d"]):
+        for v, want in (("all", -1), ("auto", -1), ("-1", -1), ("0", 0), ("12", 12)):
+            assert ap.parse_args([*cmd, "-ngl", v]).n_gpu_layers == want, (cmd, v)
+        assert ap.parse_args([*cmd, "--gpu-layers", "3"]).n_gpu_layers == 3
+    for v, want in (("auto", None), ("-1", None), ("all", -2), ("-2", -2), ("7", 7)):
+        assert ap.parse_args(["serve", "m.gguf", "-ngl", v]).n_gpu_layers == want
+    assert ap.parse_args(["serve", "m.gguf"]).n_gpu_layers is None
+    for argv in (["generate", "x", "-ngl", "-2"], ["serve", "m.gguf", "-ngl", "-3"], ["chat", "-ngl", "most"]):
+        with pytest.raises(SystemExit) as e:
+            ap.parse_args(argv)
+        assert e.value.code == 2 and "-ngl" in capsys.readouterr().err
+
+
 def test_cli_n_predict_minus_one_and_two_as_llama_cpp(model_path, capsys):
     """Issue 86 item 2: ``-n -1`` (until the end) and ``-n -2`` (until the context is full) mean what they mean in
     llama-cli: here, without context shift, both run to EOS or the full context (256 tokens: the prompt's 4 and 252

@@ -77,6 +77,39 @@ def _threads(text: str) -> int | None:
     return n if n > 0 else None
 
 
+def _ngl_model(text: str) -> int:
+    """``-ngl`` of the commands that load a :class:`~llamabind.Model`: a layer count >= 0, or ``all`` / ``auto`` /
+    -1 for every layer (llama.cpp's ``auto`` fits the layers to the GPU's memory: Model offloads them all, and a
+    model larger than the GPU fails to load naming it)."""
+    if text in ("all", "auto"):
+        return -1
+    n = int(text)
+    if n < -1:
+        raise argparse.ArgumentTypeError(f"must be a layer count >= 0, or all / auto / -1 for every layer; got {n}")
+    return n
+
+
+def _ngl_server(text: str) -> int | None:
+    """``serve -ngl`` as llama-server reads it: a layer count >= 0, ``auto`` (or -1: the layers that fit, the
+    default) or ``all`` (-2: every layer)."""
+    n = {"auto": -1, "all": -2}.get(text)
+    if n is None:
+        n = int(text)
+    if n < -2:
+        raise argparse.ArgumentTypeError(f"must be a layer count >= 0, auto (-1) or all (-2); got {n}")
+    return None if n == -1 else n
+
+
+def add_ngl(p: argparse.ArgumentParser, server: bool = False) -> None:
+    """``-ngl/--n-gpu-layers/--gpu-layers``: layers to offload, with llama.cpp's ``auto`` and ``all``."""
+    p.add_argument(
+        "--n-gpu-layers", "-ngl", "--gpu-layers", dest="n_gpu_layers", type=_ngl_server if server else _ngl_model,
+        default=None if server else -1, metavar="N|auto|all",
+        help="layers to offload: a count, auto (the layers that fit, default) or all" if server
+        else "layers to offload: a count, or all (default; auto and -1 too)",
+    )  # fmt: skip
+
+
 def add_threads(p: argparse.ArgumentParser) -> None:
     """``-t/--threads``: CPU threads (0 or -1: all the cores, as llama.cpp)."""
     p.add_argument(

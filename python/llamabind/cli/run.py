@@ -10,7 +10,9 @@ import sys
 from .. import models
 from ..generation import Stream
 from ..projector import MEDIA_MARKER
-from .common import HelpFormatter, add_ctx_size, add_hf, add_image_tokens, add_lora, add_model, add_threads, lora_specs
+from .common import (
+    HelpFormatter, add_ctx_size, add_hf, add_image_tokens, add_lora, add_model, add_ngl, add_threads, lora_specs,
+)  # fmt: skip
 
 DEFAULT_PROMPT = "The three most useful things to know about the Python programming language are"
 
@@ -324,7 +326,7 @@ def _model_and_sampling(p, max_tokens: int) -> None:
         metavar="HOST:PORT",
         help="also use the devices of this RPC server (repeatable; see rpc-server)",
     )
-    p.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
+    add_ngl(p)
     p.add_argument(
         "--split-mode",
         "-sm",

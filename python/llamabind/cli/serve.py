@@ -6,7 +6,7 @@ import sys
 
 from .. import models
 from ..context import KV_CACHE_TYPES
-from .common import HelpFormatter, add_ctx_size, add_hf, add_image_tokens, add_lora, add_threads, lora_specs
+from .common import HelpFormatter, add_ctx_size, add_hf, add_image_tokens, add_lora, add_ngl, add_threads, lora_specs
 
 
 def _serve(args) -> int:
@@ -85,7 +85,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or X-Api-Key)")
     s.add_argument("--embedding", action="store_true", help="serve /v1/embeddings (an embedding model)")
     s.add_argument("--pooling", choices=["mean", "cls", "last", "rank"], default=None, help="embedding pooling")
-    s.add_argument("--n-gpu-layers", "-ngl", type=int, default=None, help="layers to offload (default: all that fit)")
+    add_ngl(s, server=True)
     add_threads(s)
     s.add_argument("--batch-size", "-b", type=int, default=None, help="logical batch size (n_batch)")
     s.add_argument("--ubatch-size", "-ub", type=int, default=None, help="physical batch size (n_ubatch)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from .. import models
-from .common import HelpFormatter, add_ctx_size, add_hf, add_lora, add_model, add_threads, lora_specs
+from .common import HelpFormatter, add_ctx_size, add_hf, add_lora, add_model, add_ngl, add_threads, lora_specs
 
 DATASET_ID = r"[\w.-]+/[\w.-]+(:[\w.-]+)?"  # a Hub dataset id, org/name[:split]
 
@@ -329,7 +329,7 @@ def _finetune_parser(sub) -> None:
         "there 1.0 by default; default here: no clipping)",
     )
     add_threads(f)
-    f.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
+    add_ngl(f)
     f.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
     f.add_argument("--save-every", type=int, default=None, help="write a checkpoint every N steps (and at the end)")
     f.add_argument(
@@ -361,7 +361,7 @@ def _eval_and_fuse_parsers(sub) -> None:
     ev.add_argument("--train-on-prompt", action="store_true", help="count every token, not only the answers")
     ev.add_argument("--chat-template-file", default=None, help="jinja chat template instead of the GGUF's")
     add_threads(ev)
-    ev.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers to offload (-1: all)")
+    add_ngl(ev)
     ev.set_defaults(fn=_eval)
     fu = sub.add_parser(
         "fuse",
