@@ -256,7 +256,12 @@ def test_ngl_auto_and_all_as_llama_cpp(capsys):
     from llamabind import cli
 
     ap = cli.parser()
-    for cmd in (["generate", "x"], ["chat"], ["finetune", "-m", "m", "--data", "d", "-o", "o"], ["eval", "--data", "d"]):
+    for cmd in (
+        ["generate", "x"],
+        ["chat"],
+        ["finetune", "-m", "m", "--data", "d", "-o", "o"],
+        ["eval", "--data", "d"],
+    ):
         for v, want in (("all", -1), ("auto", -1), ("-1", -1), ("0", 0), ("12", 12)):
             assert ap.parse_args([*cmd, "-ngl", v]).n_gpu_layers == want, (cmd, v)
         assert ap.parse_args([*cmd, "--gpu-layers", "3"]).n_gpu_layers == 3

@@ -11,7 +11,15 @@ from .. import models
 from ..generation import Stream
 from ..projector import MEDIA_MARKER
 from .common import (
-    HelpFormatter, add_ctx_size, add_hf, add_image_tokens, add_lora, add_model, add_ngl, add_threads, lora_specs,
+    HelpFormatter,
+    add_ctx_size,
+    add_hf,
+    add_image_tokens,
+    add_lora,
+    add_model,
+    add_ngl,
+    add_threads,
+    lora_specs,
 )  # fmt: skip
 
 DEFAULT_PROMPT = "The three most useful things to know about the Python programming language are"
