@@ -274,6 +274,45 @@ def test_ngl_auto_and_all_as_llama_cpp(capsys):
         assert e.value.code == 2 and "-ngl" in capsys.readouterr().err
 
 
+def test_llama_cpp_prompt_and_finetune_spellings(model_path, tmp_path, capsys):
+    """Issue 86 item 2: generate takes llama-cli's ``--prompt`` and ``-f/--file`` (the same greedy text as the
+    prompt given as the argument; two of them: an error line; ``-p`` stays rpc-server's port, one meaning a flag),
+    ``--predict`` as ``-n``; finetune takes
+    llama-finetune's ``-lr/--learning-rate``, ``-wd``, ``-epochs``, ``-opt`` and ``-val-split``."""
+    from llamabind import cli
+
+    base = ["generate", "--model", str(model_path), "-c", "256", "-t", "2", "--temp", "0", "--predict", "8"]
+    (tmp_path / "p.txt").write_text("Once upon a time", encoding="utf-8")
+    outs = []
+    for form in (["Once upon a time"], ["--prompt", "Once upon a time"], ["-f", str(tmp_path / "p.txt")]):
+        assert cli.main([*base, *form]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] and outs[1] == outs[2] == outs[0], outs
+    assert cli.main([*base, "Once", "--prompt", "upon"]) == 2
+    assert "give the prompt once" in capsys.readouterr().err
+    f = cli.parser().parse_args(
+        [
+            "finetune",
+            "--data",
+            "d",
+            "-o",
+            "o",
+            "-lr",
+            "3e-4",
+            "-wd",
+            "0.1",
+            "-epochs",
+            "3",
+            "-opt",
+            "sgd",
+            "-val-split",
+            "0.2",
+        ]
+    )
+    assert (f.lr, f.weight_decay, f.epochs, f.optimizer, f.val_split) == (3e-4, 0.1, 3, "sgd", 0.2)
+    assert cli.parser().parse_args(["finetune", "--data", "d", "-o", "o", "--learning-rate", "2e-5"]).lr == 2e-5
+
+
 def test_cli_n_predict_minus_one_and_two_as_llama_cpp(model_path, capsys):
     """Issue 86 item 2: ``-n -1`` (until the end) and ``-n -2`` (until the context is full) mean what they mean in
     llama-cli: here, without context shift, both run to EOS or the full context (256 tokens: the prompt's 4 and 252

@@ -109,10 +109,23 @@ def _busy_note(n_threads: int | None) -> str:
     return f" | note: other work keeps {busy:.1f} of {cores} cores busy: -t {fewer} may be faster"
 
 
+def _prompt_of(args) -> str | None:
+    """The prompt: the positional one, ``--prompt`` or ``-f/--file``'s text (llama-cli's), one of them at most;
+    ValueError for two, OSError for a file that cannot be read."""
+    given = [x for x in (args.prompt, args.prompt_opt) if x is not None]
+    if args.file is not None:
+        with open(args.file, encoding="utf-8") as f:
+            given.append(f.read())
+    if len(given) > 1:
+        raise ValueError("give the prompt once: as the argument, --prompt or -f/--file")
+    return given[0] if given else None
+
+
 def _generate(args) -> int:
     from ..api import Model
 
-    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    given = _prompt_of(args)
+    prompt = given if given is not None else DEFAULT_PROMPT
     media = [*(args.image or []), *(args.audio or [])]
     note = _busy_note(args.threads)  # before our own threads run
     with Model(args.model, **_model_kwargs(args)) as m:
@@ -121,7 +134,7 @@ def _generate(args) -> int:
         stream = m.generate(prompt, media=media or None, **_generation_kwargs(args))
         assert isinstance(stream, Stream)
         out = sys.stdout
-        if args.prompt is None or args.echo:
+        if given is None or args.echo:
             out.write(prompt)
         try:
             for piece in stream:
@@ -316,7 +329,7 @@ def _model_and_sampling(p, max_tokens: int) -> None:
     add_model(p)
     add_hf(p, mmproj=True)
     p.add_argument(
-        "--n-predict", "-n", "--max-tokens", dest="max_tokens", type=int, default=max_tokens,
+        "--n-predict", "-n", "--predict", "--max-tokens", dest="max_tokens", type=int, default=max_tokens,
         help="tokens to generate at most; -1: until the end of the text, -2: until the context is full (llama.cpp's)",
     )  # fmt: skip
     p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.8, help="0: greedy")
@@ -367,6 +380,9 @@ def add_parsers(sub) -> None:
     """The generate, chat and info subcommands."""
     g = sub.add_parser("generate", help="stream a continuation of PROMPT", formatter_class=HelpFormatter)
     g.add_argument("prompt", nargs="?", help="the prompt (default: a short example prompt)")
+    # not -p: rpc-server's port (as llama.cpp's rpc-server), and a flag means one thing in every subcommand
+    g.add_argument("--prompt", dest="prompt_opt", default=None, metavar="TEXT", help="the prompt (llama-cli's)")
+    g.add_argument("--file", "-f", default=None, metavar="FILE", help="read the prompt from this file (llama-cli's -f)")
     _model_and_sampling(g, 128)
     g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     g.set_defaults(fn=_generate)

@@ -272,9 +272,11 @@ def _finetune_parser(sub) -> None:
     f.add_argument(
         "--lora-targets", default="attn_q,attn_v", help="comma-separated matrices (attn_q,attn_k,attn_v,...)"
     )
-    f.add_argument("--epochs", type=int, default=1, help="passes over the training windows")
+    f.add_argument("--epochs", "-epochs", type=int, default=1, help="passes over the training windows")
     f.add_argument("--iters", type=int, default=None, help="optimizer steps in all (instead of --epochs)")
-    f.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
+    f.add_argument(
+        "--lr", "-lr", "--learning-rate", dest="lr", type=float, default=1e-5, help="learning rate (default 1e-5)"
+    )
     f.add_argument(
         "--lr-schedule", choices=["constant", "cosine", "linear"], default="constant", help="the learning rate's decay"
     )
@@ -283,10 +285,12 @@ def _finetune_parser(sub) -> None:
     f.add_argument("--steps-per-eval", type=int, default=None, help="validate every N steps too")
     f.add_argument("--steps-per-report", type=int, default=None, help="print loss, lr, tokens/s, ETA every N steps")
     f.add_argument("--log", default=None, help="JSONL file: one line per step and per validation")
-    f.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="ggml-opt's optimizer")
-    f.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay, in [0, 1]")
+    f.add_argument("--optimizer", "-opt", choices=["adamw", "sgd"], default="adamw", help="ggml-opt's optimizer")
+    f.add_argument("--weight-decay", "-wd", type=float, default=0.0, help="decoupled weight decay, in [0, 1]")
     add_ctx_size(f, 256, "tokens per window, a multiple of 256")
-    f.add_argument("--val-split", type=float, default=0.1, help="fraction of windows held out (default 0.1)")
+    f.add_argument(
+        "--val-split", "-val-split", type=float, default=0.1, help="fraction of windows held out (default 0.1)"
+    )
     f.add_argument("--batch", type=int, default=1, help="windows per optimizer step, run as one graph")
     f.add_argument(
         "--grad-accum", type=int, default=1, help="micro-batches per step (gradient accumulation; divides --batch)"
