@@ -313,6 +313,27 @@ def test_llama_cpp_prompt_and_finetune_spellings(model_path, tmp_path, capsys):
     assert cli.parser().parse_args(["finetune", "--data", "d", "-o", "o", "--learning-rate", "2e-5"]).lr == 2e-5
 
 
+def test_lora_and_rpc_take_comma_lists_as_llama_cpp():
+    """Issue 86 item 2: ``--lora a.gguf,b.gguf`` and ``--rpc h1:1,h2:2`` are lists, as llama.cpp's, and repeat as
+    before; with ``--lora-scaled FILE SCALE`` (two arguments, where llama.cpp takes FILE:SCALE) in order."""
+    from llamabind import cli
+    from llamabind.cli.common import lora_specs
+
+    ap = cli.parser()
+    a = ap.parse_args(
+        ["generate", "x", "--lora", "a.gguf,b.gguf", "--lora", "c.gguf", "--lora-scaled", "d.gguf", "0.5"]
+    )
+    assert lora_specs(a) == [("a.gguf", 1.0), ("b.gguf", 1.0), ("c.gguf", 1.0), ("d.gguf", 0.5)]
+    assert ap.parse_args(["chat", "--rpc", "h1:50052,h2:50052", "--rpc", "h3:1"]).rpc == [
+        "h1:50052",
+        "h2:50052",
+        "h3:1",
+    ]
+    assert ap.parse_args(["serve", "m.gguf", "--rpc", "h:1,"]).rpc == ["h:1"]
+    assert ap.parse_args(["eval", "--data", "d", "--lora", "x.gguf"]).lora == ["x.gguf"]
+    assert ap.parse_args(["generate", "x"]).rpc is None
+
+
 def test_cli_n_predict_minus_one_and_two_as_llama_cpp(model_path, capsys):
     """Issue 86 item 2: ``-n -1`` (until the end) and ``-n -2`` (until the context is full) mean what they mean in
     llama-cli: here, without context shift, both run to EOS or the full context (256 tokens: the prompt's 4 and 252

@@ -117,10 +117,23 @@ def add_threads(p: argparse.ArgumentParser) -> None:
     )
 
 
+class CommaList(argparse.Action):
+    """A repeatable flag whose values may each be a comma-separated list (llama.cpp's ``--lora a,b`` and
+    ``--rpc h1:p1,h2:p2``): all of them, in order, in one list."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        items = [v.strip() for v in str(values).split(",") if v.strip()]
+        if not items:
+            raise argparse.ArgumentError(self, "needs a value")
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *items])
+
+
 def add_lora(p: argparse.ArgumentParser) -> None:
     """``--lora FILE`` (repeatable, scale 1) and ``--lora-scaled FILE SCALE`` (repeatable): LoRA adapters
     applied to the model (llama.cpp's flags)."""
-    p.add_argument("--lora", action="append", default=None, metavar="FILE", help="apply this LoRA adapter (repeatable)")
+    p.add_argument(
+        "--lora", action=CommaList, default=None, metavar="FILE", help="apply this LoRA adapter (repeatable, or a,b)"
+    )
     p.add_argument(
         "--lora-scaled",
         action="append",

@@ -11,6 +11,7 @@ from .. import models
 from ..generation import Stream
 from ..projector import MEDIA_MARKER
 from .common import (
+    CommaList,
     HelpFormatter,
     add_ctx_size,
     add_hf,
@@ -342,7 +343,7 @@ def _model_and_sampling(p, max_tokens: int) -> None:
     add_lora(p)
     p.add_argument(
         "--rpc",
-        action="append",
+        action=CommaList,
         default=None,
         metavar="HOST:PORT",
         help="also use the devices of this RPC server (repeatable; see rpc-server)",

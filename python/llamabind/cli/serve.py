@@ -6,7 +6,17 @@ import sys
 
 from .. import models
 from ..context import KV_CACHE_TYPES
-from .common import HelpFormatter, add_ctx_size, add_hf, add_image_tokens, add_lora, add_ngl, add_threads, lora_specs
+from .common import (
+    CommaList,
+    HelpFormatter,
+    add_ctx_size,
+    add_hf,
+    add_image_tokens,
+    add_lora,
+    add_ngl,
+    add_threads,
+    lora_specs,
+)  # fmt: skip
 
 
 def _serve(args) -> int:
@@ -90,7 +100,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--batch-size", "-b", type=int, default=None, help="logical batch size (n_batch)")
     s.add_argument("--ubatch-size", "-ub", type=int, default=None, help="physical batch size (n_ubatch)")
     s.add_argument(
-        "--rpc", action="append", default=None, metavar="HOST:PORT", help="also use this RPC server's devices"
+        "--rpc", action=CommaList, default=None, metavar="HOST:PORT", help="also use this RPC server's devices (or a,b)"
     )
     s.add_argument("--alias", default=None, help="the model id clients send (default: the model's name)")
     s.add_argument("--chat-template-file", default=None, help="a jinja chat template replacing the model's")
