@@ -237,6 +237,28 @@ def add_parsers(sub) -> None:
     _eval_and_fuse_parsers(sub)
 
 
+def _add_memory_and_step_options(f) -> None:
+    """finetune's --gradient-checkpointing, --pack and --max-grad-norm: how a step spends memory and compute."""
+    f.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each layer's activations in the backward pass: less memory, one more forward pass",
+    )
+    f.add_argument(
+        "--pack",
+        action="store_true",
+        help="pack several examples (JSONL rows) into each window, each attending only to itself with its positions "
+        "from 0 (sequence packing, TRL's padding_free): no compute spent on padding",
+    )
+    f.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=None,
+        help="clip the gradients to this global L2 norm before each step (transformers' and TRL's max_grad_norm, "
+        "there 1.0 by default; default here: no clipping)",
+    )
+
+
 def _finetune_parser(sub) -> None:
     f = sub.add_parser(
         "finetune",
@@ -314,24 +336,7 @@ def _finetune_parser(sub) -> None:
         help="flash attention in training, with its backward pass: auto (on when the model runs on a GPU), on, "
         "off (default: auto)",
     )
-    f.add_argument(
-        "--gradient-checkpointing",
-        action="store_true",
-        help="recompute each layer's activations in the backward pass: less memory, one more forward pass",
-    )
-    f.add_argument(
-        "--pack",
-        action="store_true",
-        help="pack several examples (JSONL rows) into each window, each attending only to itself with its positions "
-        "from 0 (sequence packing, TRL's padding_free): no compute spent on padding",
-    )
-    f.add_argument(
-        "--max-grad-norm",
-        type=float,
-        default=None,
-        help="clip the gradients to this global L2 norm before each step (transformers' and TRL's max_grad_norm, "
-        "there 1.0 by default; default here: no clipping)",
-    )
+    _add_memory_and_step_options(f)
     add_threads(f)
     add_ngl(f)
     f.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
