@@ -274,6 +274,17 @@ class Trainer:
             seg.shape == (rows, self.ctx_size), f"segments must have the shape {(rows, self.ctx_size)}; got {seg.shape}"
         )
         expect(not seg.size or (seg.min() >= 0 and seg.max() < MAX_DOCS), "segments: document indices are in [0, 256)")
+        if not seg.size:
+            return np.ascontiguousarray(seg, dtype=np.int32)
+        # checked before any micro-batch runs (opt_step checks again): a refused one would leave a step half-done
+        steps = np.diff(seg, axis=1)
+        expect(
+            (seg[:, 0] == 0).all() and ((steps == 0) | (steps == 1)).all(),
+            "segments must count each window's documents from 0 in steps of 1",
+        )
+        per_micro = np.add.reduceat(seg[:, -1].astype(np.int64) + 1, np.arange(0, rows, self.micro_batch))
+        if (per_micro > MAX_DOCS).any():
+            raise ValueError(f"a micro-batch holds at most {MAX_DOCS} documents; got {per_micro.max()}")
         return np.ascontiguousarray(seg, dtype=np.int32)
 
     def _check(self, windows, labels, rows: int | None) -> tuple[np.ndarray, np.ndarray | None]:
