@@ -69,3 +69,32 @@ print(json.dumps({{"n": len(ids), "amx": "AMX_INT8 = 1" in info,
     out = json.loads(r.stdout.strip().splitlines()[-1])
     print(f"\nAMX on this CPU: {out['amx']}; {out['n']} prompt tokens; NMSE batch vs one at a time {out['nmse']:.2e}")
     assert out["n"] >= 24 and out["nmse"] < 1e-6
+
+
+def test_a_buffer_over_the_memory_limit_is_an_error_not_a_kill(model_path):
+    """patches/0097: a host buffer larger than the RAM and swap the process may use (or its cgroup's limit)
+    fails in ggml_aligned_malloc. Before, posix_memalign refused it only where the kernel's overcommit is
+    heuristic and the machine the process's own (this 24 GiB VM); where it overcommits always (the GPU
+    machine's 128 GiB VM: patch 0053's test was killed there after minutes) or in a cgroup-limited container
+    it succeeded and the OOM killer ended the process with SIGKILL at the first touch. A context of 2^24
+    tokens (llama.cpp's largest n_ctx) with an F32 KV cache asks for ~770 GB for SmolLM2 (30 layers x 2 x
+    192 values a token), more than these machines may use: an exception, ggml's log giving both sizes, the
+    model usable after it. In a subprocess (a kill must not take the suite)."""
+    from conftest import run_python
+
+    code = f"""
+import logging, llamabind
+logging.basicConfig(level=logging.ERROR)
+with llamabind.Model({str(model_path)!r}, n_ctx=256, n_threads=2, n_gpu_layers=0) as m:
+    try:
+        m.context(n_ctx=1 << 24, type_k="f32", type_v="f32")
+        print("no error")
+    except (llamabind.LlamaError, ValueError, MemoryError) as err:
+        print("error:", type(err).__name__, err)
+    print("after:", len(m.generate("The capital of France is", max_tokens=2, temperature=0).tokens))
+"""
+    r = run_python(code, timeout=300)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-3000:]}"
+    assert "error:" in r.stdout and "after: 2" in r.stdout, r.stdout[-2000:]
+    # the message of this patch (posix_memalign's own failure says "insufficient memory" without the limit)
+    assert "of RAM and swap this process may use" in r.stderr, r.stderr[-3000:]

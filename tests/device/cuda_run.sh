@@ -437,13 +437,15 @@ train42)
 amx)
   # (LB_NO_CUDA=1) the CPU test suite on this machine's CPU, an Intel Xeon with AMX_INT8, where ggml-cpu takes its AMX
   # kernels for the quantized products (CI's AMX hosts; a cold CI of main failed on one on 2026-12-03). Two calls:
-  # the tree and a carry hold 64 MiB: SmolLM2 travels in .device-m1 (its first 45,000,000 bytes) and .device-m2 (the
-  # rest, with pytest-xdist's wheels). LB_AMX_STEP=build (carry .device/llama.cpp.tar.xz, .device/whl, .device-m1): a
-  # native CPU-only build (tools off: the tests that need them skip) into build/lb-cpu, the first part kept in /tmp;
-  # LB_AMX_STEP=test (carry .device-m2): SmolLM2 joined, the suite less SUITE_EXCLUDES in LB_AMX_JOBS (default 8) shards
-  # of the test files (round robin), each a pytest on two cores of its own (taskset: CI's 2-core machine; pytest-xdist
-  # over all 16 cores ran every test's threads on every core and took past 540 s, 2026-12-04), each printing its
-  # failures (-rfE) when it ends, within LB_AMX_TIMEOUT s; the reference Python is this image's (torch, transformers)
+  # the tree and a carry hold 64 MiB: SmolLM2 travels in .device-m1 (its first 50,000,000 bytes) and .device-m2 (the
+  # rest, with the wheels the image lacks for the server tests: openai, uvicorn, starlette, pydantic and theirs).
+  # LB_AMX_STEP=build (carry .device/llama.cpp.tar.xz, .device/whl, .device-m1): a native CPU-only build (tools off: the
+  # tests that need them skip) into build/lb-cpu, the first part kept in /tmp; LB_AMX_STEP=test (carry .device-m2):
+  # SmolLM2 joined, the suite less SUITE_EXCLUDES (or LB_AMX_FILES) in LB_AMX_JOBS (default 8) shards of the test
+  # files (round robin), each a pytest on two cores of its own (taskset: CI's 2-core machine; pytest-xdist over all 16
+  # cores ran every test's threads on every core and took past 540 s, 2026-12-04), a file that fails to collect not
+  # stopping its shard, each printing its failures (-rfE) when it ends or when LB_AMX_TIMEOUT s interrupt it (SIGINT:
+  # pytest still prints its summary); the reference Python is this image's (torch, transformers)
   export PYTHONPATH=$PWD/build/lb-cpu:/tmp/site
   [ -d .device-m2 ] && cp .device-m2/smollm2.part-b /tmp/ && python3 -m pip install -q --no-index --no-deps --no-compile \
     --target /tmp/site .device-m2/*.whl
@@ -465,8 +467,9 @@ amx)
       echo $f >> /tmp/amx-shard$((i % n)); i=$((i + 1))
     done
     for k in $(seq 0 $((n - 1))); do
-      CUDA_VISIBLE_DEVICES= LLAMABIND_REFERENCE_PYTHON=python3 taskset -c $((2 * k)),$((2 * k + 1)) timeout ${LB_AMX_TIMEOUT:-540} \
-        python3 -m pytest $(cat /tmp/amx-shard$k) $PYTEST_ARGS -rfE -o faulthandler_timeout=400 "${AMX_EXCLUDES[@]}" \
+      CUDA_VISIBLE_DEVICES= LLAMABIND_REFERENCE_PYTHON=python3 taskset -c $((2 * k)),$((2 * k + 1)) \
+        timeout -s INT -k 15 ${LB_AMX_TIMEOUT:-540} python3 -m pytest $(cat /tmp/amx-shard$k) $PYTEST_ARGS -rfE \
+        --continue-on-collection-errors -o faulthandler_timeout=400 "${AMX_EXCLUDES[@]}" \
         > "$OUT/amx-shard$k.log" 2>&1 &
     done
     wait
