@@ -315,15 +315,22 @@ def test_llama_cpp_prompt_and_finetune_spellings(model_path, tmp_path, capsys):
 
 def test_lora_and_rpc_take_comma_lists_as_llama_cpp():
     """Issue 86 item 2: ``--lora a.gguf,b.gguf`` and ``--rpc h1:1,h2:2`` are lists, as llama.cpp's, and repeat as
-    before; with ``--lora-scaled FILE SCALE`` (two arguments, where llama.cpp takes FILE:SCALE) in order."""
+    before; ``--lora-scaled FILE:SCALE`` too, as llama.cpp's (a comma list, repeatable; the scale after the last
+    colon), and the old two-argument spelling an error naming the format."""
     from llamabind import cli
     from llamabind.cli.common import lora_specs
 
     ap = cli.parser()
     a = ap.parse_args(
-        ["generate", "x", "--lora", "a.gguf,b.gguf", "--lora", "c.gguf", "--lora-scaled", "d.gguf", "0.5"]
-    )
-    assert lora_specs(a) == [("a.gguf", 1.0), ("b.gguf", 1.0), ("c.gguf", 1.0), ("d.gguf", 0.5)]
+        ["generate", "x", "--lora", "a.gguf,b.gguf", "--lora", "c.gguf", "--lora-scaled", "d.gguf:0.5,C:\\e.gguf:2",
+         "--lora-scaled", "f.gguf:-1"]
+    )  # fmt: skip
+    assert lora_specs(a) == [
+        ("a.gguf", 1.0), ("b.gguf", 1.0), ("c.gguf", 1.0), ("d.gguf", 0.5), ("C:\\e.gguf", 2.0), ("f.gguf", -1.0)
+    ]  # fmt: skip
+    for bad in (["d.gguf", "0.5"], ["d.gguf:x"], [":0.5"], [","]):
+        with pytest.raises(SystemExit):
+            ap.parse_args(["generate", "x", "--lora-scaled", *bad])
     assert ap.parse_args(["chat", "--rpc", "h1:50052,h2:50052", "--rpc", "h3:1"]).rpc == [
         "h1:50052",
         "h2:50052",
@@ -347,3 +354,40 @@ def test_cli_n_predict_minus_one_and_two_as_llama_cpp(model_path, capsys):
         assert "finish: length" in last and "prompt: 4 tokens" in last and "generated: 253 tokens" in last, last
     assert cli.main([*base, "-n", "-3"]) == 2
     assert "-n/--n-predict must be >= 0, -1 (until the end) or -2" in capsys.readouterr().err
+
+
+def test_flash_attn_and_batch_flags_as_llama_cpp(model_path, capsys):
+    """Issue 86 item 2: generate and chat take llama-cli's ``-fa on|off|auto`` (and its truthy/falsy/auto
+    spellings: 1/0/-1, enabled/disabled, true/false) and ``-b/-ub``, passed to the Model (its n_batch, n_ubatch,
+    flash_attn, read back from Model.context_params); serve's -fa reads the same; a bad value is an error naming
+    the flag."""
+    from llamabind import cli
+    from llamabind.cli import run
+
+    ap = cli.parser()
+    for text, want in (("on", "on"), ("1", "on"), ("enabled", "on"), ("off", "off"), ("false", "off"), ("-1", "auto")):
+        assert ap.parse_args(["chat", "-fa", text]).flash_attn == want, text
+        assert ap.parse_args(["serve", "m.gguf", "--flash-attn", text]).flash_attn == want, text
+    a = ap.parse_args(["generate", "x"])
+    assert (a.flash_attn, a.batch_size, a.ubatch_size) == ("auto", 2048, 512)  # llama.cpp's defaults
+    with pytest.raises(SystemExit):
+        ap.parse_args(["generate", "x", "-fa", "maybe"])
+    assert "-fa" in capsys.readouterr().err
+    a = ap.parse_args(["generate", "x", "-m", str(model_path), "-fa", "off", "-b", "256", "-ub", "128", "-c", "512"])
+    with llamabind.Model(**run._model_kwargs(a), path=a.model) as m:
+        p = m.context_params
+    assert (p["flash_attn"], p["n_batch"], p["n_ubatch"]) == ("off", 256, 128), p
+
+
+def test_an_unknown_flag_prints_its_subcommands_usage():
+    """Issue 86 item 2: an unknown flag is an error with the subcommand's usage (argparse's top-level usage named
+    none of its flags), and llama-server's sampling defaults given to serve (``serve --temp 0``) say where sampling
+    goes instead; the ``0`` after --temp is not taken for the model (nothing is loaded: exit 2 at once)."""
+    for argv, words in (
+        (["generate", "--foo", "x"], ["usage: python -m llamabind generate", "unrecognized arguments: --foo"]),
+        (["serve", "--temp", "0"], ["usage: python -m llamabind serve", "--temp: serve samples per request"]),
+        (["finetune", "--data", "d", "-o", "o", "--bogus=1"], ["python -m llamabind finetune: error", "--bogus=1"]),
+    ):
+        r = subprocess.run([sys.executable, "-m", "llamabind", *argv], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and all(w in r.stderr for w in words), (argv, r.stderr)
+        assert "Traceback" not in r.stderr and "no such" not in r.stderr, r.stderr

@@ -24,13 +24,34 @@ def main(argv=None) -> int:
     if not argv:  # a bare `python -m llamabind`: what there is to run
         ap.print_help()
         return 0
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    if extra:  # the subcommand's usage (argparse's top-level one names no flag of it), and a hint where one helps
+        _SUBPARSERS[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}{_hint(args.cmd, extra)}")
     try:
         common.resolve_hf(args)
         return args.fn(args)
     except (ValueError, TypeError, OSError, ImportError) as e:  # FileNotFoundError, ConnectionError too
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+# llama-server's default-sampling flags: serve takes sampling per request (OpenAI's fields), as llamabind's server
+# has no server-wide sampling defaults
+_SAMPLING_FLAGS = {"--temp", "--top-k", "--top-p", "--min-p", "--seed", "-s", "-n", "--n-predict", "--predict"}
+
+
+def _hint(cmd: str, extra: list[str]) -> str:
+    """A sentence after argparse's error for the flags users bring from llama.cpp."""
+    flags = sorted({e.split("=", 1)[0] for e in extra if e.split("=", 1)[0] in _SAMPLING_FLAGS})
+    if cmd == "serve" and flags:
+        return (
+            f" ({', '.join(flags)}: serve samples per request: send temperature, top_p, seed, max_tokens ... in "
+            "each request's body; llama-server's server-wide defaults are not taken)"
+        )
+    return ""
+
+
+_SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
 def version() -> str:
@@ -74,4 +95,5 @@ def parser() -> argparse.ArgumentParser:
     serve.add_parsers(sub)
     convert.add_parsers(sub)
     sub.add_parser("rpc-server", help="serve this host's devices over ggml RPC (see rpc-server --help)")
+    _SUBPARSERS.update(sub.choices)
     return ap

@@ -1,5 +1,5 @@
 """What several commands share, in llama.cpp's spellings: the model (-m, -hf), -c/--ctx-size, -t/--threads,
---lora/--lora-scaled."""
+--lora/--lora-scaled, -fa/--flash-attn."""
 
 from __future__ import annotations
 
@@ -128,28 +128,60 @@ class CommaList(argparse.Action):
         setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *items])
 
 
+class LoraScaled(argparse.Action):
+    """``--lora-scaled FILE:SCALE[,FILE:SCALE...]`` as llama.cpp's (repeatable): [(path, scale)] in order. The
+    scale follows the last colon (a Windows path keeps its drive's); an item without one is an error naming the
+    format (``FILE SCALE``, two arguments, was llamabind's spelling until 2026-12-04)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        out = list(getattr(namespace, self.dest, None) or [])
+        for item in (v.strip() for v in str(values).split(",")):
+            if not item:
+                continue
+            path, _, scale = item.rpartition(":")
+            try:
+                out.append((path, float(scale)))
+            except ValueError:
+                msg = f"{item!r}: the format is FILE:SCALE (llama.cpp's), e.g. a.gguf:0.5"
+                raise argparse.ArgumentError(self, msg) from None
+            if not path:
+                raise argparse.ArgumentError(self, f"{item!r}: no file before the colon (FILE:SCALE)")
+        if not out:
+            raise argparse.ArgumentError(self, "needs FILE:SCALE")
+        setattr(namespace, self.dest, out)
+
+
 def add_lora(p: argparse.ArgumentParser) -> None:
-    """``--lora FILE`` (repeatable, scale 1) and ``--lora-scaled FILE SCALE`` (repeatable): LoRA adapters
-    applied to the model (llama.cpp's flags)."""
+    """``--lora FILE`` (repeatable or a comma list, scale 1) and ``--lora-scaled FILE:SCALE`` (repeatable or a comma
+    list): LoRA adapters applied to the model (llama.cpp's flags)."""
     p.add_argument(
         "--lora", action=CommaList, default=None, metavar="FILE", help="apply this LoRA adapter (repeatable, or a,b)"
     )
     p.add_argument(
-        "--lora-scaled",
-        action="append",
-        nargs=2,
-        default=None,
-        metavar=("FILE", "SCALE"),
-        help="apply this LoRA adapter at SCALE (repeatable)",
-    )
+        "--lora-scaled", action=LoraScaled, default=None, metavar="FILE:SCALE",
+        help="apply this LoRA adapter at SCALE (repeatable, or a.gguf:0.5,b.gguf:2)",
+    )  # fmt: skip
 
 
 def lora_specs(args: argparse.Namespace) -> list[tuple[str, float]]:
-    """[(path, scale)] of --lora and --lora-scaled; ValueError for a scale that is no number."""
-    out = [(f, 1.0) for f in getattr(args, "lora", None) or []]
-    for f, scale in getattr(args, "lora_scaled", None) or []:
-        try:
-            out.append((f, float(scale)))
-        except ValueError:
-            raise ValueError(f"--lora-scaled {f} {scale}: SCALE must be a number") from None
-    return out
+    """[(path, scale)] of --lora (scale 1) then --lora-scaled, each in its command line order."""
+    return [(f, 1.0) for f in getattr(args, "lora", None) or []] + list(getattr(args, "lora_scaled", None) or [])
+
+
+def add_flash_attn(p: argparse.ArgumentParser, default: str | None) -> None:
+    """``-fa/--flash-attn on|off|auto`` (llama.cpp's values; on/off also as its truthy/falsy spellings)."""
+    p.add_argument(
+        "--flash-attn", "-fa", type=_on_off_auto, default=default, metavar="on|off|auto",
+        help="flash attention (default: auto, on where the backend supports it)",
+    )  # fmt: skip
+
+
+def _on_off_auto(text: str) -> str:
+    """llama.cpp's is_truthy / is_falsey / is_autoy: on|enabled|true|1, off|disabled|false|0, auto|-1."""
+    v = text.strip().lower()
+    for name, spellings in (("on", ("on", "enabled", "true", "1")), ("off", ("off", "disabled", "false", "0"))):
+        if v in spellings:
+            return name
+    if v in ("auto", "-1"):
+        return "auto"
+    raise argparse.ArgumentTypeError(f"must be on, off or auto; got {text!r}")

@@ -14,6 +14,7 @@ from .common import (
     CommaList,
     HelpFormatter,
     add_ctx_size,
+    add_flash_attn,
     add_hf,
     add_image_tokens,
     add_lora,
@@ -30,7 +31,7 @@ def _model_kwargs(args) -> dict:
     """The Model(...) arguments the generate and chat commands share."""
     kw = dict(
         n_ctx=args.n_ctx, n_threads=args.threads, rpc=args.rpc, n_gpu_layers=args.n_gpu_layers, repack=args.repack,
-        lora=lora_specs(args),
+        lora=lora_specs(args), flash_attn=args.flash_attn, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
     )  # fmt: skip
     if args.split_mode is not None:
         kw["split_mode"] = args.split_mode
@@ -340,6 +341,9 @@ def _model_and_sampling(p, max_tokens: int) -> None:
     p.add_argument("--seed", "-s", type=int, default=None, help="sampling seed (default: a random one)")
     add_ctx_size(p, 4096)
     add_threads(p)
+    p.add_argument("--batch-size", "-b", type=int, default=2048, help="logical batch size (n_batch)")
+    p.add_argument("--ubatch-size", "-ub", type=int, default=512, help="physical batch size (n_ubatch)")
+    add_flash_attn(p, "auto")
     add_lora(p)
     p.add_argument(
         "--rpc",

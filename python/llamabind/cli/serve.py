@@ -10,6 +10,7 @@ from .common import (
     CommaList,
     HelpFormatter,
     add_ctx_size,
+    add_flash_attn,
     add_hf,
     add_image_tokens,
     add_lora,
@@ -104,9 +105,7 @@ def add_parsers(sub) -> None:
     )
     s.add_argument("--alias", default=None, help="the model id clients send (default: the model's name)")
     s.add_argument("--chat-template-file", default=None, help="a jinja chat template replacing the model's")
-    s.add_argument(
-        "--flash-attn", "-fa", choices=["on", "off", "auto"], default=None, help="flash attention (default: auto)"
-    )
+    add_flash_attn(s, None)
     kv = sorted(KV_CACHE_TYPES)
     s.add_argument("--cache-type-k", "-ctk", choices=kv, default=None, help="KV cache type for K (default f16)")
     s.add_argument("--cache-type-v", "-ctv", choices=kv, default=None, help="KV cache type for V (quantized: -fa)")
