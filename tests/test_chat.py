@@ -354,7 +354,7 @@ def _pty_chat(model_path, keys: list[bytes], env: dict) -> str:
     for i, k in enumerate(keys):
         n = out.count(b"> ")
         os.write(fd, k)
-        if k.endswith(b"\r") and i < len(keys) - 1:  # wait for the next prompt (none after the last line)
+        if k.endswith((b"\r", b"\x03")) and i < len(keys) - 1:  # wait for the next prompt (none after the last)
             wait_for_prompts(n + 1)
     end = time.time() + 10
     while time.time() < end and read_more(0.5):  # what it prints on the way out
@@ -385,6 +385,22 @@ def test_chat_repl_in_a_terminal(model_path, tmp_path):
     assert out.rstrip(" ").endswith("> \r\n"), repr(out[-40:])  # Ctrl-D ended the prompt's line
     history = (tmp_path / "chat_history").read_text()
     assert "abXc" in history and "\x1b" not in history, history
+
+
+def test_chat_repl_system_and_ctrl_c(model_path, tmp_path):
+    """Issue 86 item 4: a bare /system shows the system prompt (none, then the one set) and its usage; Ctrl-C at
+    the prompt asks for a second press (as llama-cli) and a second one in a row leaves, with no traceback; /help
+    says so."""
+    import os
+
+    env = {**os.environ, "LLAMABIND_CACHE": str(tmp_path), "TERM": "xterm"}
+    keys = [b"/help\r", b"/system\r", b"/system Be brief.\r", b"/system\r", b"\x03", b"\x03"]
+    out = _pty_chat(model_path, keys, env)
+    assert "Ctrl-C twice at the prompt" in out, out
+    assert "[no system prompt (the template's default); /system TEXT sets it]" in out, out
+    assert "[the system prompt: 'Be brief.'; /system TEXT sets it]" in out, out
+    assert out.count("[Ctrl-C again, /exit or Ctrl-D to leave]") == 1 and "Traceback" not in out, out
+    assert "unknown command" not in out, out
 
 
 def test_two_chats_at_once_keep_each_others_history(tmp_path, monkeypatch):

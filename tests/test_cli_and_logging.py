@@ -213,8 +213,9 @@ def test_version_and_a_bare_command():
 
 
 def test_busy_core_note(monkeypatch):
-    """The speed line's note appears only when other work keeps a core busy and the threads ask for the
-    cores it holds; busy_cores itself reads /proc/stat into a count within [0, cores]."""
+    """The speed line's note (generate, chat, eval) appears only when other work keeps a core busy and the
+    threads ask for the cores it holds, and never suggests the thread count a run already uses; busy_cores
+    itself reads /proc/stat into a count within [0, cores]."""
     from llamabind.build import default_threads
     from llamabind.cli import run
 
@@ -230,6 +231,11 @@ def test_busy_core_note(monkeypatch):
     note = run._busy_note(None)
     assert f"1.0 of {cores} cores busy" in note and f"-t {max(1, cores - 1)}" in note
     assert run._busy_note(max(1, cores - 1)) == ""  # already leaves the busy core alone
+    # issue 86 item 4: all but 0.4 of the cores busy: -t 1 said to a run of -t 2 or more, never to one of -t 1
+    monkeypatch.setattr(run, "busy_cores", lambda seconds=0.2: cores - 0.4)
+    assert run._busy_note(1) == ""
+    if cores >= 2:
+        assert "-t 1 may be faster" in run._busy_note(None)
 
 
 def test_flags_are_spelled_whole(capsys):

@@ -108,6 +108,8 @@ def _busy_note(n_threads: int | None) -> str:
     if busy is None or busy < 0.5 or n <= cores - busy:
         return ""
     fewer = max(1, int(cores - busy + 0.5))
+    if fewer >= n:  # the run already uses that few (-t 1 said to a run of -t 1 helped no one)
+        return ""
     return f" | note: other work keeps {busy:.1f} of {cores} cores busy: -t {fewer} may be faster"
 
 
@@ -157,9 +159,9 @@ def _generate(args) -> int:
 
 CHAT_HELP = """commands:
   /help            this list
-  /exit, /quit     leave (Ctrl-D too; Ctrl-C stops a reply)
+  /exit, /quit     leave (Ctrl-D too, or Ctrl-C twice at the prompt; Ctrl-C stops a reply)
   /reset           forget the conversation (the system prompt stays)
-  /system TEXT     set the system prompt
+  /system TEXT     set the system prompt (/system alone shows it)
   /image FILE      attach an image to your next message (with --mmproj)
   /audio FILE      attach an audio clip to your next message (with --mmproj)
 anything else is sent to the model; arrow keys edit the line and browse the history"""
@@ -213,6 +215,21 @@ def _save_history(path: str | None) -> None:
         print(f"[could not write the history file {path}: {err.strerror}]", file=sys.stderr)
 
 
+def _history_command(cmd: str, history: list[dict]) -> list[dict]:
+    """The chat's /reset, /system TEXT and bare /system (the system prompt now, and the usage): the new history."""
+    system = [h for h in history if h["role"] == "system"]
+    if cmd == "/reset":
+        print("[conversation cleared" + (", the system prompt kept]" if system else "]"), file=sys.stderr)
+        return system[:1]
+    if cmd == "/system":
+        now = f"the system prompt: {system[0]['content']!r}" if system else "no system prompt (the template's default)"
+        print(f"[{now}; /system TEXT sets it]", file=sys.stderr)
+        return history
+    text = cmd[len("/system ") :]
+    print(f"[system prompt set ({len(text)} characters)]", file=sys.stderr)
+    return [{"role": "system", "content": text}] + [h for h in history if h["role"] != "system"]
+
+
 def _chat(args) -> int:
     """An interactive chat: each line is a user turn; the history is kept (and its KV cache
     reused). Commands (/help lists them): /exit (or EOF) ends, /reset clears the history, /system
@@ -221,6 +238,7 @@ def _chat(args) -> int:
     from ..api import Model
 
     interactive = sys.stdin.isatty()
+    note = _busy_note(args.threads)  # before our own threads run
     template = None
     if args.chat_template_file is not None:
         with open(args.chat_template_file, encoding="utf-8") as f:  # OSError: a clear error, before the model loads
@@ -236,6 +254,7 @@ def _chat(args) -> int:
                   file=sys.stderr)  # fmt: skip
         history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         pending = _media_parts(args.image, args.audio)  # media for the next user turn
+        interrupted = False  # the last key at the prompt was Ctrl-C
         try:
             while True:
                 try:
@@ -244,23 +263,22 @@ def _chat(args) -> int:
                     if interactive:
                         print(file=sys.stderr)
                     break
-                except KeyboardInterrupt:
+                except KeyboardInterrupt:  # as llama-cli: a second Ctrl-C in a row leaves
                     print()
-                    break
+                    if not interactive or interrupted:
+                        break
+                    interrupted = True
+                    print("[Ctrl-C again, /exit or Ctrl-D to leave]", file=sys.stderr)
+                    continue
+                interrupted = False
                 cmd = line.strip()
                 if cmd in ("/exit", "/quit"):
                     break
                 if cmd == "/help":
                     print(CHAT_HELP, file=sys.stderr)
                     continue
-                if cmd == "/reset":
-                    system = [h for h in history[:1] if h["role"] == "system"]
-                    history = system
-                    print("[conversation cleared" + (", the system prompt kept]" if system else "]"), file=sys.stderr)
-                    continue
-                if cmd.startswith("/system "):
-                    history = [{"role": "system", "content": cmd[8:]}] + [h for h in history if h["role"] != "system"]
-                    print(f"[system prompt set ({len(cmd[8:])} characters)]", file=sys.stderr)
+                if cmd == "/reset" or cmd == "/system" or cmd.startswith("/system "):
+                    history = _history_command(cmd, history)
                     continue
                 if cmd.startswith(("/image ", "/audio ")):
                     kind, path = cmd[1:6], cmd[7:].strip()
@@ -298,7 +316,7 @@ def _chat(args) -> int:
                 sys.stdout.flush()
                 r = stream.result
                 assert r is not None
-                print(f"[{r.generation.timings.summary()} | finish: {r.finish_reason}]", file=sys.stderr)
+                print(f"[{r.generation.timings.summary()} | finish: {r.finish_reason}{note}]", file=sys.stderr)
                 history.append(r.message)
         finally:
             _save_history(history_file)

@@ -6,6 +6,7 @@ import sys
 
 from .. import models
 from .common import HelpFormatter, add_ctx_size, add_hf, add_lora, add_model, add_ngl, add_threads, lora_specs
+from .run import _busy_note
 
 DATASET_ID = r"[\w.-]+/[\w.-]+(:[\w.-]+)?"  # a Hub dataset id, org/name[:split]
 
@@ -38,6 +39,7 @@ def _eval(args) -> int:
     _check_inputs({"--data": args.data}, {"--chat-template-file": args.chat_template_file})
     _check_inputs({}, {f"--lora {p}": p for p, _ in loras})
     template = Path(args.chat_template_file).read_text(encoding="utf-8") if args.chat_template_file else None
+    note = _busy_note(args.threads)  # before our own threads run
     # loaded as finetune loads it (repack=False: the GGUF's own layout and ggml's plain CPU kernels), so
     # that eval's loss is the one finetune's validation and --test print for the same file and machine;
     # repacked layouts (AMX, interleaved) take other kernels, other roundings (docs/finetune.md)
@@ -46,7 +48,7 @@ def _eval(args) -> int:
         data = train.read_data(args.data, m, chat_template=template, train_on_prompt=args.train_on_prompt)
         adapters = [(m.load_lora(p), scale) for p, scale in loras]
         r = train.evaluate(m, data, ctx_size=args.n_ctx, adapter=adapters, n_threads=args.threads)
-    print(f"loss {r.loss:.4f}, perplexity {r.perplexity:.3f} over {r.tokens} tokens in {r.windows} windows")
+    print(f"loss {r.loss:.4f}, perplexity {r.perplexity:.3f} over {r.tokens} tokens in {r.windows} windows{note}")
     return 0
 
 
