@@ -388,3 +388,29 @@ def test_what_is_not_training_data_says_so(model_path, tmp_path):
         ):  # issue 86: state/set_lr said "call opt_init first"
             with pytest.raises(ValueError, match="Trainer is closed"):
                 call()
+
+
+def test_cli_finetune_says_what_it_does_and_prints_no_nan(model_path, tmp_path):
+    """Issue 86 item 4: finetune on the command line says that it reads and checks the data and what the
+    validation pass before the first step is (its loss on stderr before the epoch's bar), and with --val-split 0
+    (no validation windows) prints no validation loss at all (it printed "nan" twice)."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"What is {i}+{i}?", "completion": f" {2 * i}."}) + "\n" for i in range(30))
+    )
+    base = [sys.executable, "-m", "llamabind", "finetune", "-m", str(model_path), "--data", str(data), "-o",
+            str(tmp_path / "a.gguf"), "--lora-rank", "2", "--iters", "1", "-c", "256", "-t", "2"]  # fmt: skip
+    for split in ("0.2", "0"):
+        p = subprocess.run([*base, "--val-split", split], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert f"reading and checking {data}" in p.stderr, p.stderr[-2000:]
+        if split == "0":
+            assert "nan" not in p.stdout + p.stderr and "validation" not in p.stdout + p.stderr, p.stdout
+        else:
+            line = re.search(r"validation before training: (\d+) window\(s\) \.\.\. loss ([\d.]+)", p.stderr)
+            assert line and int(line.group(1)) >= 1, p.stderr[-2000:]
+            assert p.stderr.index("validation before training") < p.stderr.index("epoch 1/1"), p.stderr[-2000:]
+            assert f"validation loss before: {line.group(2)}" in p.stdout, p.stdout

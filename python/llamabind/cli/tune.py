@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 from .. import models
@@ -50,6 +51,16 @@ def _eval(args) -> int:
         r = train.evaluate(m, data, ctx_size=args.n_ctx, adapter=adapters, n_threads=args.threads)
     print(f"loss {r.loss:.4f}, perplexity {r.perplexity:.3f} over {r.tokens} tokens in {r.windows} windows{note}")
     return 0
+
+
+def _print_sft_result(res, args) -> None:
+    """finetune's summary lines on stdout; no validation loss where there was none (NaN: --val-split 0)."""
+    if not math.isnan(res.val_loss_before):
+        print(f"validation loss before: {res.val_loss_before:.4f}")
+    print(f"{res.steps} optimizer steps of {args.batch} window(s) of {args.n_ctx} tokens")
+    for e in res.epochs:
+        val = "" if math.isnan(e.val_loss) else f", validation loss {e.val_loss:.4f}"
+        print(f"epoch {e.epoch}: train loss {e.train_loss:.4f}{val}, {e.tokens_per_s:.1f} tokens/s, {e.seconds:.1f} s")
 
 
 _NO_PROMPT_LOSS = (
@@ -171,7 +182,7 @@ def _finetune(args) -> int:
             train.to_f32(src, os.path.join(tmp, "f32.gguf"), n_threads=args.threads)
             src = Path(tmp) / "f32.gguf"
         kw = dict(use_mmap=lora, repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
-        with Model(src, **kw) as m:
+        with Model(src, progress=args.progress and sys.stderr.isatty(), **kw) as m:
             if args.method != "sft":
                 res = _preference(args, m, settings, resume)
                 (m if res.adapter is None else res.adapter).save(out)
@@ -179,19 +190,15 @@ def _finetune(args) -> int:
                 return 0
             # JSONL examples or text, read and checked in full before the training starts
             read = dict(chat_template=template, train_on_prompt=args.train_on_prompt)
+            if args.progress:  # tokenizing and checking a large file is a while on 2 cores
+                print(f"reading and checking {args.data} ...", file=sys.stderr, flush=True)
             data = train.read_data(args.data, m, **read)
             valid = train.read_data(args.valid, m, **read) if args.valid else None
             test = train.read_data(args.test, m, **read) if args.test else None
             if not isinstance(data, str):
                 print(f"{len(data)} examples from {args.data}", file=sys.stderr)
             res = train.finetune(m, data, settings, valid=valid, resume=resume)
-            print(f"validation loss before: {res.val_loss_before:.4f}")
-            print(f"{res.steps} optimizer steps of {args.batch} window(s) of {args.n_ctx} tokens")
-            for e in res.epochs:
-                print(
-                    f"epoch {e.epoch}: train loss {e.train_loss:.4f}, validation loss {e.val_loss:.4f}, "
-                    f"{e.tokens_per_s:.1f} tokens/s, {e.seconds:.1f} s"
-                )
+            _print_sft_result(res, args)
             if res.interrupted:
                 print(f"interrupted after {res.steps} steps; saving what was trained", file=sys.stderr)
             if res.adapter is not None:

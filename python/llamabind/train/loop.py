@@ -152,7 +152,12 @@ def finetune(
     try:
         if a.log is not None:
             run.log = open(a.log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
+        say = a.progress and len(val_set[0]) > 0  # the pass before the first step takes a while: say what it is
+        if say:
+            print(f"validation before training: {len(val_set[0])} window(s) ...", end="", file=sys.stderr, flush=True)
         result.val_loss_before = trainer.evaluate(*val_set)[0]
+        if say:
+            print(f" loss {result.val_loss_before:.4f}", file=sys.stderr, flush=True)
         if resumed is not None:
             if not len(val_set[0]):  # ggml-opt allocates AdamW's moments with its first graph
                 trainer.evaluate(*_take(train_set, [0]))
