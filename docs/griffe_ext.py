@@ -6,6 +6,7 @@ constant in the source, read statically by griffe."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -37,3 +38,22 @@ class StaticConstantDocstrings(griffe.Extension):
             found = None
         if found is not None and found.docstring is not None:
             attr.docstring = griffe.Docstring(found.docstring.value, parent=attr)
+
+
+class FieldAnnotations(griffe.Extension):
+    """Inspection finds a class's attributes without their annotations, and a dataclass's fields without a default
+    not at all (they are no class attributes: PreferencePair's), so the Attributes tables had an empty type column:
+    the class's own annotations (strings, as ``from __future__ import annotations`` leaves them) fill it, and a
+    field missing from the members is added, typed."""
+
+    def on_class_members(self, *, node, cls, agent, **kwargs) -> None:
+        obj = getattr(node, "obj", None)
+        if not inspect.isclass(obj) or not dataclasses.is_dataclass(obj):
+            return
+        for field in dataclasses.fields(obj):
+            annotation = field.type if isinstance(field.type, str) else inspect.formatannotation(field.type)
+            member = cls.members.get(field.name)
+            if member is None:
+                cls.set_member(field.name, griffe.Attribute(field.name, annotation=annotation, parent=cls))
+            elif getattr(member, "annotation", "") is None:
+                member.annotation = annotation

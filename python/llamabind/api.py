@@ -5,6 +5,7 @@ native-facing classes (:mod:`.model`, :mod:`.context`) plus the methods of the f
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -140,3 +141,17 @@ class Model(model.Model):
 
     def __enter__(self) -> Model:
         return self
+
+
+def _full_signature(sub: Any, base: Any) -> inspect.Signature:
+    """``sub``'s signature with the keyword arguments it passes on through ``**params`` spelled out from
+    ``base``'s (names, annotations, defaults): what help(), IDEs and the API reference show for Model(...)."""
+    own = inspect.signature(sub)
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    names = {p.name for p in params}
+    passed = [p.replace(kind=kw) for p in list(inspect.signature(base).parameters.values())[2:] if p.name not in names]
+    return own.replace(parameters=params + passed)
+
+
+Model.__init__.__signature__ = _full_signature(Model.__init__, model.Model.__init__)  # type: ignore[attr-defined]

@@ -136,9 +136,10 @@ def generate(
             or JSON text), through common's json_schema_to_grammar; ``{}`` is any object.
         logprobs: also return, per generated token, its log-probability and this many top
             alternatives (0..100); computed from the last position's logits only.
-        draft_model / lookup_ngram: speculative decoding with a small model of the same
-            vocabulary, or with n-gram lookup in the context (n = lookup_ngram, 1..8); n_draft
+        draft_model: speculative decoding with a small model of the same vocabulary: n_draft
             (1..64) tokens are proposed per step. The output is the same as without it.
+        lookup_ngram: speculative decoding with n-gram lookup in the context instead (n =
+            lookup_ngram, 1..8), n_draft tokens proposed per step; the same output.
         logits_processor: a function or a list of them (llama-cpp-python's and transformers'
             convention), called before each token as ``f(input_ids, logits)``: input_ids int32
             (n,), the prompt and the tokens generated so far (read-only), logits float32
