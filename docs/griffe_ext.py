@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 
 import griffe
 
@@ -50,6 +51,16 @@ class FieldAnnotations(griffe.Extension):
         obj = getattr(node, "obj", None)
         if not inspect.isclass(obj) or not dataclasses.is_dataclass(obj):
             return
+        # a settings dataclass documents its fields as Attributes: as the constructor's Parameters (merged into the
+        # class: mkdocs.yml) they are rendered with their defaults too (TrainingArgs)
+        fields = [f for f in dataclasses.fields(obj) if f.init]
+        settings = fields and all(
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING for f in fields
+        )  # every field has a default: settings users construct (results keep their Attributes)
+        doc = cls.docstring
+        if doc is not None and settings and re.search(r"^Attributes:$", doc.value, re.M):
+            value = re.sub(r"^Attributes:$", "Parameters:", doc.value, count=1, flags=re.M)
+            cls.docstring = griffe.Docstring(value, parent=cls, parser=doc.parser, parser_options=doc.parser_options)
         for field in dataclasses.fields(obj):
             annotation = field.type if isinstance(field.type, str) else inspect.formatannotation(field.type)
             member = cls.members.get(field.name)

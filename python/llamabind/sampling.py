@@ -21,34 +21,50 @@ __all__ = ["SamplingParams", "Sampler"]
 class SamplingParams:
     """Parameters of llama.cpp's sampler chain (common_sampler: logit_bias -> penalties -> DRY ->
     top_n_sigma -> top_k -> typical_p -> top_p -> min_p -> XTC -> temperature -> dist; or
-    mirostat). Every probability is in [0, 1]; out-of-range values raise ValueError.
+    mirostat). Every probability is in [0, 1]; an out-of-range value raises ValueError.
 
-    temperature: >= 0; 0 is greedy decoding (argmax). dynatemp_range >= 0 (0: off), dynatemp_exponent > 0.
-    top_k: >= 0 tokens, 0 disables. top_p: (0, 1], 1 disables. min_p: [0, 1], 0 disables.
-    typical_p: (0, 1], 1 disables. top_n_sigma: -1 disables, else > 0 (standard deviations).
-    xtc_probability: [0, 1], 0 disables; xtc_threshold: [0, 1] (> 0.5 disables).
-    repeat_penalty: > 0, 1 disables; frequency_penalty, presence_penalty: [-2, 2], 0 disables;
-    all three over the last repeat_last_n tokens (0 disables, -1: the whole context).
-    dry_multiplier: >= 0, 0 disables DRY; dry_base: >= 1; dry_allowed_length: >= 0 tokens;
-    dry_penalty_last_n: -1 (whole context), 0 (off) or a number of tokens; dry_sequence_breakers.
-    mirostat: 0 off, 1 (v1) or 2 (v2), with mirostat_tau (target surprise, > 0) and mirostat_eta
-    (learning rate, (0, 1]). logit_bias: {token id: additive bias}, ``-inf`` bans a token.
-    ignore_eos: never stop at an end-of-generation token. min_keep: >= 0 tokens every filter keeps.
-    grammar: a GBNF grammar that every generated token must follow (see also json_schema in
-    :meth:`Context.generate`). seed: 32-bit unsigned; None draws a random seed.
-    backend_sampling: run the chain inside the decode graph on the output layer's device
-    (llama_set_sampler, experimental upstream; llama-server's ``backend_sampling``): only the
-    sampled token is copied back instead of n_vocab logits, and the samplers with ggml versions
-    (logit bias, penalties, top_k, top_p, min_p, temperature, greedy/dist) run there; a sampler
-    without one (DRY, typical_p, XTC, top_n_sigma, mirostat) and those after it run on the CPU
-    over the surviving candidates. ``None`` (default): on for greedy decoding (temperature 0) when
-    the model's output layer is on a GPU and the generation allows it (no grammar or JSON schema,
-    no logprobs, no speculative decoding); ``True``: required (ValueError where not allowed), also
-    with temperature > 0; ``False``: never. Greedy decoding gives the same tokens either way. With
-    temperature > 0 the device draws from the same distribution (on the CPU backend, the same
-    tokens for a seed); on an H100 two calls with the same seed gave different first tokens, not
-    separated from the GPU's prompt-reuse rounding (which moved a CPU-sampled draw on Vulkan
-    too), so it is not on by default there.
+    Attributes:
+        temperature: 0 is greedy decoding (argmax); any value >= 0.
+        top_k: keep the k most likely tokens, >= 0; 0 disables.
+        top_p: nucleus sampling, (0, 1]; 1 disables.
+        min_p: drop tokens below this fraction of the likeliest's, [0, 1]; 0 disables.
+        typical_p: locally typical sampling, (0, 1]; 1 disables.
+        top_n_sigma: keep tokens within this many standard deviations of the top logit, > 0; -1 disables.
+        xtc_probability: XTC's chance to exclude the top choices, [0, 1]; 0 disables.
+        xtc_threshold: XTC's probability threshold, [0, 1] (> 0.5 disables).
+        dynatemp_range: dynamic temperature's range, >= 0 (0: off).
+        dynatemp_exponent: dynamic temperature's exponent, > 0.
+        repeat_penalty: > 0, 1 disables; over the last repeat_last_n tokens.
+        repeat_last_n: the tokens the three penalties look back over (0 disables, -1: the whole context).
+        frequency_penalty: [-2, 2], 0 disables.
+        presence_penalty: [-2, 2], 0 disables.
+        dry_multiplier: DRY's multiplier, >= 0; 0 disables DRY.
+        dry_base: DRY's base, >= 1.
+        dry_allowed_length: repeated tokens DRY lets pass, >= 0.
+        dry_penalty_last_n: the tokens DRY looks back over: -1 (the whole context), 0 (off) or a count.
+        dry_sequence_breakers: strings that end a repeated sequence for DRY.
+        mirostat: 0 off, 1 (v1) or 2 (v2); it replaces the chain's filters.
+        mirostat_tau: mirostat's target surprise, > 0.
+        mirostat_eta: mirostat's learning rate, (0, 1].
+        logit_bias: {token id: additive bias}; ``-inf`` bans a token.
+        ignore_eos: never stop at an end-of-generation token.
+        min_keep: >= 0 tokens every filter keeps.
+        grammar: a GBNF grammar that every generated token must follow (see also json_schema in
+            :meth:`Context.generate`).
+        seed: 32-bit unsigned; None draws a random seed.
+        backend_sampling: run the chain inside the decode graph on the output layer's device
+            (llama_set_sampler, experimental upstream; llama-server's ``backend_sampling``): only the
+            sampled token is copied back instead of n_vocab logits, and the samplers with ggml versions
+            (logit bias, penalties, top_k, top_p, min_p, temperature, greedy/dist) run there; a sampler
+            without one (DRY, typical_p, XTC, top_n_sigma, mirostat) and those after it run on the CPU
+            over the surviving candidates. ``None`` (default): on for greedy decoding (temperature 0) when
+            the model's output layer is on a GPU and the generation allows it (no grammar or JSON schema,
+            no logprobs, no speculative decoding); ``True``: required (ValueError where not allowed), also
+            with temperature > 0; ``False``: never. Greedy decoding gives the same tokens either way. With
+            temperature > 0 the device draws from the same distribution (on the CPU backend, the same
+            tokens for a seed); on an H100 two calls with the same seed gave different first tokens, not
+            separated from the GPU's prompt-reuse rounding (which moved a CPU-sampled draw on Vulkan
+            too), so it is not on by default there.
     """
 
     temperature: float = 0.8
