@@ -417,25 +417,46 @@ def serve(
     draft_min: int | None = None,
     context_shift: bool = False,
 ) -> Server:
-    """Start an OpenAI-compatible server for ``model`` (a name or GGUF path) and return once it
-    answers; :meth:`Server.stop` (or leaving the ``with`` block) ends it.
+    """Start an OpenAI-compatible server for ``model`` and return once it answers; :meth:`Server.stop` (or
+    leaving the ``with`` block) ends it. Built on :class:`~llamabind.server_context.ServerContext` (llama.cpp's
+    server core); the llama-server flag of each argument is in docs/server.md.
 
-    host/port: where to listen (port 0: any free port; a host other than loopback without
-    ``api_key`` warns). parallel: slots decoded together (continuous batching). ctx_size: KV cache
-    tokens for all slots (None: the model's training context, fitted to free memory); any slot may
-    use all of it. embedding: serve /v1/embeddings (pooling: "mean", "cls", "last"; None: the model's, or
-    mean if its GGUF names none, as for a causal LM).
-    n_gpu_layers, op_offload, n_threads, n_batch, n_ubatch, rpc, alias, chat_template, flash_attn, lora: as
-    :class:`~llamabind.server_context.ServerContext`.
-    cache_type_k/cache_type_v: the KV cache's types ("f16", "q8_0", ...; llama-server's
-    --cache-type-k/-v; ServerContext's type_k/type_v).
-    mmproj: a projector GGUF: /v1/chat/completions then takes ``image_url`` and ``input_audio`` content parts
-    (llama-server's --mmproj; /props lists the modalities); mmproj_use_gpu, image_min_tokens, image_max_tokens
-    (bounds on an image's tokens where the projector's resolution is dynamic), media_path (the directory
-    ``file://`` URLs may read): as ServerContext's. model_draft, draft_max, draft_min: speculative decoding with
-    a draft model (llama-server's ``-md``), and context_shift (``--context-shift``): as ServerContext's.
-    max_body: request body limit in bytes (413). max_pending: requests in flight before 503. access_log:
-    log each request (uvicorn's access log).
+    Args:
+        model: a GGUF path or a model name of :mod:`llamabind.models`.
+        host: the address to listen on; a host other than loopback without ``api_key`` warns.
+        port: the port; 0: any free port (``Server.url`` has it).
+        parallel: slots decoded together (continuous batching).
+        ctx_size: KV cache tokens for all slots, any slot may use all of them (None: the model's training
+            context, fitted to free memory).
+        api_key: require ``Authorization: Bearer KEY`` (or ``X-Api-Key``); None: no key.
+        embedding: serve /v1/embeddings (an embedding model).
+        pooling: the embeddings' pooling, "mean", "cls", "last" or "rank" (None: the model's, or mean if its
+            GGUF names none, as for a causal LM).
+        n_gpu_layers: layers to offload (None: all that fit, llama-server's default; -2: every layer).
+        op_offload: False keeps the batches of CPU layers on the CPU (llama.cpp sends large ones to a GPU).
+        n_threads: CPU threads (None: the cores there are).
+        n_batch: the logical batch size (None: llama.cpp's, 2048).
+        n_ubatch: the physical batch size (None: llama.cpp's, 512).
+        rpc: ["host:port"] RPC servers whose devices the model uses (as ``Model(rpc=...)``).
+        alias: the model id clients name (None: the model's name, or the file name without .gguf).
+        chat_template: jinja source replacing the model's chat template.
+        flash_attn: "on", "off" or "auto" (None: auto).
+        lora: [(path, scale)] LoRA adapters applied to every request.
+        max_body: the request body limit in bytes (413 beyond).
+        max_pending: requests in flight before a 503.
+        access_log: log each request (uvicorn's access log).
+        cache_type_k: the KV cache's K type ("f16", "q8_0", ...; llama-server's --cache-type-k; None: f16).
+        cache_type_v: the V type (a quantized one needs flash attention; None: f16).
+        mmproj: a projector GGUF: /v1/chat/completions then takes ``image_url`` and ``input_audio`` content
+            parts (llama-server's --mmproj; /props lists the modalities).
+        mmproj_use_gpu: run the projector's encoder on the GPU backend.
+        image_min_tokens: the fewest tokens an image becomes where the projector's resolution is dynamic.
+        image_max_tokens: the most tokens an image becomes (None: the projector's own bounds).
+        media_path: the directory ``file://`` media URLs may read (None: none may).
+        model_draft: a draft model's GGUF for speculative decoding (llama-server's ``-md``).
+        draft_max: tokens drafted per step (None: 3).
+        draft_min: the fewest drafted tokens used (None: 0).
+        context_shift: a generation that fills its slot drops half of it and goes on (``--context-shift``).
 
     Raises FileNotFoundError, TypeError/ValueError (bad argument), OSError (the port is taken),
     LlamaError (the model failed to load).
