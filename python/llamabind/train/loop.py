@@ -152,12 +152,7 @@ def finetune(
     try:
         if a.log is not None:
             run.log = open(a.log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
-        say = a.progress and len(val_set[0]) > 0  # the pass before the first step takes a while: say what it is
-        if say:
-            print(f"validation before training: {len(val_set[0])} window(s) ...", end="", file=sys.stderr, flush=True)
-        result.val_loss_before = trainer.evaluate(*val_set)[0]
-        if say:
-            print(f" loss {result.val_loss_before:.4f}", file=sys.stderr, flush=True)
+        result.val_loss_before = _loss_before(trainer, val_set, a.progress)
         if resumed is not None:
             if not len(val_set[0]):  # ggml-opt allocates AdamW's moments with its first graph
                 trainer.evaluate(*_take(train_set, [0]))
@@ -298,6 +293,18 @@ class _Run:
         if len(self.val[0]):
             self.write(step=self.result.steps, val_loss=loss, val_accuracy=acc)
         return loss, acc
+
+
+def _loss_before(trainer: Trainer, val_set: Windows, progress: bool) -> float:
+    """The validation loss before the first step (NaN without windows); with ``progress``, what the pass is and its
+    loss on stderr (it takes a while before the first step's bar appears)."""
+    say = progress and len(val_set[0]) > 0
+    if say:
+        print(f"validation before training: {len(val_set[0])} window(s) ...", end="", file=sys.stderr, flush=True)
+    loss = trainer.evaluate(*val_set)[0]
+    if say:
+        print(f" loss {loss:.4f}", file=sys.stderr, flush=True)
+    return loss
 
 
 def _epoch(run: _Run, batches: np.ndarray, epoch: int) -> EpochStats | None:
