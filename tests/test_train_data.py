@@ -391,7 +391,7 @@ def test_what_is_not_training_data_says_so(model_path, tmp_path):
 
 
 def test_cli_finetune_says_what_it_does_and_prints_no_nan(model_path, tmp_path):
-    """Issue 86 item 4: finetune on the command line says that it reads and checks the data and what the
+    """Issue 86 item 4: finetune (and eval) on the command line say that they read and check the data and what the
     validation pass before the first step is (its loss on stderr before the epoch's bar), and with --val-split 0
     (no validation windows) prints no validation loss at all (it printed "nan" twice)."""
     import subprocess
@@ -414,3 +414,9 @@ def test_cli_finetune_says_what_it_does_and_prints_no_nan(model_path, tmp_path):
             assert line and int(line.group(1)) >= 1, p.stderr[-2000:]
             assert p.stderr.index("validation before training") < p.stderr.index("epoch 1/1"), p.stderr[-2000:]
             assert f"validation loss before: {line.group(2)}" in p.stdout, p.stdout
+    # eval says what it reads and evaluates before its result line (it was silent until the end)
+    p = subprocess.run([sys.executable, "-m", "llamabind", "eval", "-m", str(model_path), "--data", str(data), "-c",
+                        "256", "-t", "2"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"reading and checking {data}" in p.stderr and "evaluating 30 examples in windows of 256" in p.stderr
+    assert re.search(r"^loss [\d.]+, perplexity", p.stdout, re.M), p.stdout

@@ -46,7 +46,10 @@ def _eval(args) -> int:
     # repacked layouts (AMX, interleaved) take other kernels, other roundings (docs/finetune.md)
     kw = dict(repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
     with Model(models.resolve(args.model), **kw) as m:
+        print(f"reading and checking {args.data} ...", file=sys.stderr, flush=True)  # silent minutes otherwise
         data = train.read_data(args.data, m, chat_template=template, train_on_prompt=args.train_on_prompt)
+        what = "the text" if isinstance(data, str) else f"{len(data)} examples"
+        print(f"evaluating {what} in windows of {args.n_ctx} tokens ...", file=sys.stderr, flush=True)
         adapters = [(m.load_lora(p), scale) for p, scale in loras]
         r = train.evaluate(m, data, ctx_size=args.n_ctx, adapter=adapters, n_threads=args.threads)
     print(f"loss {r.loss:.4f}, perplexity {r.perplexity:.3f} over {r.tokens} tokens in {r.windows} windows{note}")
