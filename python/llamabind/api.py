@@ -150,7 +150,7 @@ def _full_signature(sub: Any, base: Any) -> inspect.Signature:
     kw = inspect.Parameter.KEYWORD_ONLY
     params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     names = {p.name for p in params}
-    passed = [p.replace(kind=kw) for p in list(inspect.signature(base).parameters.values())[2:] if p.name not in names]
+    passed = [p.replace(kind=kw) for p in inspect.signature(base).parameters.values() if p.name not in {"self", *names}]
     return own.replace(parameters=params + passed)
 
 

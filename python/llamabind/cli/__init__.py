@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from . import common, convert, run, serve, tune
 
@@ -26,7 +27,7 @@ def main(argv=None) -> int:
         return 0
     args, extra = ap.parse_known_args(argv)
     if extra:  # the subcommand's usage (argparse's top-level one names no flag of it), and a hint where one helps
-        _SUBPARSERS[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}{_hint(args.cmd, extra)}")
+        ap.commands.choices[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}{_hint(args.cmd, extra)}")
     try:
         common.resolve_hf(args)
         return args.fn(args)
@@ -49,9 +50,6 @@ def _hint(cmd: str, extra: list[str]) -> str:
             "each request's body; llama-server's server-wide defaults are not taken)"
         )
     return ""
-
-
-_SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
 def version() -> str:
@@ -83,9 +81,14 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.commands: Any = None  # the subcommands (add_subparsers' action), for their own usage in errors
+
+    def add_subparsers(self, **kwargs) -> Any:
+        self.commands = super().add_subparsers(**kwargs)
+        return self.commands
 
 
-def parser() -> argparse.ArgumentParser:
+def parser() -> _Parser:
     """The command line's parser, every subcommand's but rpc-server's (:func:`llamabind.rpc.parser`)."""
     ap = _Parser(prog="python -m llamabind", description="llamabind: llama.cpp from Python")
     ap.add_argument("--version", action=_Version, help="the package, the pinned llama.cpp and its patches")
@@ -95,5 +98,4 @@ def parser() -> argparse.ArgumentParser:
     serve.add_parsers(sub)
     convert.add_parsers(sub)
     sub.add_parser("rpc-server", help="serve this host's devices over ggml RPC (see rpc-server --help)")
-    _SUBPARSERS.update(sub.choices)
     return ap
