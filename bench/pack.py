@@ -2,7 +2,8 @@
 """Sequence packing against padding (issue 84, patch 0096): the same documents trained a window each,
 padded to ctx_size, and packed several to a window (best-fit decreasing, each attending only to itself).
 
-    python bench/pack.py --model GGUF [--ctx 32768] [--steps 4] [--docs 400] [-ngl 99] [--lora-rank R] [--out F.json]
+    python bench/pack.py --model GGUF [--ctx 32768] [--steps 4] [--docs 400] [-ngl 99] [--lora-rank R]
+        [--loss-chunk-tokens N] [--gradient-checkpointing] [--out F.json]
 
 The documents are real text that ships with Python: the standard library's modules (``{"text"}`` rows,
 one a file, in name order, those of at least 64 tokens), read with ``train.read_data`` as ``finetune``
@@ -11,7 +12,9 @@ reads a JSONL. Each mode runs ``--steps`` timed optimizer steps (full fine-tune,
 step, on the first windows of its layout. Columns: window positions a second, labelled (trained) tokens a
 second, the padding share of the positions, documents a window, the median step, the compute buffer
 (llama_opt_get_stats). A step of either mode costs the same for the same window; what packing changes is
-how many of its positions are documents. Prints a table and writes JSON.
+how many of its positions are documents. --loss-chunk-tokens (0: the logits whole; default automatic) and
+--gradient-checkpointing pass TrainingArgs' fields of those names (issue 84, item 3: memory at long contexts).
+Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def stdlib_jsonl(path: Path, limit: int) -> int:
     return n
 
 
-def run_mode(model, examples, ctx: int, pack: bool, steps: int, lora_rank: int | None) -> dict:
+def run_mode(model, examples, ctx: int, pack: bool, steps: int, lora_rank: int | None, memory: dict) -> dict:
+    """One mode's timed steps; ``memory``: TrainingArgs' loss_chunk_tokens and gradient_checkpointing."""
     from llamabind import train
 
     pad = model.token_eos if model.token_eos is not None and model.token_eos >= 0 else 0
@@ -63,7 +67,7 @@ def run_mode(model, examples, ctx: int, pack: bool, steps: int, lora_rank: int |
             adapter = model.load_lora(f"{d}/a.gguf")
     times, labelled, losses = [], [], []
     with train.Trainer(model, ctx_size=ctx, batch_size=1, pack=pack, lr=1e-5, progress=False,
-                       params="lora" if lora_rank else "model", adapter=adapter, **kw) as t:  # fmt: skip
+                       params="lora" if lora_rank else "model", adapter=adapter, **kw, **memory) as t:  # fmt: skip
         for i in range(take):
             j = [i]
             t0 = time.perf_counter()
@@ -93,8 +97,11 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=None)
     ap.add_argument("-ngl", type=int, default=99)
     ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--loss-chunk-tokens", type=int, default=None, help="0: the logits whole (default: automatic)")
+    ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    memory = dict(loss_chunk_tokens=a.loss_chunk_tokens, gradient_checkpointing=a.gradient_checkpointing)
     import llamabind
     from llamabind import train
 
@@ -106,7 +113,10 @@ def main() -> None:
             lengths = [len(e) for e in examples]
             print(f"{n_docs} documents, tokens: median {int(np.median(lengths))}, max {max(lengths)}, "
                   f"sum {sum(lengths)}", file=sys.stderr)  # fmt: skip
-            rows = [run_mode(m, examples, a.ctx, mode == "packed", a.steps, a.lora_rank) for mode in a.modes.split(",")]
+            rows = [
+                run_mode(m, examples, a.ctx, mode == "packed", a.steps, a.lora_rank, memory)
+                for mode in a.modes.split(",")
+            ]
     print("| mode | ctx | windows | docs/window | padding | step ms | positions/s | labelled tokens/s | "
           "compute buffer MiB | mean loss |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in rows:
@@ -114,7 +124,8 @@ def main() -> None:
               f"{r['step_ms']:.0f} | {r['positions_per_s']:,.0f} | {r['labelled_per_s']:,.0f} | "
               f"{r['compute_buffer_mib']:,.0f} | {r['mean_loss']:.4f} |")  # fmt: skip
     if a.out:
-        Path(a.out).write_text(json.dumps({"ctx": a.ctx, "model": a.model, "lengths": lengths, "rows": rows}, indent=1))
+        doc = {"ctx": a.ctx, "model": a.model, "lengths": lengths, "rows": rows, **memory}
+        Path(a.out).write_text(json.dumps(doc, indent=1))
         print(f"wrote {a.out}")
 
 

@@ -41,6 +41,7 @@ def test_training_args_accept_or_name_the_field(settings_):
     for name in ("ctx_size", "batch_size", "grad_accum", "epochs", "seed", "warmup"):
         assert isinstance(getattr(a, name), int) and not isinstance(getattr(a, name), bool)
     assert a.ctx_size % 256 == 0 and a.batch_size % a.grad_accum == 0 and a.lr > 0
+    assert a.loss_chunk_tokens is None or (type(a.loss_chunk_tokens) is int and a.loss_chunk_tokens >= 0)
 
 
 MESSAGE = st.fixed_dictionaries(

@@ -599,6 +599,65 @@ def test_label_classes_train_the_same_steps_as_one_hot_labels(f32_path):
     assert a["steps"][3][0] < a["steps"][2][0]  # it trains (the first AdamW step at lr 1e-3 overshoots)
 
 
+def _chunked_run(path, chunk, **kw) -> tuple[list, list, dict, int]:
+    """Four AdamW steps (lr 1e-3; the last two with 100 positions masked: 412 logits rows of 512) and a validation
+    pass with loss_chunk_tokens=chunk: the steps, the validation, {(phase, op): nodes} of the profile, the compute
+    buffer's bytes."""
+    w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
+    lab = w[:, 1:].copy()
+    lab[0, :100] = -1
+    with llamabind.Model(path, use_mmap=False, n_threads=2) as m:
+        kw = dict(batch_size=2, lr=1e-3, loss_chunk_tokens=chunk, profile=True, n_threads=2, **kw)
+        with train.Trainer(m, **kw) as t:
+            steps = [t.step(w) for _ in range(2)] + [t.step(w, lab) for _ in range(2)]
+            val = t.evaluate(w, lab)
+            ops_of = {(r["phase"], r["op"]): r["nodes"] for r in t.profile()}
+            return steps, val, ops_of, t.stats()["compute_buffer_bytes"]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_chunked_cross_entropy_trains_the_same_steps_as_the_whole(f32_path, checkpointing):
+    """Patch 0098: with loss_chunk_tokens=100 the output product, the cross-entropy and the accuracy run in chunks of
+    100 logits rows (6 chunks of the 512 rows, 5 of 412), each chunk's logits recomputed for its backward pass: the
+    profile's forward pass has a CROSS_ENTROPY_LOSS, ARGMAX and COUNT_EQUAL per chunk (6 + 6 + 5 + 5 steps, 5 for the
+    validation) and its backward pass a product per chunk (the recomputed logits; the whole has none there: its
+    backward products are OUT_PRODs), and the compute buffer is smaller (the 512 x 49,152 logits and their gradient
+    are not kept whole). SmolLM2's tied embedding (the output weight trained through both its uses), full fine-tune,
+    with and without gradient checkpointing (patch 0066's checkpoints and the chunks recomputed in one graph). Four
+    steps and the validation give the same accuracies and labelled-token counts, and the same losses to rtol 2e-6 on
+    the CPU, in F32 (measured 1e-7: the chunked mean sums the rows per chunk, then the chunks' shares, and the
+    weight's gradient is summed over chunks; the same kernels otherwise), 2e-3 on a GPU (BF16 products: AdamW's
+    normalized steps carry the sums' roundings into weights that BF16 rounds). A chunk's rows taken from another
+    chunk, a share not scaled by its rows, or a gradient of one chunk left out would change the losses by far more
+    (the masked steps' chunks hold different numbers of labelled rows). loss_chunk_tokens=None (automatic) leaves
+    these 100 MB of logits whole: the same nodes as 0."""
+    whole = _chunked_run(f32_path, 0, gradient_checkpointing=checkpointing)
+    chunked = _chunked_run(f32_path, 100, gradient_checkpointing=checkpointing)
+    auto = _chunked_run(f32_path, None, gradient_checkpointing=checkpointing)
+    print(whole[:2], chunked[:2], whole[3], chunked[3])
+    assert auto[2] == whole[2]
+    assert [s[1:] for s in chunked[0]] == [s[1:] for s in whole[0]] and chunked[1][1:] == whole[1][1:]
+    assert [s[2] for s in whole[0]] == [512, 512, 412, 412]
+    losses = lambda r: [s[0] for s in r[0]] + [r[1][0]]  # noqa: E731
+    np.testing.assert_allclose(losses(chunked), losses(whole), rtol=2e-3 if GPU_BUILD else 2e-6)
+    assert whole[0][3][0] < whole[0][2][0]  # it trains
+    n_train, n_val = 6 + 6 + 5 + 5, 5
+    for op in ("CROSS_ENTROPY_LOSS", "ARGMAX", "COUNT_EQUAL"):
+        assert chunked[2][("forward", op)] - whole[2][("forward", op)] == n_train + n_val - 5, op
+    assert chunked[2][("backward", "CROSS_ENTROPY_LOSS_BACK")] == n_train
+    assert chunked[2].get(("backward", "MUL_MAT"), 0) - whole[2].get(("backward", "MUL_MAT"), 0) == n_train
+    assert chunked[3] < whole[3]
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(-1, ValueError), (-(2**40), ValueError), (1.5, TypeError), ("8", TypeError)]
+)
+def test_loss_chunk_tokens_out_of_range_is_refused(value, error):
+    """loss_chunk_tokens: None, 0 or a positive int; others raise naming it (before any model work)."""
+    with pytest.raises(error, match="loss_chunk_tokens"):
+        train.TrainingArgs.of(loss_chunk_tokens=value)
+
+
 @pytest.mark.skipif(not GPU_BUILD, reason=gpu_skip_reason())
 def test_cross_entropy_forward_keeps_the_argmax_of_the_accuracy(f32_path):
     """Patch 0093 (CUDA): the cross-entropy forward finds each logits row's argmax as it reads the row (the last

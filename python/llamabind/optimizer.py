@@ -29,7 +29,12 @@ class Optimizer:
     0054), ``beta`` > 0 DPO's beta or ORPO's lambda. ``recompute``: gradient checkpointing, only the layers'
     outputs kept for the backward pass, the rest recomputed there (llama_opt_params.recompute_activations,
     patch 0066). ``max_grad_norm``: clip the gradients to this global L2 norm before each optimizer step
-    (torch.nn.utils.clip_grad_norm_; llama_opt_params.max_grad_norm, patch 0094); None or 0: no clipping."""
+    (torch.nn.utils.clip_grad_norm_; llama_opt_params.max_grad_norm, patch 0094); None or 0: no clipping.
+    ``loss_chunk_tokens``: the next-token cross-entropy computed in chunks of this many labelled tokens, the
+    output product too, each chunk's logits recomputed for the backward pass, so that a window's [tokens,
+    n_vocab] logits and their gradient never exist whole (a fused linear cross-entropy; llama_opt_params
+    .ce_chunk_rows, patch 0098); None (default): automatic, chunks of <= 512 MiB of F32 logits where a window's
+    exceed 2 GiB; 0: whole. ValueError for a negative value."""
 
     def __init__(
         self,
@@ -45,6 +50,7 @@ class Optimizer:
         beta: float = 0.1,
         recompute: bool = False,
         max_grad_norm: float | None = None,
+        loss_chunk_tokens: int | None = None,
     ):
         self.context = context
         self._native = context._llama_context
@@ -52,6 +58,7 @@ class Optimizer:
             self._native, optimizer, as_float(lr, "lr"), as_float(weight_decay, "weight_decay"), params,
             as_int(grad_accum, "grad_accum", 1), bool(embeddings), precision, loss, as_float(beta, "beta"),
             bool(recompute), 0.0 if max_grad_norm is None else as_float(max_grad_norm, "max_grad_norm"),
+            _ce_chunk_rows(loss_chunk_tokens),
         )  # fmt: skip
 
     def eval(
@@ -147,3 +154,11 @@ class Optimizer:
         """[(phase, ggml op, ms, nodes)] timed since the last call, for a context made with
         training_profile=True (ValueError otherwise)."""
         return _core.opt_profile(self._native)
+
+
+def _ce_chunk_rows(loss_chunk_tokens: int | None) -> int:
+    """llama_opt_params.ce_chunk_rows of a ``loss_chunk_tokens``: None automatic (0), 0 whole (-1), n > 0 itself."""
+    if loss_chunk_tokens is None:
+        return 0
+    n = as_int(loss_chunk_tokens, "loss_chunk_tokens", 0, note=" (0: whole; None: automatic)")
+    return -1 if n == 0 else n

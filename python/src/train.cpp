@@ -44,6 +44,7 @@ struct TrainState {
 // scheduler computes them one at a time and synchronizes after each (a profiling mode: slower).
 struct OpProfile {
     int phase = 0;  // 0 forward, 1 backward, 2 optimizer; opt_step starts each eval at 0
+    bool loss_seen = false;  // the loss node was computed (ggml_set_loss): the forward pass ends after its accuracy
     int64_t t0 = 0;
     struct Row {
         double ms = 0;
@@ -60,10 +61,14 @@ static bool profile_node(ggml_tensor * t, bool ask, void * ud) {
     }
     const double ms = (ggml_time_us() - p->t0) / 1000.0;  // the scheduler synchronized the backend
     if (t->op == GGML_OP_OPT_STEP_ADAMW || t->op == GGML_OP_OPT_STEP_SGD) p->phase = 2;
+    // ggml-opt's forward pass ends with the loss and then, unless the loss was chunked (patch 0098: each chunk's
+    // accuracy before the loss), the ARGMAX and COUNT_EQUAL of the accuracy
+    const bool accuracy = t->op == GGML_OP_ARGMAX || t->op == GGML_OP_COUNT_EQUAL || t->op == GGML_OP_RESHAPE;
+    if (p->phase == 0 && p->loss_seen && !accuracy) p->phase = 1;
     auto & r = p->rows[{ p->phase, ggml_op_desc(t) }];
     r.ms += ms;
     r.n += 1;
-    if (p->phase == 0 && std::strcmp(t->name, "ncorrect") == 0) p->phase = 1;  // ggml-opt's last forward node
+    if (t->flags & GGML_TENSOR_FLAG_LOSS) p->loss_seen = true;
     return true;
 }
 
@@ -117,7 +122,7 @@ static bool all_but_token_embd(const ggml_tensor * t, void *) {
 // the adapters' are flagged here (ggml_set_param) before it, which is all ggml's backward pass looks at.
 static void opt_init(Context & c, const std::string & optimizer, float lr, float wd, const std::string & params,
                      int grad_accum, bool embeddings, const std::string & precision, const std::string & loss,
-                     float beta, bool recompute, float max_grad_norm) {
+                     float beta, bool recompute, float max_grad_norm, int64_t ce_chunk_rows) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (c.train) raise_value("opt_init was already called on this context (llama_opt_init runs once)");
@@ -130,6 +135,9 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     if (!(max_grad_norm >= 0) || !std::isfinite(max_grad_norm))  // ggml-opt asserts it
         raise_value("max_grad_norm must be a finite number >= 0 (0: no clipping); got " +
                     std::to_string(max_grad_norm));
+    if (ce_chunk_rows < -1)  // llama_opt_params.ce_chunk_rows: 0 automatic, -1 whole, > 0 rows
+        raise_value("loss_chunk_tokens must be None (automatic), 0 (whole) or > 0; got " +
+                    std::to_string(ce_chunk_rows));
     if (grad_accum < 1 || grad_accum > 65536)
         raise_value("grad_accum (windows per optimizer step) must be in [1, 65536]; got " + std::to_string(grad_accum));
     auto st = std::make_shared<TrainState>();
@@ -185,6 +193,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     p.recompute_activations = recompute;
     // patch 0094: global-norm gradient clipping before each optimizer step (0: none)
     p.max_grad_norm = max_grad_norm;
+    // patch 0098: the cross-entropy in chunks of logits rows (0 automatic, -1 whole)
+    p.ce_chunk_rows = ce_chunk_rows;
     if (st->pref) {  // patch 0054: the loss of each ubatch's pairs of sequences
         p.build_loss = pref_build_loss;
         p.build_loss_ud = st->pref.get();
@@ -352,7 +362,10 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
         std::memcpy(lab + s * n_win, labels ? &(*labels)(s, 0) : &windows(s, 1), n_win * sizeof(int32_t));
     }
     ggml_opt_result_reset(st.result_step);
-    if (c.profile) c.profile->phase = 0;
+    if (c.profile) {
+        c.profile->phase = 0;
+        c.profile->loss_seen = false;
+    }
     std::string failed;  // llama.cpp's error (patch 0053: a graph that cannot be allocated) after the dataset is freed
     {
         nb::gil_scoped_release release;
@@ -531,7 +544,7 @@ void register_train(nb::module_ & m) {
     m.def("opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
           nb::arg("params") = "model", nb::arg("grad_accum") = 1, nb::arg("embeddings") = true,
           nb::arg("precision") = "f32", nb::arg("loss") = "cross_entropy", nb::arg("beta") = 0.1f,
-          nb::arg("recompute") = false, nb::arg("max_grad_norm") = 0.0f,
+          nb::arg("recompute") = false, nb::arg("max_grad_norm") = 0.0f, nb::arg("ce_chunk_rows") = 0,
           "llama_opt_init on a training context, ggml-opt's AdamW or SGD. params 'model': every F32 weight "
           "(llama_opt_param_filter_all; token_embd unless embeddings is false, patch 0033); 'lora': only the A/B "
           "tensors of the adapters applied to the context. grad_accum: opt_steps per optimizer step (their "
@@ -541,7 +554,9 @@ void register_train(nb::module_ & m) {
           "windows that alternate chosen, rejected (llama_opt_params.build_loss, patch 0054). recompute: keep only "
           "the layers' outputs for the backward pass, recompute the rest (llama_opt_params.recompute_activations, "
           "patch 0066). max_grad_norm > 0: the gradients clipped to that global L2 norm before each optimizer step "
-          "(llama_opt_params.max_grad_norm, patch 0094); 0: none.");
+          "(llama_opt_params.max_grad_norm, patch 0094); 0: none. ce_chunk_rows: the cross-entropy in chunks of "
+          "this many logits rows, each recomputed for the backward pass (llama_opt_params.ce_chunk_rows, patch "
+          "0098); 0 automatic, -1 whole.");
     m.def("opt_forward_as_training", &opt_forward_as_training, nb::arg("context"), nb::arg("on"),
           "ggml_opt_set_forward_as_training: forward-only opt_steps (train=False) between optimizer steps evaluate the "
           "training graph (its backward pass computed and dropped), so that a backend computes their forward nodes as "

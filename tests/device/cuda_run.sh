@@ -70,6 +70,8 @@
 # amx:    (LB_NO_CUDA=1; LB_AMX_STEP=build, then test) the CPU suite on the device's Intel Xeon with AMX_INT8.
 # pack84: (carry .device/llama.cpp.tar.xz, whl, tokenizer.gguf and .device-s; LB_NO_TOOLS=1) issue 84: the build, the
 #         packing tests on CUDA0, bench/pack.py on the random-weight 1B (packed against padded windows).
+# chunk84: (as pack84) issue 84, item 3: the build, the chunked cross-entropy's tests on CUDA0, bench/pack.py's packed
+#         1B windows with the logits whole and chunked (LB_CHUNK_RUNS CTX:LOSS_CHUNK_TOKENS[:gc]), nvidia-smi's peak.
 # attn84: (after pack84) issue 84: SDPA and llamabind's flash-attention kernels at 8k-64k tokens, 1B/8B/70B head shapes.
 # bench:  bench/generation.py on each model, full offload, llama-bench beside it in the same run
 #         (LB_ROUNDS x LB_REPS, default 5 x 20).
@@ -77,7 +79,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: amx, pack84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: amx, pack84, chunk84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -492,6 +494,29 @@ pack84)
   for c in ${LB_PACK_CTX:-32768 4096}; do
     python3 bench/pack.py --model $MODELS/llama-1b-f32.gguf --ctx $c --steps ${LB_PACK_STEPS:-3} --out "$OUT/pack-1b-ctx$c.json" \
       2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee -a "$OUT/pack84-bench.txt" | tail -5
+  done
+  ;;
+chunk84)
+  # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf and .device-s; LB_NO_TOOLS=1) issue 84, item 3:
+  # the build, the random-weight 1B in the background, the chunked cross-entropy's tests on CUDA0 (patch 0098), then
+  # bench/pack.py's packed windows of the F32 1B at each LB_CHUNK_RUNS entry CTX:LOSS_CHUNK_TOKENS[:gc] (default
+  # "32768:0 32768:auto": the logits whole and chunked; gc: gradient checkpointing), nvidia-smi's peak beside each
+  cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
+  [ -f $MODELS/llama-1b-f32.gguf ] || { python3 bench/make_model.py --size 1b --type q4_0 -o $MODELS/llama-1b-q4_0.gguf \
+    --tokenizer-from /tmp/tokenizer.gguf && python3 -c "from llamabind import train; \
+    train.to_f32('$MODELS/llama-1b-q4_0.gguf', '$MODELS/llama-1b-f32.gguf')"; } > $MODELS/make.log 2>&1 &
+  [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REQUIRE_GPU=1 timeout ${LB_TEST_TIMEOUT:-240} python3 -m pytest tests/test_train_graphs.py \
+    -k "chunk" $PYTEST_ARGS -s 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/chunk84-tests.log" | tail -15
+  wait; tail -2 $MODELS/make.log
+  for run in ${LB_CHUNK_RUNS:-32768:0 32768:auto}; do
+    IFS=: read -r c n gc <<< "$run"
+    args="--model $MODELS/llama-1b-f32.gguf --ctx $c --steps ${LB_PACK_STEPS:-3} --modes packed"
+    [ "$n" = auto ] || args="$args --loss-chunk-tokens $n"
+    [ -z "$gc" ] || args="$args --gradient-checkpointing"
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/smi-$c-$n$gc.txt" & smi=$!
+    timeout ${LB_CHUNK_TIMEOUT:-400} python3 bench/pack.py $args --out "$OUT/pack-1b-ctx$c-chunk$n$gc.json" 2>&1 \
+      | grep -vE "^(llama|load|print_info|common|ggml|init)" | sed "s/^/$run /" | tee -a "$OUT/chunk84-bench.txt" | tail -4
+    kill $smi; echo "$run peak GPU MiB $(sort -n "$OUT/smi-$c-$n$gc.txt" | tail -1)" | tee -a "$OUT/chunk84-bench.txt"
   done
   ;;
 attn84)

@@ -144,6 +144,7 @@ def _training_args(args, ckpt_dir):
         min_lr=args.min_lr, steps_per_eval=args.steps_per_eval, steps_per_report=args.steps_per_report, log=args.log,
         checkpoint_dir=ckpt_dir, save_every=args.save_every, precision=precision, flash_attn=flash,
         gradient_checkpointing=args.gradient_checkpointing, max_grad_norm=args.max_grad_norm, pack=args.pack,
+        loss_chunk_tokens=args.loss_chunk_tokens,
     )  # fmt: skip
 
 
@@ -250,11 +251,20 @@ def add_parsers(sub) -> None:
 
 
 def _add_memory_and_step_options(f) -> None:
-    """finetune's --gradient-checkpointing, --pack and --max-grad-norm: how a step spends memory and compute."""
+    """finetune's --gradient-checkpointing, --loss-chunk-tokens, --pack and --max-grad-norm: how a step spends
+    memory and compute."""
     f.add_argument(
         "--gradient-checkpointing",
         action="store_true",
         help="recompute each layer's activations in the backward pass: less memory, one more forward pass",
+    )
+    f.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="compute the output layer and the loss in chunks of N tokens, the logits never whole (default: "
+        "automatic, where a window's logits exceed 2 GiB; 0: whole)",
     )
     f.add_argument(
         "--pack",

@@ -88,6 +88,12 @@ class TrainingArgs:
         gradient_checkpointing: recompute each layer's activations in the backward pass instead of
             keeping them from the forward pass (patch 0066): only the layers' outputs stay in memory,
             for one more forward pass's compute (PyTorch's / transformers' gradient checkpointing).
+        loss_chunk_tokens: the next-token cross-entropy, and the output product before it, computed in chunks
+            of this many labelled tokens, each chunk's logits recomputed for the backward pass (a fused linear
+            cross-entropy, as Liger-Kernel's; patch 0098): a window's [tokens, n_vocab] logits and their gradient
+            never exist whole (6.4 GB each in F32 for 32,768 tokens of a 49,152-token vocabulary), for ~1% more
+            compute. None (default): automatic, chunks of <= 512 MiB of logits where a window's exceed 2 GiB; 0:
+            whole, as before.
         pack: pack the examples (JSONL rows, a dataset's rows) into windows, several a window, instead of a
             window each padded to ctx_size (sequence packing, TRL's ``padding_free`` packing, mlx-lm's): each
             example attends only to itself and its positions start at 0, so it trains as alone in a window
@@ -125,6 +131,7 @@ class TrainingArgs:
     flash_attn: bool | None = None
     max_grad_norm: float | None = None
     gradient_checkpointing: bool = False
+    loss_chunk_tokens: int | None = None
     pack: bool = False
     steps_per_eval: int | None = None
     steps_per_report: int | None = None
@@ -215,6 +222,7 @@ class TrainingArgs:
             shuffle=_bool(self.shuffle, "shuffle"),
             max_grad_norm=max_grad_norm,
             gradient_checkpointing=_bool(self.gradient_checkpointing, "gradient_checkpointing"),
+            loss_chunk_tokens=_opt_int(self.loss_chunk_tokens, "loss_chunk_tokens", 0),
             pack=_bool(self.pack, "pack"),
             train_embeddings=_bool(self.train_embeddings, "train_embeddings"),
             lora_rank=rank,

@@ -143,7 +143,7 @@ class Trainer:
             with _bf16_inputs_off(params == "lora" and not flash and precision == "bf16" and model.output_offloaded):
                 self.optimizer = Optimizer(
                     self.context, a.optimizer, a.lr, a.weight_decay, params, self.grad_accum, a.train_embeddings,
-                    precision, loss, beta, a.gradient_checkpointing, a.max_grad_norm,
+                    precision, loss, beta, a.gradient_checkpointing, a.max_grad_norm, a.loss_chunk_tokens,
                 )  # fmt: skip
         except BaseException:
             self.context.close()
