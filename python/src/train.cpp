@@ -43,7 +43,7 @@ struct TrainState {
 // backward, optimizer steps) and op: llama_context_params.cb_eval asks for every node, so the
 // scheduler computes them one at a time and synchronizes after each (a profiling mode: slower).
 struct OpProfile {
-    int phase = 0;  // 0 forward, 1 backward, 2 optimizer; opt_step starts each eval at 0
+    int phase = 0;           // 0 forward, 1 backward, 2 optimizer; opt_step starts each eval at 0
     bool loss_seen = false;  // the loss node was computed (ggml_set_loss): the forward pass ends after its accuracy
     int64_t t0 = 0;
     struct Row {
