@@ -624,10 +624,11 @@ def test_chunked_cross_entropy_trains_the_same_steps_as_the_whole(f32_path, chec
     backward products are OUT_PRODs), and the compute buffer is smaller (the 512 x 49,152 logits and their gradient
     are not kept whole). SmolLM2's tied embedding (the output weight trained through both its uses), full fine-tune,
     with and without gradient checkpointing (patch 0066's checkpoints and the chunks recomputed in one graph). Four
-    steps and the validation give the same accuracies and labelled-token counts, and the same losses to rtol 2e-6 on
-    the CPU, in F32 (measured 1e-7: the chunked mean sums the rows per chunk, then the chunks' shares, and the
-    weight's gradient is summed over chunks; the same kernels otherwise), 2e-3 on a GPU (BF16 products: AdamW's
-    normalized steps carry the sums' roundings into weights that BF16 rounds). A chunk's rows taken from another
+    steps and the validation give the same labelled-token counts, the same accuracies (on a GPU the first step's, the
+    later ones within 3 of the 412 rows: a near tie of BF16 logits may go either way) and the same losses to rtol
+    2e-6 on the CPU, in F32 (measured 1e-7: the chunked mean sums the rows per chunk, then the chunks' shares, and
+    the weight's gradient is summed over chunks; the same kernels otherwise), 2e-3 on a GPU (BF16 products: AdamW's
+    normalized steps carry the sums' roundings into weights that BF16 rounds; the flash backward's atomics). A chunk's rows taken from another
     chunk, a share not scaled by its rows, or a gradient of one chunk left out would change the losses by far more
     (the masked steps' chunks hold different numbers of labelled rows). loss_chunk_tokens=None (automatic) leaves
     these 100 MB of logits whole: the same nodes as 0."""
@@ -636,8 +637,10 @@ def test_chunked_cross_entropy_trains_the_same_steps_as_the_whole(f32_path, chec
     auto = _chunked_run(f32_path, None, gradient_checkpointing=checkpointing)
     print(whole[:2], chunked[:2], whole[3], chunked[3])
     assert auto[2] == whole[2]
-    assert [s[1:] for s in chunked[0]] == [s[1:] for s in whole[0]] and chunked[1][1:] == whole[1][1:]
-    assert [s[2] for s in whole[0]] == [512, 512, 412, 412]
+    assert [s[2] for s in chunked[0]] == [s[2] for s in whole[0]] == [512, 512, 412, 412]
+    accuracies = lambda r: [s[1] for s in r[0]] + [r[1][1]]  # noqa: E731
+    assert chunked[1][2] == whole[1][2] and accuracies(chunked)[0] == accuracies(whole)[0]
+    np.testing.assert_allclose(accuracies(chunked), accuracies(whole), atol=3 / 412 if GPU_BUILD else 0)
     losses = lambda r: [s[0] for s in r[0]] + [r[1][0]]  # noqa: E731
     np.testing.assert_allclose(losses(chunked), losses(whole), rtol=2e-3 if GPU_BUILD else 2e-6)
     assert whole[0][3][0] < whole[0][2][0]  # it trains
