@@ -628,10 +628,10 @@ def test_chunked_cross_entropy_trains_the_same_steps_as_the_whole(f32_path, chec
     later ones within 3 of the 412 rows: a near tie of BF16 logits may go either way) and the same losses to rtol
     2e-6 on the CPU, in F32 (measured 1e-7: the chunked mean sums the rows per chunk, then the chunks' shares, and
     the weight's gradient is summed over chunks; the same kernels otherwise), 2e-3 on a GPU (BF16 products: AdamW's
-    normalized steps carry the sums' roundings into weights that BF16 rounds; the flash backward's atomics). A chunk's rows taken from another
-    chunk, a share not scaled by its rows, or a gradient of one chunk left out would change the losses by far more
-    (the masked steps' chunks hold different numbers of labelled rows). loss_chunk_tokens=None (automatic) leaves
-    these 100 MB of logits whole: the same nodes as 0."""
+    normalized steps carry the sums' roundings into weights that BF16 rounds; the flash backward's atomics). A
+    chunk's rows taken from another chunk, a share not scaled by its rows, or a gradient of one chunk left out would
+    change the losses by far more (the masked steps' chunks hold different numbers of labelled rows).
+    loss_chunk_tokens=None (automatic) leaves these 100 MB of logits whole: the same nodes as 0."""
     whole = _chunked_run(f32_path, 0, gradient_checkpointing=checkpointing)
     chunked = _chunked_run(f32_path, 100, gradient_checkpointing=checkpointing)
     auto = _chunked_run(f32_path, None, gradient_checkpointing=checkpointing)
