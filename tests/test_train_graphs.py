@@ -600,7 +600,7 @@ def test_label_classes_train_the_same_steps_as_one_hot_labels(f32_path):
 
 
 def _chunked_run(path, chunk, **kw) -> tuple[list, list, dict, int]:
-    """Four AdamW steps (lr 1e-3; the last two with 100 positions masked: 412 logits rows of 512) and a validation
+    """Three AdamW steps (lr 1e-3; the last two with 100 positions masked: 412 logits rows of 512) and a validation
     pass with loss_chunk_tokens=chunk: the steps, the validation, {(phase, op): nodes} of the profile, the compute
     buffer's bytes."""
     w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
@@ -609,7 +609,7 @@ def _chunked_run(path, chunk, **kw) -> tuple[list, list, dict, int]:
     with llamabind.Model(path, use_mmap=False, n_threads=2) as m:
         kw = dict(batch_size=2, lr=1e-3, loss_chunk_tokens=chunk, profile=True, n_threads=2, **kw)
         with train.Trainer(m, **kw) as t:
-            steps = [t.step(w) for _ in range(2)] + [t.step(w, lab) for _ in range(2)]
+            steps = [t.step(w)] + [t.step(w, lab) for _ in range(2)]
             val = t.evaluate(w, lab)
             ops_of = {(r["phase"], r["op"]): r["nodes"] for r in t.profile()}
             return steps, val, ops_of, t.stats()["compute_buffer_bytes"]
@@ -619,11 +619,11 @@ def _chunked_run(path, chunk, **kw) -> tuple[list, list, dict, int]:
 def test_chunked_cross_entropy_trains_the_same_steps_as_the_whole(f32_path, checkpointing):
     """Patch 0098: with loss_chunk_tokens=100 the output product, the cross-entropy and the accuracy run in chunks of
     100 logits rows (6 chunks of the 512 rows, 5 of 412), each chunk's logits recomputed for its backward pass: the
-    profile's forward pass has a CROSS_ENTROPY_LOSS, ARGMAX and COUNT_EQUAL per chunk (6 + 6 + 5 + 5 steps, 5 for the
+    profile's forward pass has a CROSS_ENTROPY_LOSS, ARGMAX and COUNT_EQUAL per chunk (6 + 5 + 5 steps, 5 for the
     validation) and its backward pass a product per chunk (the recomputed logits; the whole has none there: its
     backward products are OUT_PRODs), and the compute buffer is smaller (the 512 x 49,152 logits and their gradient
     are not kept whole). SmolLM2's tied embedding (the output weight trained through both its uses), full fine-tune,
-    with and without gradient checkpointing (patch 0066's checkpoints and the chunks recomputed in one graph). Four
+    with and without gradient checkpointing (patch 0066's checkpoints and the chunks recomputed in one graph). Three
     steps and the validation give the same labelled-token counts, the same accuracies (on a GPU the first step's, the
     later ones within 3 of the 412 rows: a near tie of BF16 logits may go either way) and the same losses to rtol
     2e-6 on the CPU, in F32 (measured 1e-7: the chunked mean sums the rows per chunk, then the chunks' shares, and
@@ -631,22 +631,23 @@ def test_chunked_cross_entropy_trains_the_same_steps_as_the_whole(f32_path, chec
     normalized steps carry the sums' roundings into weights that BF16 rounds; the flash backward's atomics). A
     chunk's rows taken from another chunk, a share not scaled by its rows, or a gradient of one chunk left out would
     change the losses by far more (the masked steps' chunks hold different numbers of labelled rows).
-    loss_chunk_tokens=None (automatic) leaves these 100 MB of logits whole: the same nodes as 0."""
+    loss_chunk_tokens=None (automatic, run without checkpointing) leaves these 100 MB of logits whole: the same nodes
+    as 0."""
     whole = _chunked_run(f32_path, 0, gradient_checkpointing=checkpointing)
     chunked = _chunked_run(f32_path, 100, gradient_checkpointing=checkpointing)
-    auto = _chunked_run(f32_path, None, gradient_checkpointing=checkpointing)
     print(whole[:2], chunked[:2], whole[3], chunked[3])
-    assert auto[2] == whole[2]
-    assert [s[2] for s in chunked[0]] == [s[2] for s in whole[0]] == [512, 512, 412, 412]
+    if not checkpointing:
+        assert _chunked_run(f32_path, None)[2] == whole[2]
+    assert [s[2] for s in chunked[0]] == [s[2] for s in whole[0]] == [512, 412, 412]
     accuracies = lambda r: [s[1] for s in r[0]] + [r[1][1]]  # noqa: E731
     assert chunked[1][2] == whole[1][2] and accuracies(chunked)[0] == accuracies(whole)[0]
     np.testing.assert_allclose(accuracies(chunked), accuracies(whole), atol=3 / 412 if GPU_BUILD else 0)
     losses = lambda r: [s[0] for s in r[0]] + [r[1][0]]  # noqa: E731
     np.testing.assert_allclose(losses(chunked), losses(whole), rtol=2e-3 if GPU_BUILD else 2e-6)
-    assert whole[0][3][0] < whole[0][2][0]  # it trains
-    n_train, n_val = 6 + 6 + 5 + 5, 5
+    assert whole[0][2][0] < whole[0][1][0]  # it trains
+    n_train, n_val = 6 + 5 + 5, 5
     for op in ("CROSS_ENTROPY_LOSS", "ARGMAX", "COUNT_EQUAL"):
-        assert chunked[2][("forward", op)] - whole[2][("forward", op)] == n_train + n_val - 5, op
+        assert chunked[2][("forward", op)] - whole[2][("forward", op)] == n_train + n_val - 4, op  # 4 evals whole
     assert chunked[2][("backward", "CROSS_ENTROPY_LOSS_BACK")] == n_train
     assert chunked[2].get(("backward", "MUL_MAT"), 0) - whole[2].get(("backward", "MUL_MAT"), 0) == n_train
     assert chunked[3] < whole[3]
