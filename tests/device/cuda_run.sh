@@ -139,6 +139,13 @@ bench_settings() {
     done
   done
 }
+# the random-weight 1B (Q4_0) and its F32 copy in $MODELS, written in the background (the caller waits): pack84, chunk84
+start_1b_f32() {
+  cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
+  [ -f $MODELS/llama-1b-f32.gguf ] || { python3 bench/make_model.py --size 1b --type q4_0 -o $MODELS/llama-1b-q4_0.gguf \
+    --tokenizer-from /tmp/tokenizer.gguf && python3 -c "from llamabind import train; \
+    train.to_f32('$MODELS/llama-1b-q4_0.gguf', '$MODELS/llama-1b-f32.gguf')"; } > $MODELS/make.log 2>&1 &
+}
 case $phase in
 pref58)
   # (carry .device-b after build, with SmolLM2's part-a in /tmp) issue 58 on CUDA0: tests/test_train_preference.py
@@ -484,10 +491,7 @@ pack84)
   # build, the random-weight 1B (Q4_0 and its F32 copy) written in the background, the packing tests on CUDA0
   # (tests/test_train_pack.py, patch 0096), then bench/pack.py (packed against padded windows of the standard library's
   # modules) on the F32 1B at LB_PACK_CTX (default "32768 4096")
-  cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
-  [ -f $MODELS/llama-1b-f32.gguf ] || { python3 bench/make_model.py --size 1b --type q4_0 -o $MODELS/llama-1b-q4_0.gguf \
-    --tokenizer-from /tmp/tokenizer.gguf && python3 -c "from llamabind import train; \
-    train.to_f32('$MODELS/llama-1b-q4_0.gguf', '$MODELS/llama-1b-f32.gguf')"; } > $MODELS/make.log 2>&1 &
+  start_1b_f32
   [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REQUIRE_GPU=1 timeout ${LB_TEST_TIMEOUT:-240} python3 -m pytest tests/test_train_pack.py \
     $PYTEST_ARGS -s 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/pack84-tests.log" | tail -15
   wait; tail -2 $MODELS/make.log
@@ -501,10 +505,7 @@ chunk84)
   # the build, the random-weight 1B in the background, the chunked cross-entropy's tests on CUDA0 (patch 0098), then
   # bench/pack.py's packed windows of the F32 1B at each LB_CHUNK_RUNS entry CTX:LOSS_CHUNK_TOKENS[:gc] (default
   # "32768:0 32768:auto": the logits whole and chunked; gc: gradient checkpointing), nvidia-smi's peak beside each
-  cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
-  [ -f $MODELS/llama-1b-f32.gguf ] || { python3 bench/make_model.py --size 1b --type q4_0 -o $MODELS/llama-1b-q4_0.gguf \
-    --tokenizer-from /tmp/tokenizer.gguf && python3 -c "from llamabind import train; \
-    train.to_f32('$MODELS/llama-1b-q4_0.gguf', '$MODELS/llama-1b-f32.gguf')"; } > $MODELS/make.log 2>&1 &
+  start_1b_f32
   [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REQUIRE_GPU=1 timeout ${LB_TEST_TIMEOUT:-240} python3 -m pytest tests/test_train_graphs.py \
     -k "chunk" $PYTEST_ARGS -s 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/chunk84-tests.log" | tail -15
   wait; tail -2 $MODELS/make.log
