@@ -375,6 +375,67 @@ def test_gpu_flash_attention_backward_takes_32_keys_a_warp_by_default(device, tm
     assert ops.nmse(grads["1"], grads["0"]) < 1e-10
 
 
+_FA_FWD_RUN = """
+import logging, sys
+import numpy as np
+logging.basicConfig(level=logging.INFO)
+sys.path.insert(0, {tests!r})
+import test_ops_backends as t
+np.savez({out!r}, *t._training_forward({device!r}))
+"""
+
+
+def _training_forward(device):
+    """The training forward's O (vjp's graph: FLASH_ATTN_EXT read by its backward) at head sizes 64 and 128, causal,
+    grouped-query heads, a last query and key tile of 44 rows, and the float64 references."""
+    from test_ops_grad import _attention_f64
+
+    outs = []
+    for b, h, hk, n, d in ((2, 8, 2, 300, 64), (1, 4, 1, 300, 128)):
+        r = np.random.default_rng(n + d)
+        q, k, v = (r.standard_normal((b, x, n, d)).astype(np.float32) for x in (h, hk, hk))
+        mask = np.triu(np.full((n, n), -np.inf, np.float32), 1).astype(np.float16)
+
+        def attn(q, k, v, mask=mask, d=d):
+            return ops.flash_attn_ext(q, k, v, mask, scale=d**-0.5)
+
+        outs += [np.asarray(ops.vjp(attn, q, k, v, backend=device)[0]), _attention_f64(q, k, v, mask, d**-0.5)]
+    return outs
+
+
+@pytest.mark.parametrize("device", [g for g in GPUS if g.startswith("CUDA")] or ["CUDA0"])
+def test_gpu_flash_attention_training_forward_on_warpgroup_products(device, tmp_path):
+    """Patch 0099 (CUDA, compute capability 9.0): the training forward runs on Hopper's warpgroup products (wgmma,
+    sm_90a; ggml-cuda's build compiles 90 as 90a) by default and says so once at INFO; GGML_CUDA_FA_FWD_WGMMA=0 runs
+    the mma.sync kernel and logs nothing. Each run its own process, O at head sizes 64 and 128: both within 1e-4
+    NMSE of float64 (BF16 operands: ~1e-6 here), and the two kernels within 1e-12 of each other (the same BF16
+    operands and F32 accumulation; measured bit for bit on an H200, tests/device/fa_harness.py --forward)."""
+    if device not in GPUS:
+        pytest.skip(f"no {device}")
+    desc = next(d["description"] for d in ops.devices() if d["name"] == device)
+    if not any(x in desc for x in ("H100", "H200", "H800", "H20")):
+        pytest.skip(f"{desc}: not a Hopper GPU (compute capability 9.0)")
+    import os
+    import pathlib
+
+    from conftest import run_python
+
+    outs, logged = {}, {}
+    for on in ("1", "0"):
+        out = tmp_path / f"o{on}.npz"
+        code = _FA_FWD_RUN.format(tests=str(pathlib.Path(__file__).parent), device=device, out=str(out))
+        p = run_python(code, timeout=300, env={**os.environ, "GGML_CUDA_FA_FWD_WGMMA": on})
+        assert p.returncode == 0, p.stderr[-2000:]
+        with np.load(out) as z:
+            outs[on] = [z[f"arr_{i}"] for i in range(4)]
+        logged[on] = "the training forward on warpgroup products" in p.stderr
+    assert logged == {"1": True, "0": False}, logged
+    for i, d in enumerate((64, 128)):
+        got, mma, want = outs["1"][2 * i], outs["0"][2 * i], outs["1"][2 * i + 1]
+        assert got.shape == want.shape and ops.nmse(got, want) < 1e-4, (d, ops.nmse(got, want))
+        assert ops.nmse(mma, want) < 1e-4 and ops.nmse(got, mma) < 1e-12, (d, ops.nmse(got, mma))
+
+
 @pytest.mark.parametrize("device", GPUS)
 @pytest.mark.parametrize("shape", [(600, 4100), (8, 4100), (3, 5001), (1, 49152), (2, 49153), (64, 49152)])
 def test_gpu_argmax_reads_four_columns_a_load_and_keeps_the_last_maximum(device, shape):

@@ -72,6 +72,8 @@
 #         packing tests on CUDA0, bench/pack.py on the random-weight 1B (packed against padded windows).
 # chunk84: (as pack84) issue 84, item 3: the build, the chunked cross-entropy's tests on CUDA0, bench/pack.py's packed
 #         1B windows with the logits whole and chunked (LB_CHUNK_RUNS CTX:LOSS_CHUNK_TOKENS[:gc]), nvidia-smi's peak.
+# wgmma84: (as chunk84) issue 84, item 2: the build, the flash-attention tests on CUDA0 (patch 0099's wgmma forward),
+#         bench/train.py's full fine-tune rows at 16k and 32k with PyTorch bf16 beside them (LB_NO_TESTS, LB_NO_BENCH).
 # attn84: (after pack84) issue 84: SDPA and llamabind's flash-attention kernels at 8k-64k tokens, 1B/8B/70B head shapes.
 # bench:  bench/generation.py on each model, full offload, llama-bench beside it in the same run
 #         (LB_ROUNDS x LB_REPS, default 5 x 20).
@@ -79,7 +81,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: amx, pack84, chunk84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: amx, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -519,6 +521,21 @@ chunk84)
       | grep -vE "^(llama|load|print_info|common|ggml|init)" | sed "s/^/$run /" | tee -a "$OUT/chunk84-bench.txt" | tail -4
     kill $smi; echo "$run peak GPU MiB $(sort -n "$OUT/smi-$c-$n$gc.txt" | tail -1)" | tee -a "$OUT/chunk84-bench.txt"
   done
+  ;;
+wgmma84)
+  # (as chunk84) issue 84, item 2: the build (90 compiled as 90a: patch 0099), the random-weight 1B in the background,
+  # the flash-attention tests on CUDA0 (the training forward on warpgroup products and the float64 / CPU checks), then
+  # (LB_NO_TESTS=1 on the warm machine: the bench alone) bench/train.py's full fine-tune rows LB_BENCH (default
+  # "1b:16384:1 1b:32768:1") with PyTorch bf16 beside them
+  start_1b_f32
+  if [ -z "${LB_NO_TESTS:-}" ]; then
+    LLAMABIND_REQUIRE_GPU=1 timeout ${LB_TEST_TIMEOUT:-300} python3 -m pytest tests/test_ops_backends.py -k "flash_attention" \
+      $PYTEST_ARGS 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/wgmma84-tests.log" | tail -15
+  fi
+  wait; tail -2 $MODELS/make.log
+  [ -n "${LB_NO_BENCH:-}" ] || LB_BENCH=${LB_BENCH:-1b:16384:1 1b:32768:1} LB_RUNNERS=${LB_RUNNERS:-full} \
+    LB_TORCH_RUNS=${LB_TORCH_RUNS:-bf16} LB_STEPS=${LB_STEPS:-4} \
+    LB_CHARS=${LB_CHARS:-1200000} bench_settings "GGML_CUDA_FA_FWD_WGMMA=1" ${LB_WGMMA_OFF:+"GGML_CUDA_FA_FWD_WGMMA=0"}
   ;;
 attn84)
   # issue 84, item 1 (after pack84 or fa56: the build): the attention at long contexts, batch 1, the 1B (32 (8) heads x 64),

@@ -71,25 +71,54 @@ int fah_tiles(const void * mask, void * tiles, int N, int M, int64_t nb1, int64_
     return cudaGetLastError();
 }
 
-// the training forward at D = 64: out [S, N, H, 64] F32, lse [S, H, N] (log2 units); variant 0: fa_fwd_mma<64, true>
-// (64 query rows a block, 16 a warp; a version with 128 rows a block, 32 a warp, ran slower: 0.457 ms against 0.393 at
-// 4 x 32 heads x 2048 x 64 on an H200, 0.408 with registers for 3 blocks an SM, spilled)
-int fah_fwd(int variant, const void * Qb, const void * Kb, const void * Vb, const void * mask, int64_t nb1, int64_t nb2,
-        int64_t nb3, int ne2, int ne3, const void * tiles, float * out, float * lse, int N, int M, int H, int Hk, int S,
-        int Sk, float scale) {
-    const fab_mask m = fah_mask(mask, nb1, nb2, nb3, ne2, ne3, tiles, N, M);
-    cudaError_t err = cudaSuccess;
+// the training forward: out [S, N, H, D] F32, lse [S, H, N] (log2 units), Q, K, V BF16; variant 0: fa_fwd_mma<D,
+// D == 64> (64 query rows a block, 16 a warp, mma.sync; pipelined at D = 64, as ggml-cuda runs it); 1: fa_fwd_wgmma<D>
+// (sm_90a: the block's 4 warps as one warpgroup, Q read from shared memory by each product); 2: the same, Q in
+// registers; 3: fa_fwd_wgmma_ovl (Q in registers, a tile's softmax overlapped with the last tile's P V). (A version of variant 0 with 128 rows a block, 32 a warp, ran
+// slower: 0.457 ms against 0.393 at 4 x 32 heads x 2048 x 64 on an H200, 0.408 with registers for 3 blocks an SM.)
+} // extern "C"
+
+template <int D>
+static cudaError_t fah_fwd_d(int variant, const void * Qb, const void * Kb, const void * Vb, const fab_mask & m,
+        float * out, float * lse, int N, int M, int H, int Hk, int S, int Sk, float scale) {
+    const dim3 grid(H, S, (N + FAB_B - 1)/FAB_B);
+    const fab_qf32 qf = { nullptr, 0, 0, 0, nullptr };
+    cudaError_t err = cudaErrorInvalidValue;
     if (variant == 0) {
-        constexpr size_t smem = fab_smem_fwd(64, true);
-        err = fah_smem(fa_fwd_mma<64, true>, smem);
+        constexpr bool pipe = D == 64;
+        constexpr size_t smem = fab_smem_fwd(D, pipe);
+        err = fah_smem(fa_fwd_mma<D, pipe, false>, smem);
         if (err == cudaSuccess) {
-            fa_fwd_mma<64, true><<<dim3(H, S, (N + FAB_B - 1)/FAB_B), FAB_NT, smem>>>(Qb, Kb, Vb, m, out, lse, N, M, H,
-                Hk, S, Sk, scale);
+            fa_fwd_mma<D, pipe, false><<<grid, FAB_NT, smem>>>(Qb, qf, Kb, Vb, m, out, lse, N, M, H, Hk, S, Sk, scale);
         }
-    } else {
-        return cudaErrorInvalidValue;
+    } else if (variant == 1 || variant == 2) {
+        constexpr size_t smem = fab_smem_fwd_wgmma(D);
+        auto kernel = variant == 1 ? fa_fwd_wgmma<D, false, false> : fa_fwd_wgmma<D, false, true>;
+        err = fah_smem(kernel, smem);
+        if (err == cudaSuccess) {
+            kernel<<<grid, FAB_NT, smem>>>(Qb, qf, Kb, Vb, m, out, lse, N, M, H, Hk, S, Sk, scale);
+        }
+    } else if (variant == 3) {
+        constexpr size_t smem = fab_smem_fwd_wgmma(D);
+        err = fah_smem(fa_fwd_wgmma_ovl<D, false>, smem);
+        if (err == cudaSuccess) {
+            fa_fwd_wgmma_ovl<D, false><<<grid, FAB_NT, smem>>>(Qb, qf, Kb, Vb, m, out, lse, N, M, H, Hk, S, Sk, scale);
+        }
     }
     return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+extern "C" {
+
+int fah_fwd(int variant, int D, const void * Qb, const void * Kb, const void * Vb, const void * mask, int64_t nb1,
+        int64_t nb2, int64_t nb3, int ne2, int ne3, const void * tiles, float * out, float * lse, int N, int M, int H,
+        int Hk, int S, int Sk, float scale) {
+    const fab_mask m = fah_mask(mask, nb1, nb2, nb3, ne2, ne3, tiles, N, M);
+    switch (D) {
+        case 64:  return fah_fwd_d<64>(variant, Qb, Kb, Vb, m, out, lse, N, M, H, Hk, S, Sk, scale);
+        case 128: return fah_fwd_d<128>(variant, Qb, Kb, Vb, m, out, lse, N, M, H, Hk, S, Sk, scale);
+        default:  return cudaErrorInvalidValue;
+    }
 }
 
 // the dK/dV kernel at D = 64 with its dQ (dq zeroed first; dk and dv too where hparts > 1, as fa_back_launch does):

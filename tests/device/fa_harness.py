@@ -38,7 +38,7 @@ def build(ggml: str, out: str) -> ctypes.CDLL:
         "nvcc",
         "-O3",
         "-std=c++17",
-        "-arch=sm_90",
+        "-arch=sm_90a",  # (wgmma: the architecture-specific features)
         "-shared",
         "-Xcompiler",
         "-fPIC",
@@ -55,7 +55,7 @@ def build(ggml: str, out: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(out)
     P, N, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float  # pointer, int, int64, float
     lib.fah_tiles.argtypes = [P, P, N, N, L, L, L, N, N]
-    lib.fah_fwd.argtypes = [N, P, P, P, P, L, L, L, N, N, P, P, P, N, N, N, N, N, N, F]
+    lib.fah_fwd.argtypes = [N, N, P, P, P, P, L, L, L, N, N, P, P, P, N, N, N, N, N, N, F]
     lib.fah_dkdv.argtypes = [N, P, P, P, P, P, L, L, L, N, N, P, P, P, P, P, P, N, N, N, N, N, N, F, N]
     return lib
 
@@ -91,9 +91,10 @@ class Case:
     """Inputs in the kernels' layouts: Q, dO [S, H, N, D], K, V [Sk, Hk, M, D] BF16; the mask and its tile classes;
     the training forward's O and log-sum-exp; D_i = rowsum(dO * O)."""
 
-    def __init__(self, lib, S, H, Hk, N, M, mask_kind, seed=0):
+    def __init__(self, lib, S, H, Hk, N, M, mask_kind, seed=0, d=D, backward=True):
         g = torch.Generator(device="cuda").manual_seed(seed)
-        self.lib, self.S, self.H, self.Hk, self.N, self.M = lib, S, H, Hk, N, M
+        self.lib, self.S, self.H, self.Hk, self.N, self.M, self.d = lib, S, H, Hk, N, M, d
+        D = d  # noqa: N806 (the head size of this case)
         self.scale = 1.0 / math.sqrt(D)
         self.q = torch.randn(S, H, N, D, device="cuda", generator=g).bfloat16()
         self.k = torch.randn(S, Hk, M, D, device="cuda", generator=g).bfloat16()
@@ -109,9 +110,10 @@ class Case:
             )
         self.out = torch.full((S, N, H, D), float("nan"), device="cuda")
         self.lse = torch.full((S, H, N), float("nan"), device="cuda")
-        self.forward()
-        self.o = self.out.permute(0, 2, 1, 3).contiguous()
-        self.dsum = (self.do.float() * self.o).sum(-1).contiguous()
+        if backward:
+            self.forward()
+            self.o = self.out.permute(0, 2, 1, 3).contiguous()
+            self.dsum = (self.do.float() * self.o).sum(-1).contiguous()
 
     def _mask_args(self):
         m = self.mask
@@ -122,10 +124,11 @@ class Case:
         """N, M, H, Hk, S, Sk (= S) and the scale, as the kernels take them."""
         return [self.N, self.M, self.H, self.Hk, self.S, self.S, self.scale]
 
-    def forward(self, variant: int = 0):  # (fa_harness.cu's fah_fwd: 0, fa_fwd_mma<64, true>)
+    def forward(self, variant: int = 0):  # (fa_harness.cu's fah_fwd: 0, fa_fwd_mma; 1, fa_fwd_wgmma)
         check(
             self.lib.fah_fwd(
                 variant,
+                self.d,
                 self.q.data_ptr(),
                 self.k.data_ptr(),
                 self.v.data_ptr(),
@@ -176,6 +179,7 @@ class Case:
         if self.mask is not None:
             s = s + self.mask.double()
         o = torch.softmax(s, dim=-1) @ vr
+        self.lse_ref = torch.logsumexp(s.detach(), dim=-1) / math.log(2.0)  # log2 units, as the kernels' lse
         o.backward(self.do.double())
         return o.detach(), q.grad, k.grad, v.grad
 
@@ -210,8 +214,80 @@ CHECKS = [  # S, H, Hk, N, M, mask
 ]
 
 
+def forward_main(lib, a) -> int:
+    """--forward: the training forward's variants (fah_fwd) at D = 64 and 128 against float64 (O and the
+    log-sum-exp), then timed beside SDPA's flash forward at the 1B (32 (8) x 64), 8B (32 (8) x 128) and 70B (64 (8)
+    x 128) heads, batch 1, causal, 8k-32k tokens: ms and TFLOP/s of the causal FLOPs (4 N^2 D H / 2)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    variants = [int(v) for v in a.variants.split(",")]
+    report = {"device": torch.cuda.get_device_name(), "checks": [], "timing": []}
+    failed = 0
+    print("| D | case | variant | O | lse |")
+    print("|---|---|---|---|---|")
+    for d in (64, 128):
+        for S, H, Hk, N, M, kind in CHECKS:
+            c = Case(lib, S, H, Hk, N, M, kind, seed=N + M, d=d, backward=False)
+            o = c.reference()[0]
+            for var in variants:
+                c.out.fill_(float("nan"))
+                c.lse.fill_(float("nan"))
+                c.forward(var)
+                e_o = nmse(c.out.permute(0, 2, 1, 3), o)
+                e_l = nmse(c.lse, c.lse_ref)
+                bad = [k for k, x in (("O", e_o), ("lse", e_l)) if not x < NMSE_LIMIT]
+                failed += bool(bad)
+                name = f"{S}x{H}({Hk})x{N}x{M} {kind}"
+                report["checks"].append({"D": d, "case": name, "variant": var, "O": e_o, "lse": e_l, "failed": bad})
+                flag = f" FAILED {bad}" if bad else ""
+                print(f"| {d} | {name} | {var} | {e_o:.2e} | {e_l:.2e} |{flag}", flush=True)
+            del c
+            torch.cuda.empty_cache()
+    cols = " | ".join(f"v{v} ms" for v in variants)
+    tcols = " / ".join(f"v{v}" for v in variants)
+    print(f"\n| heads (kv) x D | ctx | SDPA flash ms | {cols} | TFLOP/s SDPA / {tcols} |")
+    for H, Hk, d in ((32, 8, 64), (32, 8, 128), (64, 8, 128)):
+        for N in [int(x) for x in a.ctx.split(",")]:
+            c = Case(lib, 1, H, Hk, N, N, "causal", seed=1, d=d, backward=False)
+            row = {"H": H, "Hk": Hk, "D": d, "ctx": N}
+            q, k, v = c.q, c.k, c.v
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                row["sdpa_flash_ms"] = time_ms(
+                    lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, enable_gqa=True
+                    ),
+                    a.reps,
+                )
+            outs = {}
+            for var in variants:
+                row[f"v{var}_ms"] = time_ms(lambda c=c, var=var: c.forward(var), a.reps)
+                outs[var] = c.out.clone()
+            row["nmse_vs_v0"] = {x: nmse(outs[x], outs[variants[0]]) for x in variants[1:]}
+            flops = 4 * N * N * d * H / 2
+            tf = [flops / row[k] / 1e9 for k in ["sdpa_flash_ms"] + [f"v{v}_ms" for v in variants]]
+            row["tflops"] = tf
+            report["timing"].append(row)
+            print(
+                f"| {H} ({Hk}) x {d} | {N} | {row['sdpa_flash_ms']:.3f} | "
+                + " | ".join(f"{row[f'v{v}_ms']:.3f}" for v in variants)
+                + " | "
+                + " / ".join(f"{x:.0f}" for x in tf)
+                + f" | nmse {row['nmse_vs_v0']}",
+                flush=True,
+            )
+            c = q = k = v = outs = None
+            torch.cuda.empty_cache()
+    report["failed"] = failed
+    with open(os.path.join(a.out, "fa-forward.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{failed} checks failed")
+    return 1 if failed else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--forward", action="store_true", help="the training forward's variants only (forward_main)")
+    ap.add_argument("--ctx", default="8192,16384,32768", help="--forward: the timed lengths")
     ap.add_argument("--ggml", default="vendor/llama.cpp/ggml")
     ap.add_argument("--so", default="/tmp/fa_harness.so")
     ap.add_argument("--variants", default="0,1,2", help="fah_dkdv's variants (fa_harness.cu)")
@@ -219,6 +295,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     lib = build(a.ggml, a.so)
+    if a.forward:
+        return forward_main(lib, a)
     variants = [int(v) for v in a.variants.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
     report = {"device": torch.cuda.get_device_name(), "checks": [], "timing": {}}
