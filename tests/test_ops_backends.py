@@ -381,7 +381,8 @@ import numpy as np
 logging.basicConfig(level=logging.INFO)
 sys.path.insert(0, {tests!r})
 import test_ops_backends as t
-np.savez({out!r}, *t._training_forward({device!r}))
+grads, _ = t._flash_attention_gradients({device!r}, 2, 8, 2, 300, 300, 128, np.float32, cpu=False)
+np.savez({out!r}, *t._training_forward({device!r}), *grads)
 """
 
 
@@ -404,12 +405,16 @@ def _training_forward(device):
 
 
 @pytest.mark.parametrize("device", [g for g in GPUS if g.startswith("CUDA")] or ["CUDA0"])
-def test_gpu_flash_attention_training_forward_on_warpgroup_products(device, tmp_path):
-    """Patch 0099 (CUDA, compute capability 9.0): the training forward runs on Hopper's warpgroup products (wgmma,
-    sm_90a; ggml-cuda's build compiles 90 as 90a) by default and says so once at INFO; GGML_CUDA_FA_FWD_WGMMA=0 runs
-    the mma.sync kernel and logs nothing. Each run its own process, O at head sizes 64 and 128: both within 1e-4
-    NMSE of float64 (BF16 operands: ~1e-6 here), and the two kernels within 1e-12 of each other (the same BF16
-    operands and F32 accumulation; measured bit for bit on an H200, tests/device/fa_harness.py --forward)."""
+def test_gpu_flash_attention_training_kernels_on_warpgroup_products(device, tmp_path):
+    """Patch 0099 (CUDA, compute capability 9.0): the training forward, and at head size 128 the backward's dK/dV
+    kernel that sums dQ, run on Hopper's warpgroup products (wgmma, sm_90a; ggml-cuda's build compiles 90 as 90a) by
+    default and say so once at INFO; GGML_CUDA_FA_FWD_WGMMA=0 and GGML_CUDA_FA_BACK_WGMMA=0 run the mma.sync kernels
+    and log neither. Each run its own process. O at head sizes 64 and 128: both within 1e-4 NMSE of float64 (BF16
+    operands: ~1e-6 here) and the two kernels within 1e-12 of each other (the same BF16 operands and F32
+    accumulation; bit for bit on an H200, tests/device/fa_harness.py --forward). dq, dk, dv at head size 128 (two
+    sequences of 300 rows, grouped-query heads, a last block of 44 keys) within 1e-10 of each other (dQ, and dK and
+    dV of the query heads, added by atomics in whatever order the blocks reach them: F32 rounding, ~1e-14);
+    test_gpu_flash_attention_gradients_match_cpu checks the default's against the CPU."""
     if device not in GPUS:
         pytest.skip(f"no {device}")
     desc = next(d["description"] for d in ops.devices() if d["name"] == device)
@@ -424,16 +429,20 @@ def test_gpu_flash_attention_training_forward_on_warpgroup_products(device, tmp_
     for on in ("1", "0"):
         out = tmp_path / f"o{on}.npz"
         code = _FA_FWD_RUN.format(tests=str(pathlib.Path(__file__).parent), device=device, out=str(out))
-        p = run_python(code, timeout=300, env={**os.environ, "GGML_CUDA_FA_FWD_WGMMA": on})
+        env = {**os.environ, "GGML_CUDA_FA_FWD_WGMMA": on, "GGML_CUDA_FA_BACK_WGMMA": on}
+        p = run_python(code, timeout=300, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
         with np.load(out) as z:
-            outs[on] = [z[f"arr_{i}"] for i in range(4)]
-        logged[on] = "the training forward on warpgroup products" in p.stderr
-    assert logged == {"1": True, "0": False}, logged
+            outs[on] = [z[f"arr_{i}"] for i in range(7)]
+        lines = ("the training forward on warpgroup", "the dK/dV kernel (D = 128) on warp")
+        logged[on] = [x in p.stderr for x in lines]
+    assert logged == {"1": [True, True], "0": [False, False]}, logged
     for i, d in enumerate((64, 128)):
         got, mma, want = outs["1"][2 * i], outs["0"][2 * i], outs["1"][2 * i + 1]
         assert got.shape == want.shape and ops.nmse(got, want) < 1e-4, (d, ops.nmse(got, want))
         assert ops.nmse(mma, want) < 1e-4 and ops.nmse(got, mma) < 1e-12, (d, ops.nmse(got, mma))
+    for name, got, mma in zip("qkv", outs["1"][4:], outs["0"][4:]):
+        assert got.shape == mma.shape and ops.nmse(got, mma) < 1e-10, (name, ops.nmse(got, mma))
 
 
 @pytest.mark.parametrize("device", GPUS)

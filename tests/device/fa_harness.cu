@@ -74,8 +74,10 @@ int fah_tiles(const void * mask, void * tiles, int N, int M, int64_t nb1, int64_
 // the training forward: out [S, N, H, D] F32, lse [S, H, N] (log2 units), Q, K, V BF16; variant 0: fa_fwd_mma<D,
 // D == 64> (64 query rows a block, 16 a warp, mma.sync; pipelined at D = 64, as ggml-cuda runs it); 1: fa_fwd_wgmma<D>
 // (sm_90a: the block's 4 warps as one warpgroup, Q read from shared memory by each product); 2: the same, Q in
-// registers; 3: fa_fwd_wgmma_ovl (Q in registers, a tile's softmax overlapped with the last tile's P V). (A version of variant 0 with 128 rows a block, 32 a warp, ran
-// slower: 0.457 ms against 0.393 at 4 x 32 heads x 2048 x 64 on an H200, 0.408 with registers for 3 blocks an SM.)
+// registers (patch 0099's). (A variant 3 that overlapped a tile's softmax with the last tile's P V was no faster and,
+// once ptxas stopped serializing it, wrong at D = 128: bench/results/h200-2026-12-04-wgmma84; dropped. A version of
+// variant 0 with 128 rows a block, 32 a warp, ran slower: 0.457 ms against 0.393 at 4 x 32 heads x 2048 x 64 on an
+// H200, 0.408 with registers for 3 blocks an SM.)
 } // extern "C"
 
 template <int D>
@@ -97,12 +99,6 @@ static cudaError_t fah_fwd_d(int variant, const void * Qb, const void * Kb, cons
         err = fah_smem(kernel, smem);
         if (err == cudaSuccess) {
             kernel<<<grid, FAB_NT, smem>>>(Qb, qf, Kb, Vb, m, out, lse, N, M, H, Hk, S, Sk, scale);
-        }
-    } else if (variant == 3) {
-        constexpr size_t smem = fab_smem_fwd_wgmma(D);
-        err = fah_smem(fa_fwd_wgmma_ovl<D, false>, smem);
-        if (err == cudaSuccess) {
-            fa_fwd_wgmma_ovl<D, false><<<grid, FAB_NT, smem>>>(Qb, qf, Kb, Vb, m, out, lse, N, M, H, Hk, S, Sk, scale);
         }
     }
     return err != cudaSuccess ? err : cudaGetLastError();
@@ -173,4 +169,60 @@ int fah_dkdv(int variant, const void * Qb, const void * Kb, const void * Vb, con
     return err != cudaSuccess ? err : cudaGetLastError();
 }
 
+} // extern "C"
+
+// the dK/dV kernel with its dQ at head size D (dq zeroed first; dk and dv too where hparts > 1): variant 0:
+// fa_back_mma_dkdv<D, true, true> (mma.sync, 64 keys a block, 16 a warp, as ggml-cuda runs it at D = 128); 3:
+// fa_back_wgmma_dkdv<D> (sm_90a: the block's 4 warps as one warpgroup)
+template <int D>
+static cudaError_t fah_dkdv_d(int variant, const void * Qb, const void * Kb, const void * Vb, const void * dOb,
+        const fab_mask & m, float * dq, float * dk, float * dv, const float * lse, const float * dsum, int N, int M,
+        int H, int Hk, int S, int Sk, float scale, int hparts) {
+    const uint3 rh_fd = init_fastdiv_values(H/(Hk*hparts));
+    const dim3 grid(Hk*hparts, Sk, (M + FAB_B - 1)/FAB_B);
+    cudaError_t err = cudaMemsetAsync(dq, 0, int64_t(N)*H*S*D*sizeof(float));
+    if (err == cudaSuccess && hparts > 1) {
+        err = cudaMemsetAsync(dk, 0, int64_t(M)*Hk*Sk*D*sizeof(float));
+        if (err == cudaSuccess) {
+            err = cudaMemsetAsync(dv, 0, int64_t(M)*Hk*Sk*D*sizeof(float));
+        }
+    }
+    if (err != cudaSuccess) {
+        return err;
+    }
+    if (variant == 0) {
+        constexpr size_t smem = fab_smem_mma(D, true, true);
+        err = fah_smem(fa_back_mma_dkdv<D, true, true>, smem);
+        if (err == cudaSuccess) {
+            fa_back_mma_dkdv<D, true, true><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H,
+                Hk, S, Sk, scale, hparts, rh_fd);
+        }
+    } else if (variant == 3) {
+        constexpr size_t smem = fab_smem_dkdv_wgmma(D);
+        err = fah_smem(fa_back_wgmma_dkdv<D>, smem);
+        if (err == cudaSuccess) {
+            fa_back_wgmma_dkdv<D><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk, S,
+                Sk, scale, hparts, rh_fd);
+        }
+    } else {
+        return cudaErrorInvalidValue;
+    }
+    return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+extern "C" {
+
+int fah_dkdv_d(int variant, int D, const void * Qb, const void * Kb, const void * Vb, const void * dOb,
+        const void * mask, int64_t nb1, int64_t nb2, int64_t nb3, int ne2, int ne3, const void * tiles, float * dq,
+        float * dk, float * dv, const float * lse, const float * dsum, int N, int M, int H, int Hk, int S, int Sk,
+        float scale, int hparts) {
+    const fab_mask m = fah_mask(mask, nb1, nb2, nb3, ne2, ne3, tiles, N, M);
+    switch (D) {
+        case 64:  return fah_dkdv_d<64>(variant, Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk, S, Sk, scale,
+                      hparts);
+        case 128: return fah_dkdv_d<128>(variant, Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk, S, Sk, scale,
+                      hparts);
+        default:  return cudaErrorInvalidValue;
+    }
+}
 } // extern "C"

@@ -57,6 +57,7 @@ def build(ggml: str, out: str) -> ctypes.CDLL:
     lib.fah_tiles.argtypes = [P, P, N, N, L, L, L, N, N]
     lib.fah_fwd.argtypes = [N, N, P, P, P, P, L, L, L, N, N, P, P, P, N, N, N, N, N, N, F]
     lib.fah_dkdv.argtypes = [N, P, P, P, P, P, L, L, L, N, N, P, P, P, P, P, P, N, N, N, N, N, N, F, N]
+    lib.fah_dkdv_d.argtypes = [N, N, P, P, P, P, P, L, L, L, N, N, P, P, P, P, P, P, N, N, N, N, N, N, F, N]
     return lib
 
 
@@ -167,6 +168,32 @@ class Case:
             ),
             f"fah_dkdv({variant})",
         )
+
+    def backward_d(self, variant: int, bufs=None):
+        """dq, dk, dv by fah_dkdv_d (0: fa_back_mma_dkdv<D, true, true>, 3: fa_back_wgmma_dkdv<D>) at this case's D, a
+        block per query head (hparts = H / Hk, as ggml-cuda runs it)."""
+        S, H, Hk, N, M, d = self.S, self.H, self.Hk, self.N, self.M, self.d
+        if bufs is None:
+            bufs = [torch.full((S, x, n, d), float("nan"), device="cuda") for x, n in ((H, N), (Hk, M), (Hk, M))]
+        dq, dk, dv = bufs
+        args = [self.q, self.k, self.v, self.do]
+        check(
+            self.lib.fah_dkdv_d(
+                variant,
+                d,
+                *(x.data_ptr() for x in args),
+                *self._mask_args(),
+                dq.data_ptr(),
+                dk.data_ptr(),
+                dv.data_ptr(),
+                self.lse.data_ptr(),
+                self.dsum.data_ptr(),
+                *self._shape_args(),
+                H // Hk,
+            ),
+            f"fah_dkdv_d({variant}, {d})",
+        )
+        return dq, dk, dv
 
     def reference(self):
         """O, dQ, dK, dV of softmax(Q K^T * scale + mask) V in float64 from the BF16 inputs (autograd)."""
@@ -284,8 +311,79 @@ def forward_main(lib, a) -> int:
     return 1 if failed else 0
 
 
+def backward_main(lib, a) -> int:
+    """--backward: the dK/dV kernels with dQ (fah_dkdv_d: 0 mma.sync, 3 wgmma) at D = 64 and 128 against float64 (dQ,
+    dK, dV), then timed beside SDPA's flash backward (its forward + backward less its forward) at the 1B, 8B and 70B
+    heads, batch 1, causal; at D = 64 also patch 0088's kernel (fah_dkdv 1, ggml-cuda's default there)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    report = {"device": torch.cuda.get_device_name(), "checks": [], "timing": []}
+    failed = 0
+    print("| D | case | variant | dQ | dK | dV |")
+    print("|---|---|---|---|---|---|")
+    for d in (64, 128):
+        for S, H, Hk, N, M, kind in CHECKS:
+            c = Case(lib, S, H, Hk, N, M, kind, seed=N + M, d=d)
+            _, dq_r, dk_r, dv_r = c.reference()
+            for var in (0, 3):
+                got = c.backward_d(var)
+                e = dict(zip(("dQ", "dK", "dV"), (nmse(x, r) for x, r in zip(got, (dq_r, dk_r, dv_r)))))
+                bad = [k for k, x in e.items() if not x < NMSE_LIMIT]
+                failed += bool(bad)
+                name = f"{S}x{H}({Hk})x{N}x{M} {kind}"
+                report["checks"].append({"D": d, "case": name, "variant": var, **e, "failed": bad})
+                flag = f" FAILED {bad}" if bad else ""
+                print(f"| {d} | {name} | {var} | {e['dQ']:.2e} | {e['dK']:.2e} | {e['dV']:.2e} |{flag}", flush=True)
+            c = None
+            torch.cuda.empty_cache()
+    print("\n| heads (kv) x D | ctx | SDPA flash bwd ms | mma.sync ms | wgmma ms | TFLOP/s SDPA / mma / wgmma |")
+    for H, Hk, d in ((32, 8, 64), (32, 8, 128), (64, 8, 128)):
+        for N in [int(x) for x in a.ctx.split(",")]:
+            c = Case(lib, 1, H, Hk, N, N, "causal", seed=1, d=d)
+            row = {"H": H, "Hk": Hk, "D": d, "ctx": N}
+            q, k, v, do = (x.detach().requires_grad_() for x in (c.q, c.k, c.v, c.do))
+
+            def fwd(q=q, k=k, v=v):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                f = time_ms(fwd, a.reps)
+                fb = time_ms(lambda fwd=fwd, do=do: fwd().backward(do), a.reps)
+            row["sdpa_flash_bwd_ms"] = fb - f
+            bufs = [torch.empty(1, x, N, d, device="cuda") for x in (H, Hk, Hk)]
+            base = None
+            for var in (0, 3):
+                row[f"v{var}_ms"] = time_ms(lambda c=c, var=var, bufs=bufs: c.backward_d(var, bufs), a.reps)
+                got = [x.clone() for x in c.backward_d(var, bufs)]
+                base = base or got
+                row[f"v{var}_nmse_vs_v0"] = [nmse(x, y) for x, y in zip(got, base)]
+            if d == 64:  # patch 0088's 128-key kernel, ggml-cuda's default at D = 64
+                dq, dk, dv = (torch.empty(1, x, N, 64, device="cuda") for x in (H, Hk, Hk))
+                row["v0088_ms"] = time_ms(lambda c=c, b=(dq, dk, dv): c.run_backward(1, *b), a.reps)
+            flops = 2.5 * 4 * N * N * d * H / 2
+            tf = [flops / row[k] / 1e9 for k in ("sdpa_flash_bwd_ms", "v0_ms", "v3_ms")]
+            row["tflops"] = tf
+            report["timing"].append(row)
+            extra = f" | 0088: {row['v0088_ms']:.3f}" if d == 64 else ""
+            print(
+                f"| {H} ({Hk}) x {d} | {N} | {row['sdpa_flash_bwd_ms']:.3f} | {row['v0_ms']:.3f} | "
+                + f"{row['v3_ms']:.3f} | "
+                + " / ".join(f"{x:.0f}" for x in tf)
+                + f" |{extra} nmse {row['v3_nmse_vs_v0']}",
+                flush=True,
+            )
+            c = q = k = v = do = bufs = base = None
+            torch.cuda.empty_cache()
+    report["failed"] = failed
+    with open(os.path.join(a.out, "fa-backward.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{failed} checks failed")
+    return 1 if failed else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backward", action="store_true", help="the dK/dV kernels at D = 64 and 128 (backward_main)")
     ap.add_argument("--forward", action="store_true", help="the training forward's variants only (forward_main)")
     ap.add_argument("--ctx", default="8192,16384,32768", help="--forward: the timed lengths")
     ap.add_argument("--ggml", default="vendor/llama.cpp/ggml")
@@ -297,6 +395,8 @@ def main() -> int:
     lib = build(a.ggml, a.so)
     if a.forward:
         return forward_main(lib, a)
+    if a.backward:
+        return backward_main(lib, a)
     variants = [int(v) for v in a.variants.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
     report = {"device": torch.cuda.get_device_name(), "checks": [], "timing": {}}
