@@ -241,6 +241,25 @@ CHECKS = [  # S, H, Hk, N, M, mask
 ]
 
 
+def record_check(report: dict, d: int, name: str, variant: int, errors: dict) -> int:
+    """One row of a --forward / --backward check (each NMSE against float64 under NMSE_LIMIT) into report and the
+    table; 1 if it failed."""
+    bad = [k for k, x in errors.items() if not x < NMSE_LIMIT]
+    report["checks"].append({"D": d, "case": name, "variant": variant, **errors, "failed": bad})
+    cells = " | ".join(f"{x:.2e}" for x in errors.values())
+    print(f"| {d} | {name} | {variant} | {cells} |" + (f" FAILED {bad}" if bad else ""), flush=True)
+    return int(bool(bad))
+
+
+def finish(report: dict, failed: int, path: str) -> int:
+    """The report as JSON at path; the exit status (1 if a check failed)."""
+    report["failed"] = failed
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{failed} checks failed")
+    return 1 if failed else 0
+
+
 def forward_main(lib, a) -> int:
     """--forward: the training forward's variants (fah_fwd) at D = 64 and 128 against float64 (O and the
     log-sum-exp), then timed beside SDPA's flash forward at the 1B (32 (8) x 64), 8B (32 (8) x 128) and 70B (64 (8)
@@ -260,14 +279,8 @@ def forward_main(lib, a) -> int:
                 c.out.fill_(float("nan"))
                 c.lse.fill_(float("nan"))
                 c.forward(var)
-                e_o = nmse(c.out.permute(0, 2, 1, 3), o)
-                e_l = nmse(c.lse, c.lse_ref)
-                bad = [k for k, x in (("O", e_o), ("lse", e_l)) if not x < NMSE_LIMIT]
-                failed += bool(bad)
-                name = f"{S}x{H}({Hk})x{N}x{M} {kind}"
-                report["checks"].append({"D": d, "case": name, "variant": var, "O": e_o, "lse": e_l, "failed": bad})
-                flag = f" FAILED {bad}" if bad else ""
-                print(f"| {d} | {name} | {var} | {e_o:.2e} | {e_l:.2e} |{flag}", flush=True)
+                errors = {"O": nmse(c.out.permute(0, 2, 1, 3), o), "lse": nmse(c.lse, c.lse_ref)}
+                failed += record_check(report, d, f"{S}x{H}({Hk})x{N}x{M} {kind}", var, errors)
             del c
             torch.cuda.empty_cache()
     cols = " | ".join(f"v{v} ms" for v in variants)
@@ -304,11 +317,7 @@ def forward_main(lib, a) -> int:
             )
             c = q = k = v = outs = None
             torch.cuda.empty_cache()
-    report["failed"] = failed
-    with open(os.path.join(a.out, "fa-forward.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"{failed} checks failed")
-    return 1 if failed else 0
+    return finish(report, failed, os.path.join(a.out, "fa-forward.json"))
 
 
 def backward_main(lib, a) -> int:
@@ -327,13 +336,8 @@ def backward_main(lib, a) -> int:
             _, dq_r, dk_r, dv_r = c.reference()
             for var in (0, 3):
                 got = c.backward_d(var)
-                e = dict(zip(("dQ", "dK", "dV"), (nmse(x, r) for x, r in zip(got, (dq_r, dk_r, dv_r)))))
-                bad = [k for k, x in e.items() if not x < NMSE_LIMIT]
-                failed += bool(bad)
-                name = f"{S}x{H}({Hk})x{N}x{M} {kind}"
-                report["checks"].append({"D": d, "case": name, "variant": var, **e, "failed": bad})
-                flag = f" FAILED {bad}" if bad else ""
-                print(f"| {d} | {name} | {var} | {e['dQ']:.2e} | {e['dK']:.2e} | {e['dV']:.2e} |{flag}", flush=True)
+                errors = dict(zip(("dQ", "dK", "dV"), (nmse(x, r) for x, r in zip(got, (dq_r, dk_r, dv_r)))))
+                failed += record_check(report, d, f"{S}x{H}({Hk})x{N}x{M} {kind}", var, errors)
             c = None
             torch.cuda.empty_cache()
     print("\n| heads (kv) x D | ctx | SDPA flash bwd ms | mma.sync ms | wgmma ms | TFLOP/s SDPA / mma / wgmma |")
@@ -374,11 +378,7 @@ def backward_main(lib, a) -> int:
             )
             c = q = k = v = do = bufs = base = None
             torch.cuda.empty_cache()
-    report["failed"] = failed
-    with open(os.path.join(a.out, "fa-backward.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"{failed} checks failed")
-    return 1 if failed else 0
+    return finish(report, failed, os.path.join(a.out, "fa-backward.json"))
 
 
 def main() -> int:
