@@ -5,13 +5,13 @@ or every weight, bf16 autocast, SDPA attention: what TRL's DPOTrainer runs, writ
 installed where the GPU is) in one run, on the same pairs, each runner its own process.
 
     python bench/preference.py [--model smollm2-135m-instruct | --size 1b] [--ctx 256] [--batch 8]
-        [--steps 12] [--runners lora,qlora,full] [--torch PYTHON] [--torch-device cuda] [--torch-runs lora,full]
-        [--out FILE.json]
+        [--steps 12] [--runners lora,qlora,full,lora-pack,full-pack] [--torch PYTHON] [--torch-device cuda]
+        [--torch-runs lora,full] [--out FILE.json]
 
 Pairs: Python's reference text (pydoc_data.topics): the prompt a topic's first ctx/2 tokens, the chosen answer
 the next 3/8 ctx tokens, the rejected answer as many tokens of the next topic (a wrong topic's answer), so each
-sequence is 7/8 ctx tokens: llamabind puts each in a window of ctx tokens, PyTorch pads a batch's sequences to the
-longest (the same here). Both: DPO's sigmoid loss, beta 0.1, the reference log-probabilities precomputed
+sequence is 7/8 ctx tokens: llamabind puts each in a window of ctx tokens (``-pack`` runners: TrainingArgs.pack, a
+step's pairs in one window with each prompt once), PyTorch pads a batch's sequences to the longest (the same here). Both: DPO's sigmoid loss, beta 0.1, the reference log-probabilities precomputed
 before the first step (TRL's precompute_ref_log_probs), AdamW (LoRA lr 1e-4, full 1e-6), batch pairs a step.
 "pairs/s": batch over the median step time after the first; peak GPU memory from nvidia-smi (the CUDA context
 included, every runner alike). Prints a table and writes bench/results/preference-<host>-<date>.json (--out).
@@ -63,12 +63,13 @@ def worker_llamabind(args) -> dict:
     pairs = [
         train.PreferencePair(*(np.asarray(x, np.int32) for x in p)) for p in json.loads(Path(args.data).read_text())
     ]
-    lora = args.worker != "full"
+    kind, _, pack = args.worker.partition("-")
+    lora = kind != "full"
     times: list[float] = []
     with llamabind.Model(args.model, use_mmap=lora, repack=False, n_gpu_layers=-1) as m:
         r = train.preference(
             m, pairs, method="dpo", beta=BETA, ctx_size=args.ctx, batch_size=args.batch, iters=args.steps,
-            lora_rank=RANK if lora else None, lr=LR_LORA if lora else LR_FULL, val_split=0.0, shuffle=False,
+            lora_rank=RANK if lora else None, lr=LR_LORA if lora else LR_FULL, val_split=0.0, shuffle=False, pack=bool(pack),
             progress=False, on_step=lambda step, metrics: times.append(time.perf_counter()),
         )  # fmt: skip
     steps = [b - a for a, b in zip(times, times[1:])]
@@ -146,7 +147,7 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=256, help="tokens per window (a sequence is 7/8 of it)")
     ap.add_argument("--batch", type=int, default=8, help="pairs per optimizer step")
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps per runner")
-    ap.add_argument("--runners", default="lora,qlora,full", help="llamabind's: lora, qlora, full")
+    ap.add_argument("--runners", default="lora,qlora,full", help="llamabind's: lora, qlora, full (-pack: packed pairs)")
     ap.add_argument("--torch", default=None, help="python with torch + transformers + peft")
     ap.add_argument("--torch-device", default="cuda")
     ap.add_argument("--torch-runs", default="lora,full", help="PyTorch's: lora (peft), full; bf16 autocast")
@@ -171,9 +172,10 @@ def main() -> int:
             desc = f"{quant.name} ({v.n_params / 1e6:.0f} M parameters)"
         paths = {"lora": f32, "qlora": quant, "full": f32}
         for r in args.runners.split(","):
-            cmd = [sys.executable, __file__, "--worker", r, "--model", str(paths[r]), "--data", str(data)]
+            kind, _, pack = r.partition("-")
+            cmd = [sys.executable, __file__, "--worker", r, "--model", str(paths[kind]), "--data", str(data)]
             cmd += ["--ctx", str(args.ctx), "--batch", str(args.batch), "--steps", str(args.steps)]
-            name = {"lora": f"LoRA r{RANK}", "qlora": f"QLoRA r{RANK}", "full": "full"}[r]
+            name = {"lora": f"LoRA r{RANK}", "qlora": f"QLoRA r{RANK}", "full": "full"}[kind] + (" packed" if pack else "")
             try:
                 out, _, gpu_mb = run_process(cmd)
                 rows[f"llamabind DPO {name}"] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}

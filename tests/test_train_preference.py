@@ -404,3 +404,89 @@ def test_dpo_first_step_loss_is_ln_2(kind, smollm2_f32_cut):
     else:
         assert r.losses[0] == pytest.approx(np.log(2), abs=1e-6)
         assert first.rewards_chosen == 0.0 and first.rewards_rejected == 0.0
+
+
+def _topic_pairs(m, n: int, prompt: int, answer: int) -> list:
+    """n pairs from Python's reference text: a topic's first ``prompt`` tokens, its next ``answer`` tokens (chosen)
+    and as many of the next topic's (rejected); bench/preference.py's pairs."""
+    from pydoc_data.topics import topics
+
+    toks = [m.tokenize(topics[k], add_special=False) for k in sorted(topics)]
+    toks = [t for t in toks if len(t) >= prompt + answer][: n + 1]
+    p, e = prompt, prompt + answer
+    return [train.PreferencePair(*(np.asarray(x, np.int32) for x in (t[:p], t[p:e], o[p:e])))
+            for t, o in zip(toks, toks[1:])]  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo"])
+def test_packed_pairs_train_as_their_windows(method, doc_pairs, smollm2_f32_cut):
+    """Issue 83 item 4 (patch 0101): ``pack=True`` lays a micro-batch's pairs into one window with each prompt once
+    (the rejected answer sees the chosen window's prompt tokens as its own: shared tokens of two documents) and the
+    window fitted to the pairs (not ctx_size x 2 x pairs). The same math as the unpacked windows: every step's loss,
+    rewards and log-probabilities, the held-out metrics and the trained weights equal the unpacked run's within float
+    rounding (the attention sums run over other rows; measured ~1e-6 relative; the held-out metrics after the
+    steps carry the trained weights' differences), DPO and ORPO (with its nll over the
+    chosen prompt: the shared tokens are labelled for the chosen document), LoRA, 2 micro-batches a step; pairs of
+    different lengths, a held-out set shorter than a micro-batch (filled with copies of the shortest pair)."""
+    kw = dict(method=method, beta=0.1, lora_rank=8, lr=1e-3, batch_size=4, grad_accum=2, iters=3, shuffle=False,
+              progress=False, n_threads=2, ctx_size=256)  # fmt: skip
+    runs = {}
+    with llamabind.Model(smollm2_f32_cut, n_threads=2, repack=False) as m:
+        pairs = train.read_pairs(doc_pairs[:12], m, method=method)
+        for pack in (False, True):
+            r = train.preference(m, pairs[:9], valid=pairs[9:], pack=pack, **kw)
+            runs[pack] = r
+            r.adapter.close()
+    a, b = runs[False], runs[True]
+    print(method, "losses", a.losses, b.losses)
+    np.testing.assert_allclose(b.losses, a.losses, rtol=2e-5)
+    for x, y in zip(a.metrics + [a.val_before, a.evals[-1][1]], b.metrics + [b.val_before, b.evals[-1][1]]):
+        np.testing.assert_allclose([y.logps_chosen, y.logps_rejected, y.rewards_margins],
+                                   [x.logps_chosen, x.logps_rejected, x.rewards_margins], rtol=2e-5, atol=2e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_dpo_keeps_its_graphs_while_the_rows_repeat(pack, smollm2_f32_cut):
+    """Issue 83 item 4 (patch 0101): a preference loss no longer rebuilds llama's and ggml-opt's graphs for every
+    micro-batch. Micro-batches of the same rows (pairs of equal lengths: bench/preference.py's) reuse the graphs
+    built first and the kept batch; the reference log-ratios, which differ between them, are an input of the
+    graph. Forward-only evals of the same pairs with three sets of refs: one graph build, the later evals on the
+    kept batch, the same log-probabilities each time, and each eval's loss is DPO's formula of those log-probabilities
+    and its own refs (a loss that kept the first refs baked in would fail the second and third). Pairs of other
+    lengths then rebuild once. Windows and packed (shared prompts)."""
+    from llamabind.train.preference_loop import pack_pairs, pair_spans
+
+    beta = 0.1
+    with llamabind.Model(smollm2_f32_cut, n_threads=2, repack=False, use_mmap=False) as m:
+        pairs = _topic_pairs(m, 3, 40, 24)
+        win, lab, _, _ = train.pair_windows(pairs[:2], 256, 0)
+        other, olab, _, _ = train.pair_windows([pairs[2], train.PreferencePair(pairs[2].prompt, pairs[2].chosen[:9],
+                                                                              pairs[2].rejected)], 256, 0)  # fmt: skip
+        ctx, batch = (256, 2) if pack else (256, 4)
+        with train.Trainer(m, ctx_size=ctx, batch_size=1 if pack else batch, loss="dpo", beta=beta,
+                           pack=pack, n_threads=2) as t:  # fmt: skip
+            opt = t.optimizer
+
+            def run(w, lb, refs):
+                if pack:
+                    w, lb, seg, sh = pack_pairs(w, lb, pair_spans(w, lb), ctx, 0)
+                    opt.reset()
+                    opt.eval(w, False, lb, refs, segments=seg, shared=sh)
+                else:
+                    opt.reset()
+                    opt.eval(w, False, lb, refs)
+                return opt.seq_logps().reshape(-1, 2), opt.result(False)[0]
+
+            seen = []
+            for refs in (np.zeros(2), np.array([3.5, -2.0]), np.array([-1.25, 0.5])):
+                lp, loss = run(win, lab, refs)
+                z = beta * ((lp[:, 0] - lp[:, 1]) - refs)
+                assert loss == pytest.approx(np.mean(np.logaddexp(0.0, -z)), rel=1e-5)
+                seen.append(lp)
+            s = opt.stats()
+            print("pack", pack, "stats", {k: s[k] for k in ("n_evals", "n_graph_builds", "n_kept_batches")})
+            assert s["n_evals"] == 3 and s["n_graph_builds"] == 1 and s["n_kept_batches"] == 2
+            np.testing.assert_array_equal(seen[1], seen[0])
+            np.testing.assert_array_equal(seen[2], seen[0])
+            run(other, olab, np.zeros(2))
+            assert opt.stats()["n_graph_builds"] == 2

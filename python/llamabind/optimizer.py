@@ -69,6 +69,7 @@ class Optimizer:
         refs: np.ndarray | None = None,
         prompt_rows: np.ndarray | None = None,
         segments: np.ndarray | None = None,
+        shared: np.ndarray | None = None,
     ) -> None:
         """One eval of n_seq_max windows, int32 C-contiguous (n_seq_max, n_ctx / n_seq_max + 1), one
         sequence each, with optional labels (n_seq_max, n_ctx / n_seq_max), -1 left out: forward, and
@@ -84,12 +85,16 @@ class Optimizer:
         ``segments``, int32 (m, n_ctx / m): each position's document in its window, counted from 0 in steps
         of 1 (None: one document a window); each document attends only to itself, its positions from 0
         (llama_opt_set_segments, patch 0096); ValueError for segments otherwise or more documents than
-        n_seq_max."""
+        n_seq_max. ``shared``, int32 (m, n_ctx / m): -1, or a later document of the window that the position's
+        token belongs to too, seen by that document's tokens as its own (a prompt shared by a pair's chosen and
+        rejected answer; a shared token has the same position in both: llama_opt_set_shared_tokens, patch 0101).
+        Under a preference loss a packed window's documents alternate chosen, rejected and take the windows'
+        place in ``refs``, ``prompt_rows`` and :meth:`seq_logps`."""
         if refs is not None:
             refs = np.ascontiguousarray(refs, dtype=np.float64).reshape(-1)
         if prompt_rows is not None:
             prompt_rows = np.ascontiguousarray(prompt_rows, dtype=np.int32).reshape(-1)
-        _core.opt_step(self._native, windows, bool(train), labels, refs, prompt_rows, segments)
+        _core.opt_step(self._native, windows, bool(train), labels, refs, prompt_rows, segments, shared)
 
     def seq_logps(self, prompt: bool = False) -> np.ndarray:
         """float64 (n_seq_max,): the last :meth:`eval`'s per-window summed log-likelihood of its answer's

@@ -6,10 +6,14 @@
 // ORPOTrainer), a chosen window's prompt positions are labelled too and come first in its rows. A sequence's
 // summed log-likelihood is -n x the mean
 // cross-entropy of its rows, ggml_cross_entropy_loss over a view of them (stable log-sum-exp, a backward
-// on every backend that trains), and the pair losses are a few scalar ops on those.
+// on every backend that trains), and the pair losses are a few scalar ops on those. What changes between micro-batches
+// of the same rows (DPO's reference log-ratios) is an input tensor, so that llama keeps the graphs while the rows
+// repeat (pref_reuse_loss, pref_set_inputs).
 #include "preference.h"
 
 #include <ggml-backend.h>
+
+#include <algorithm>
 
 namespace lb {
 
@@ -63,6 +67,14 @@ ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_ten
     }
     GGML_ASSERT(r0 == logits->ne[1]);
     const int32_t n_pairs = n_seq / 2;
+    p.built_rows.assign(seq_rows, seq_rows + n_seq);
+    p.built_prompt = p.prompt;
+    p.ref_in = nullptr;
+    if (p.method == PrefLoss::DPO) {
+        p.ref_in = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_pairs);
+        ggml_set_name(p.ref_in, "pref_ref");
+        ggml_set_input(p.ref_in);
+    }
     const float b = p.beta;
     ggml_tensor * pairs = nullptr;  // the sum over pairs of the pair term
     ggml_tensor * nll = nullptr;    // ORPO: the chosen windows' labelled tokens' summed cross-entropy
@@ -72,8 +84,9 @@ ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_ten
         const float nc = (float) p.rows[2 * i], nr = (float) p.rows[2 * i + 1];
         if (p.method == PrefLoss::DPO) {
             // z = beta ((log pi(c) - log pi(r)) - ref), log pi(c) = -nc cc; -log sigmoid(z) = softplus(-z)
-            ggml_tensor * u = ggml_sub(ctx, ggml_scale(ctx, cr, b * nr), ggml_scale(ctx, cc, b * nc));
-            pairs = add(ctx, pairs, ggml_softplus(ctx, ggml_scale_bias(ctx, u, -1.0f, b * p.ref[i])));
+            ggml_tensor * u   = ggml_sub(ctx, ggml_scale(ctx, cr, b * nr), ggml_scale(ctx, cc, b * nc));
+            ggml_tensor * ref = ggml_view_1d(ctx, p.ref_in, 1, i * sizeof(float));
+            pairs = add(ctx, pairs, ggml_softplus(ctx, ggml_sub(ctx, ggml_scale(ctx, ref, b), u)));
         } else {
             // the mean token log-probs mc = -cc, mr = -cr; log odds ratio (mc - mr) - (log(1 - e^mc) - log(1 - e^mr))
             ggml_tensor * lor =
@@ -90,6 +103,20 @@ ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_ten
     if (p.method == PrefLoss::ORPO) loss = ggml_add(ctx, loss, ggml_scale(ctx, nll, 1.0f / (float) n_chosen));
     ggml_set_name(loss, p.method == PrefLoss::DPO ? "loss_dpo" : "loss_orpo");
     return loss;
+}
+
+bool pref_reuse_loss(const int32_t * seq_rows, int32_t n_seq, void * userdata) {
+    const PrefLoss & p = *(const PrefLoss *) userdata;
+    return p.built_rows.size() == (size_t) n_seq && std::equal(seq_rows, seq_rows + n_seq, p.built_rows.begin()) &&
+           p.built_prompt == p.prompt;
+}
+
+void pref_set_inputs(void * userdata) {
+    const PrefLoss & p = *(const PrefLoss *) userdata;
+    if (p.ref_in) {
+        GGML_ASSERT(p.ref.size() == (size_t) ggml_nelements(p.ref_in));  // opt_step checked it
+        ggml_backend_tensor_set(p.ref_in, p.ref.data(), 0, ggml_nbytes(p.ref_in));
+    }
 }
 
 void pref_read(PrefLoss & p) {

@@ -22,11 +22,20 @@ struct PrefLoss {
     std::vector<int32_t> rows_prompt;      // per sequence: its labelled prompt positions (before the answer's)
     std::vector<double> logps;             // per sequence of the last eval: summed log-likelihood of its answer (nats)
     std::vector<double> logps_prompt;      // per sequence of the last eval: that of its labelled prompt positions
+    ggml_tensor * ref_in = nullptr;        // DPO: the built loss's input of the pairs' reference log-ratios
+    std::vector<int32_t> built_rows;       // the seq_rows and prompt rows the loss was built for
+    std::vector<int32_t> built_prompt;
 };
 
 // llama_opt_params.build_loss with userdata a PrefLoss: the loss of the ubatch's sequences as pairs
 ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_tensor * labels, const int32_t * seq_rows,
                               int32_t n_seq, void * userdata);
+
+// llama_opt_params.reuse_loss: the loss built last serves these rows (the same rows and ORPO prompt rows)
+bool pref_reuse_loss(const int32_t * seq_rows, int32_t n_seq, void * userdata);
+
+// llama_opt_params.set_loss_inputs: the next eval's reference log-ratios into the loss's input
+void pref_set_inputs(void * userdata);
 
 // after an eval: the per-sequence log-likelihoods into PrefLoss::logps (the graph's tensors still allocated)
 void pref_read(PrefLoss & p);

@@ -155,7 +155,6 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     if (loss != "cross_entropy") {
         if (!(beta > 0) || !std::isfinite(beta))
             raise_value("beta must be a finite number > 0; got " + std::to_string(beta));
-        if (c.packed) raise_value("a preference loss takes a window a sequence: not a packed context");
         if (llama_n_seq_max(ctx) % 2 != 0)
             raise_value("a preference loss takes pairs of windows (chosen, rejected): n_seq_max must be even; got " +
                         std::to_string(llama_n_seq_max(ctx)));
@@ -198,6 +197,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     if (st->pref) {  // patch 0054: the loss of each ubatch's pairs of sequences
         p.build_loss = pref_build_loss;
         p.build_loss_ud = st->pref.get();
+        p.reuse_loss = pref_reuse_loss;  // the graphs kept while the rows repeat, the references an input
+        p.set_loss_inputs = pref_set_inputs;
     }
     std::string failed;  // e.g. the training graph's reservation (out of memory)
     {
@@ -227,14 +228,24 @@ static void pref_after_eval(bool, ggml_opt_context_t, ggml_opt_dataset_t, ggml_o
 
 // a preference loss's checks of a step: every window has a labelled position (an answer token); DPO's
 // reference log-ratio per pair; ORPO's labelled prompt positions per pair, fewer than its chosen window's
+// (a packed context: its documents in place of the windows, docs each position's, an even number of them)
 static void check_pref_step(PrefLoss & pref, const std::optional<Windows> & labels, const std::optional<F64In> & refs,
-                            const std::optional<I32In> & prompt_rows, int64_t n_seq, int64_t n_win) {
+                            const std::optional<I32In> & prompt_rows, int64_t n_win, const std::vector<int32_t> & docs,
+                            int64_t n_seq) {
     if (!labels) raise_value("a preference loss needs labels: each window's answer tokens, -1 elsewhere");
+    const char * what = docs.empty() ? "window " : "document ";
+    if (!docs.empty()) {
+        n_seq = docs.back() + 1;
+        if (n_seq % 2 != 0)
+            raise_value("a packed preference step takes documents that alternate chosen, rejected: an even number; "
+                        "got " + std::to_string(n_seq));
+    }
     std::vector<int64_t> labelled(n_seq, 0);
+    for (int64_t k = 0; k < (int64_t) labels->shape(0) * n_win; ++k)
+        labelled[docs.empty() ? k / n_win : docs[k]] += (*labels)(k / n_win, k % n_win) >= 0;
     for (int64_t s = 0; s < n_seq; ++s) {
-        for (int64_t i = 0; i < n_win; ++i) labelled[s] += (*labels)(s, i) >= 0;
         if (labelled[s] == 0)
-            raise_value("window " + std::to_string(s) +
+            raise_value(what + std::to_string(s) +
                         " has no labelled position: a preference pair's answer "
                         "needs at least one token in its window");
     }
@@ -274,17 +285,26 @@ static void check_pref_step(PrefLoss & pref, const std::optional<Windows> & labe
 // -1 for a position left out of the loss (patch 0027). train: forward, backward and, every
 // grad_accum-th training datapoint, an optimizer step; else forward only (validation loss).
 // the documents of a packed context's datapoint (patch 0096): segments (n_seq, n_win), each row non-decreasing from 0
-// in steps of 1 (none: a document a window), numbered on across the windows; set on the context for llama_opt_epoch
-static void set_segments(Context & c, const std::optional<Windows> & segments, int64_t n_seq, int64_t n_win) {
+// in steps of 1 (none: a document a window), numbered on across the windows; shared (n_seq, n_win): -1, or a later
+// document of the window that the position's token belongs to too (llama_opt_set_shared_tokens). Set on the context
+// for llama_opt_epoch; returns each position's document (numbered across the windows), empty for an unpacked context
+static std::vector<int32_t> set_segments(Context & c, const std::optional<Windows> & segments,
+                                         const std::optional<Windows> & shared, int64_t n_seq, int64_t n_win) {
     if (!c.packed) {
-        if (segments) raise_value("segments are for a packed training context (Context(..., packed=True))");
-        return;
+        if (segments || shared)
+            raise_value("segments and shared are for a packed training context (Context(..., packed=True))");
+        return {};
     }
+    if (shared && !segments) raise_value("shared tokens need segments: the documents they are shared between");
+    if (shared && ((int64_t) shared->shape(0) != n_seq || (int64_t) shared->shape(1) != n_win))
+        raise_value("shared is (windows, ctx_size) = (" + std::to_string(n_seq) + ", " + std::to_string(n_win) +
+                    ") document indices or -1; got (" + std::to_string(shared->shape(0)) + ", " +
+                    std::to_string(shared->shape(1)) + ")");
     if (segments && ((int64_t) segments->shape(0) != n_seq || (int64_t) segments->shape(1) != n_win))
         raise_value("segments are (windows, ctx_size) = (" + std::to_string(n_seq) + ", " + std::to_string(n_win) +
                     ") document indices; got (" + std::to_string(segments->shape(0)) + ", " +
                     std::to_string(segments->shape(1)) + ")");
-    std::vector<int32_t> seg(n_seq * n_win);
+    std::vector<int32_t> seg(n_seq * n_win), sh(shared ? n_seq * n_win : 0);
     int32_t next = 0;
     for (int64_t s = 0; s < n_seq; ++s) {
         int32_t prev = 0;
@@ -296,6 +316,16 @@ static void set_segments(Context & c, const std::optional<Windows> & segments, i
             seg[s * n_win + i] = next + v;
             prev = v;
         }
+        if (shared) {
+            for (int64_t i = 0; i < n_win; ++i) {
+                const int32_t v = (*shared)(s, i);
+                if (v != -1 && (v <= seg[s * n_win + i] - next || v > prev))
+                    raise_value("shared[" + std::to_string(s) + ", " + std::to_string(i) + "] = " + std::to_string(v) +
+                                " must be -1 or a later document of its window (after " +
+                                std::to_string(seg[s * n_win + i] - next) + ", at most " + std::to_string(prev) + ")");
+                sh[s * n_win + i] = v < 0 ? -1 : next + v;
+            }
+        }
         next += prev + 1;
     }
     const int64_t n_max = llama_n_seq_max(c.get());
@@ -304,10 +334,15 @@ static void set_segments(Context & c, const std::optional<Windows> & segments, i
                     std::to_string(n_max) + " (n_seq_max)");
     if (!llama_opt_set_segments(c.get(), seg.data(), seg.size()))
         raise_value("llama_opt_set_segments refused the documents");  // the checks above are its rules
+    if (shared && !llama_opt_set_shared_tokens(c.get(), sh.data(), sh.size()))
+        raise_value("a shared token must have the same position in both documents: as many tokens of each before it "
+                    "(llama_opt_set_shared_tokens)");
+    return seg;
 }
 
 static void opt_step(Context & c, Windows windows, bool train, std::optional<Windows> labels, std::optional<F64In> refs,
-                     std::optional<I32In> prompt_rows, std::optional<Windows> segments) {
+                     std::optional<I32In> prompt_rows, std::optional<Windows> segments,
+                     std::optional<Windows> shared) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (!c.train) raise_value("call opt_init first");
@@ -347,10 +382,10 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
         // an all-masked datapoint would be skipped by llama_opt_epoch, shifting the accumulation period
         if (!any) raise_value("every label of the step is masked (-1): nothing to learn from it");
     }
-    set_segments(c, segments, n_seq, n_win);
+    const std::vector<int32_t> docs = set_segments(c, segments, shared, n_seq, n_win);
     TrainState & st = *c.train;
     if (st.pref)
-        check_pref_step(*st.pref, labels, refs, prompt_rows, n_seq, n_win);
+        check_pref_step(*st.pref, labels, refs, prompt_rows, n_win, docs, n_seq);
     else if (refs || prompt_rows)
         raise_value(std::string(refs ? "refs" : "prompt_rows") + " are for a preference loss (opt_init with loss '" +
                     (refs ? "dpo" : "orpo") + "')");
@@ -566,14 +601,16 @@ void register_train(nb::module_ & m) {
           "NaN without clipping or before the first step (patch 0094).");
     m.def("opt_step", &opt_step, nb::arg("context"), nb::arg("windows"), nb::arg("train"),
           nb::arg("labels") = nb::none(), nb::arg("refs") = nb::none(), nb::arg("prompt_rows") = nb::none(),
-          nb::arg("segments") = nb::none(),
+          nb::arg("segments") = nb::none(), nb::arg("shared") = nb::none(),
           "llama_opt_epoch on n_seq_max windows, int32 (n_seq_max, n_ctx / n_seq_max + 1), one sequence each "
           "(next-token cross-entropy, or the preference loss of opt_init: refs float64 (n_seq_max / 2,) for DPO; "
           "prompt_rows int32 (n_seq_max / 2,) for ORPO, each chosen window's labelled prompt positions): "
           "train=True adds the backward pass (and the optimizer step), False only accumulates the validation loss. "
           "A packed context takes any number m of windows dividing n_ctx, (m, n_ctx / m + 1), and segments int32 "
           "(m, n_ctx / m): each position's document in its window, from 0 in steps of 1 (none: one a window; "
-          "llama_opt_set_segments, patch 0096).");
+          "llama_opt_set_segments, patch 0096), and shared int32 (m, n_ctx / m): -1 or a later document of the window "
+          "the position's token belongs to too (a prompt shared by a chosen and a rejected answer; "
+          "llama_opt_set_shared_tokens). A packed preference step's documents alternate chosen, rejected.");
     m.def("opt_seq_logps", &opt_seq_logps, nb::arg("context"), nb::arg("prompt") = false,
           "float64 (n_seq_max,): the last opt_step's per-window summed log-likelihood of its answer's labelled "
           "tokens (prompt: of the labelled prompt positions before them, 0 where none).");

@@ -81,7 +81,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: amx, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: amx, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -148,6 +148,19 @@ start_1b_f32() {
     --tokenizer-from /tmp/tokenizer.gguf && python3 -c "from llamabind import train; \
     train.to_f32('$MODELS/llama-1b-q4_0.gguf', '$MODELS/llama-1b-f32.gguf')"; } > $MODELS/make.log 2>&1 &
 }
+# bench/preference.py for each spec of $1 (SIZE:CTX:BATCH; smollm2 for the real model), runners $2, PyTorch's DPO loop
+# LB_PREF_TORCH (default lora,full) beside them, LB_PREF_STEPS steps (default 12)
+pref_bench() {
+  local spec size ctx batch what
+  for spec in $1; do
+    IFS=: read -r size ctx batch <<< "$spec"
+    what=$([ "$size" = smollm2 ] && echo "--model smollm2-135m-instruct" || echo "--size $size")
+    python3 bench/preference.py $what --ctx $ctx --batch $batch --steps ${LB_PREF_STEPS:-12} \
+      --runners "$2" --torch python3 --torch-runs ${LB_PREF_TORCH:-lora,full} \
+      --out "$OUT/preference-$size-$ctx.json" 2>&1 | grep -vE "^(llama|load|print_info|common|main|ggml|init)" \
+      | tail -12 | tee -a "$OUT/bench-preference.txt"
+  done
+}
 case $phase in
 pref58)
   # (carry .device-b after build, with SmolLM2's part-a in /tmp) issue 58 on CUDA0: tests/test_train_preference.py
@@ -160,14 +173,16 @@ pref58)
     tests/test_train_preference.py $PYTEST_ARGS -s 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" \
     | tee "$OUT/pref-tests.log" | tail -25
   echo "preference tests in $((SECONDS - t0)) s"
-  for spec in ${LB_PREF:-1b:512:8 smollm2:256:8}; do
-    IFS=: read -r size ctx batch <<< "$spec"
-    what=$([ "$size" = smollm2 ] && echo "--model smollm2-135m-instruct" || echo "--size $size")
-    python3 bench/preference.py $what --ctx $ctx --batch $batch --steps ${LB_PREF_STEPS:-12} \
-      --runners ${LB_PREF_RUNNERS:-lora,qlora,full} --torch python3 --torch-runs ${LB_PREF_TORCH:-lora,full} \
-      --out "$OUT/preference-$size-$ctx.json" 2>&1 | grep -vE "^(llama|load|print_info|common|main|ggml|init)" \
-      | tail -12 | tee -a "$OUT/bench-preference.txt"
-  done
+  pref_bench "${LB_PREF:-1b:512:8 smollm2:256:8}" "${LB_PREF_RUNNERS:-lora,qlora,full}"
+  ;;
+pref83b)
+  # (as pref83) issue 83 item 4: the build, patch 0101's preference tests (graphs kept, packed pairs) and the ln 2
+  # tests on CUDA0 (LB_PREF83_K), then bench/preference.py's 1B rows LB_PREF (default "1b:512:8 1b:2048:4"):
+  # LB_PREF_RUNNERS (default lora,lora-pack,full,full-pack) beside PyTorch's DPO loop
+  [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REQUIRE_GPU=1 timeout ${LB_TEST_TIMEOUT:-400} python3 -m pytest \
+    tests/test_train_preference.py $PYTEST_ARGS -s -k "${LB_PREF83_K:-ln_2 or keeps_its_graphs or packed_pairs}" 2>&1 \
+    | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/pref83b-tests.log" | tail -15
+  pref_bench "${LB_PREF:-1b:512:8 1b:2048:4}" "${LB_PREF_RUNNERS:-lora,lora-pack,full,full-pack}"
   ;;
 qlora)
   # (carry .device-b after build) issue 27: quantized OUT_PROD on CUDA0 against float64 and the CPU,

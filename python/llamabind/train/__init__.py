@@ -65,7 +65,7 @@ from .fuse import fuse
 from .loop import EpochStats, TrainResult, finetune, iterate_batches
 from .lora import LORA_TARGETS, lora_init, to_f32
 from .pairs import PreferenceMetrics, PreferencePair, pair_logps, preference_metrics, read_pairs
-from .preference_loop import METHODS, PreferenceResult, pair_windows, preference
+from .preference_loop import METHODS, PreferenceResult, pack_pairs, pair_spans, pair_windows, preference
 from .schedule import SCHEDULES, lr_at
 from .trainer import Trainer
 
@@ -95,8 +95,10 @@ __all__ = [
     "latest_checkpoint",
     "lora_init",
     "lr_at",
+    "pack_pairs",
     "packed_windows",
     "pair_logps",
+    "pair_spans",
     "pair_windows",
     "preference",
     "preference_metrics",

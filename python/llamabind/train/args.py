@@ -99,7 +99,9 @@ class TrainingArgs:
             example attends only to itself and its positions start at 0, so it trains as alone in a window
             (patch 0096), and no window position is padding but a window's last few. Best-fit decreasing
             over the examples' lengths, at most 256 // (batch_size // grad_accum) a window. Text and token ids,
-            cut into full windows, are not packed (ValueError); neither are preference pairs.
+            cut into full windows, are not packed (ValueError). Preference pairs (:func:`preference`): a
+            micro-batch's pairs in one window, each pair's prompt once for both answers (shared-prompt packing:
+            :func:`~llamabind.train.pack_pairs`), the window fitted to the longest pairs rather than ctx_size.
         steps_per_eval: also validate every N steps.
         steps_per_report: print step, loss, lr, tokens/s and ETA to stderr every N steps.
         log: a JSONL file, one object per step and per validation.

@@ -30,9 +30,9 @@ from .checkpoint import restore_optimizer, save_checkpoint
 from .loop import _new_adapter, _resumable, iterate_batches
 from .pairs import PreferenceMetrics, PreferencePair, preference_metrics, read_pairs
 from .schedule import lr_at
-from .trainer import Trainer, check_model
+from .trainer import MAX_DOCS, Trainer, check_model
 
-__all__ = ["METHODS", "PreferenceResult", "pair_windows", "preference"]
+__all__ = ["METHODS", "PreferenceResult", "pack_pairs", "pair_spans", "pair_windows", "preference"]
 
 METHODS = ("dpo", "orpo")
 """The preference losses :func:`preference` trains on."""
@@ -111,9 +111,54 @@ class _Pairs:
     lengths: np.ndarray
     ref: np.ndarray | None = None
     prompt_rows: np.ndarray | None = None
+    pad: int = 0
+    spans: np.ndarray | None = None  # pair_spans, for packed micro-batches
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+
+
+def pair_spans(win: np.ndarray, lab: np.ndarray) -> np.ndarray:
+    """int64 (n, 3) of :func:`pair_windows`' windows: per pair, the prompt positions its two windows share (before
+    the rejected window's first labelled position, the same tokens in both), and the end of each window's labelled
+    positions (chosen, rejected): what :func:`pack_pairs` lays out. Numpy only."""
+    ctx = lab.shape[1]
+    lab_c, lab_r = lab[0::2] >= 0, lab[1::2] >= 0
+    same = win[0::2, :ctx] == win[1::2, :ctx]
+    differs = np.where(same.all(axis=1), ctx, np.argmin(same, axis=1))
+    shared = np.minimum(np.argmax(lab_r, axis=1), differs)
+    end_c = ctx - np.argmax(lab_c[:, ::-1], axis=1)
+    end_r = ctx - np.argmax(lab_r[:, ::-1], axis=1)
+    return np.stack([shared, end_c, end_r], axis=1).reshape(-1, 3).astype(np.int64)
+
+
+def pack_pairs(
+    win: np.ndarray, lab: np.ndarray, spans: np.ndarray, n_ctx: int, pad: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pairs' windows (:func:`pair_windows`: ``win`` (2n, ctx + 1), ``lab`` (2n, ctx)) packed into one window of
+    ``n_ctx`` tokens with each prompt once: per pair its shared prompt positions, then the chosen window's
+    positions up to its last labelled one, then the rejected one's after the prompt; the chosen answer is document
+    2i, the rejected 2i + 1, the prompt a token of both (``spans``: :func:`pair_spans`), the rest of the window
+    ``pad`` tokens of the last document, unlabelled. Each answer sees the prompt and itself at the positions of its
+    own window, so the loss, its gradient and each answer's log-likelihood are those of the two windows (the
+    prefix-sharing layout of Wang et al. 2024). Returns (windows (1, n_ctx + 1), labels (1, n_ctx), segments
+    (1, n_ctx), shared (1, n_ctx)) int32 for :meth:`~llamabind.Optimizer.eval`. Numpy only; ValueError when the
+    pairs need more than n_ctx tokens."""
+    need = int((spans[:, 1] + spans[:, 2] - spans[:, 0]).sum())
+    expect(need <= n_ctx, f"{len(spans)} pair(s) need {need} tokens packed; the window holds {n_ctx}")
+    tok = np.full(n_ctx + 1, pad, np.int32)
+    out = [np.full(n_ctx, -1, np.int32), np.full(n_ctx, 2 * len(spans) - 1, np.int32), np.full(n_ctx, -1, np.int32)]
+    at = 0
+    for k, (f, end_c, end_r) in enumerate(spans):
+        # the prompt (chosen window's, a token of the rejected document too), the chosen answer, the rejected one
+        for j, a, b, also in ((0, 0, f, 2 * k + 1), (0, f, end_c, -1), (1, f, end_r, -1)):
+            tok[at : at + b - a] = win[2 * k + j, a:b]
+            out[0][at : at + b - a] = lab[2 * k + j, a:b]
+            out[1][at : at + b - a] = 2 * k + j
+            out[2][at : at + b - a] = also
+            at += b - a
+    return tok[None], *(x[None] for x in out)
 
 
 def _as_pairs(model: Model, data, what: str, method: str) -> list[PreferencePair]:
@@ -136,14 +181,18 @@ def _split(
     return pairs[:n_train], pairs[n_train:]
 
 
-def _logps(trainer: Trainer, p: _Pairs, idx: np.ndarray, train: bool, refs: np.ndarray | None) -> np.ndarray:
+def _logps(
+    trainer: Trainer, p: _Pairs, idx: np.ndarray, train: bool, refs: np.ndarray | None, pack: int = 0
+) -> np.ndarray:
     """float64 (len(idx), 3): the summed log-likelihoods of pairs ``idx``' answers (chosen, rejected) and of
     the chosen window's labelled prompt positions (0 without) from the preference graph, micro-batch by
     micro-batch (train: with the backward pass and the optimizer's steps); a last micro-batch short of pairs is
-    filled with copies of the last pair (their values dropped)."""
-    opt, m = trainer.optimizer, trainer.micro_batch // 2
+    filled with copies of the last pair (their values dropped). ``pack``: pairs a micro-batch packed into the
+    trainer's one window (:func:`pack_pairs`); 0: a window a sequence."""
+    opt, m = trainer.optimizer, pack or trainer.micro_batch // 2
     n = len(idx)
-    full = np.concatenate([idx, np.repeat(idx[-1:], -n % m)])
+    fill = idx[-1:] if not pack else np.argmin(_packed_lengths(p.spans))[None]  # the shortest: it fits (_packed_ctx)
+    full = np.concatenate([idx, np.repeat(fill, -n % m)])
     rows = np.stack([2 * full, 2 * full + 1], axis=1).reshape(-1)
     ref = np.zeros(len(full)) if refs is None else np.concatenate([refs, np.repeat(refs[-1:], -n % m)])
     out = []
@@ -151,7 +200,11 @@ def _logps(trainer: Trainer, p: _Pairs, idx: np.ndarray, train: bool, refs: np.n
     for k in range(0, len(full), m):
         r = rows[2 * k : 2 * (k + m)]
         prompt_rows = None if p.prompt_rows is None else p.prompt_rows[full[k : k + m]]
-        opt.eval(p.win[r], train, p.lab[r], ref[k : k + m], prompt_rows)
+        if pack:
+            win, lab, seg, shared = pack_pairs(p.win[r], p.lab[r], p.spans[full[k : k + m]], trainer.ctx_size, p.pad)
+            opt.eval(win, train, lab, ref[k : k + m], prompt_rows, segments=seg, shared=shared)
+        else:
+            opt.eval(p.win[r], train, p.lab[r], ref[k : k + m], prompt_rows)
         answers = opt.seq_logps().reshape(-1, 2)
         out.append(np.concatenate([answers, opt.seq_logps(prompt=True)[0::2, None]], axis=1))
     return np.concatenate(out)[:n]
@@ -183,6 +236,7 @@ class _PrefRun:
     run_id: dict
     log: Any = None
     saved: int = -1
+    pack: int = 0  # pairs a micro-batch packed into one window (TrainingArgs.pack); 0: a window a sequence
 
     def write(self, **row: Any) -> None:
         if self.log is not None:
@@ -193,14 +247,14 @@ class _PrefRun:
         """The held-out pairs' metrics (forward passes), written to the log; there must be held-out pairs."""
         idx = np.arange(len(self.val))
         refs = None if self.val.ref is None else self.val.ref[:, 0] - self.val.ref[:, 1]
-        m = _metrics(self.val, idx, _logps(self.trainer, self.val, idx, False, refs), self.method, self.beta)
+        m = _metrics(self.val, idx, _logps(self.trainer, self.val, idx, False, refs, self.pack), self.method, self.beta)
         self.write(step=self.result.steps, **{f"eval_{k}": v for k, v in _trl_names(m).items()})
         return m
 
     def step(self, batch: np.ndarray, lr: float) -> PreferenceMetrics:
         self.trainer.set_lr(lr)
         refs = None if self.train.ref is None else self.train.ref[batch, 0] - self.train.ref[batch, 1]
-        logps = _logps(self.trainer, self.train, batch, True, refs)
+        logps = _logps(self.trainer, self.train, batch, True, refs, self.pack)
         return _metrics(self.train, batch, logps, self.method, self.beta)
 
     def checkpoint(self) -> None:
@@ -279,7 +333,6 @@ def preference(
     beta = as_float(beta, "beta")
     expect(beta > 0 and math.isfinite(beta), f"beta must be a finite number > 0; got {beta}")
     a = TrainingArgs.of(args, **settings)
-    expect(not a.pack, "pack: a preference loss takes a window a sequence (chosen, rejected); not packed pairs")
     check_model(model, a.lora)
     prompt_loss = method == "orpo" and _bool(prompt_loss, "prompt_loss")
     train_pairs, val_pairs = _split(model, data, valid, a, method)
@@ -294,16 +347,20 @@ def preference(
     resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
     if a.lora:
         result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
+    # pack: a micro-batch's pairs in one window, each prompt once (pack_pairs), the window fitted to the longest
+    pack = a.batch_size // a.grad_accum if a.pack else 0
+    expect(2 * pack <= MAX_DOCS, f"pack: at most {MAX_DOCS // 2} pairs a micro-batch; got {pack}")
+    targs = a.replace(batch_size=a.grad_accum, ctx_size=_packed_ctx(sets, pack)) if pack else a.replace(
+        batch_size=2 * a.batch_size)
     trainer = Trainer(
-        model, a.replace(batch_size=2 * a.batch_size), params="lora" if a.lora else "model",
-        adapter=result.adapter, loss=method, beta=beta,
+        model, targs, params="lora" if a.lora else "model", adapter=result.adapter, loss=method, beta=beta
     )  # fmt: skip
     if method == "dpo" and model.output_offloaded:
         # DPO's reference log-probabilities and the validations from the training graph's forward pass, as the policy's
         # at step 1 (patch 0095): a GPU's forward graph alone fuses and rounds otherwise (an H200's first loss was
         # 0.7067, not ln 2); on the CPU the two are the same sums already
         trainer.optimizer.forward_as_training(True)
-    run = _PrefRun(trainer, sets[0], sets[1], method, beta, a, total, result, run_id)
+    run = _PrefRun(trainer, sets[0], sets[1], method, beta, a, total, result, run_id, pack=pack)
     try:
         if a.log is not None:
             run.log = open(a.log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
@@ -312,7 +369,8 @@ def preference(
         result.val_before = run.validate() if len(run.val) else None
         if resumed is not None:
             if not len(run.val):  # ggml-opt allocates AdamW's moments with its first graph
-                _logps(trainer, run.train, np.arange(1), False, None if run.train.ref is None else np.zeros(1))
+                zero = None if run.train.ref is None else np.zeros(1)
+                _logps(trainer, run.train, np.arange(1), False, zero, run.pack)
             restore_optimizer(trainer, *resumed)
             result.steps = run.saved = int(resumed[1]["step"])
             result.losses = [float(x) for x in resumed[1]["losses"]]
@@ -347,7 +405,8 @@ def _pair_sets(model: Model, train_pairs, val_pairs, ctx_size: int, prompt_loss:
             )
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
-        p = _Pairs(*arrays)
+        p = _Pairs(*arrays, pad=pad)
+        p.spans = pair_spans(p.win, p.lab)
         if prompt_loss:
             p.prompt_rows = ((p.lab[0::2] >= 0).sum(axis=1) - p.lengths[:, 0]).astype(np.int32)
         sets.append(p)
@@ -355,6 +414,22 @@ def _pair_sets(model: Model, train_pairs, val_pairs, ctx_size: int, prompt_loss:
     if truncated:
         _log.warning("%d preference pair(s) cut to fit ctx_size %d", truncated, ctx_size)
     return sets, truncated
+
+
+def _packed_lengths(spans: np.ndarray) -> np.ndarray:
+    """The tokens each pair takes packed (:func:`pack_pairs`): its prompt once and its two answers."""
+    return spans[:, 1] + spans[:, 2] - spans[:, 0]
+
+
+def _packed_ctx(sets: Sequence[_Pairs], pack: int) -> int:
+    """The window (a multiple of 256) that holds any ``pack`` pairs of ``sets`` packed: the longest ones, or all of a
+    set with fewer and copies of its shortest (what :func:`_logps` fills a short micro-batch with)."""
+    need = 1
+    for p in sets:
+        if len(p):
+            n = np.sort(_packed_lengths(p.spans))[::-1]
+            need = max(need, int(n[:pack].sum() + max(pack - len(n), 0) * n[-1]))
+    return -(-need // 256) * 256
 
 
 def _empty(ctx_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -373,7 +448,7 @@ def _set_reference(run: _PrefRun, resumed: tuple[Path, dict] | None) -> None:
         )
         return
     for p in (run.train, run.val):
-        p.ref = _logps(run.trainer, p, np.arange(len(p)), False, None)[:, :2] if len(p) else np.zeros((0, 2))
+        p.ref = _logps(run.trainer, p, np.arange(len(p)), False, None, run.pack)[:, :2] if len(p) else np.zeros((0, 2))
 
 
 def _loop(run: _PrefRun, epochs: int, on_step: Callable[[int, PreferenceMetrics], Any] | None) -> None:

@@ -129,7 +129,6 @@ class Trainer:
         # flash attention (patch 0050): by default where the output layer runs on a GPU; llama.cpp turns it
         # off where a layer's device has no backward pass for it (patch 0052)
         flash = a.flash_attn if a.flash_attn is not None else bool(model.output_offloaded)
-        expect(not (a.pack and loss != "cross_entropy"), "pack: a preference loss takes a window a sequence")
         # packed (patch 0096): the micro-batch's windows in one KV stream, up to 256 documents
         self.context = Context(
             model, n_ctx=n, n_batch=n, n_ubatch=n, n_seq_max=MAX_DOCS if a.pack else self.micro_batch,
