@@ -171,16 +171,34 @@ def test_packed_finetune_from_the_command_line(smollm2_f32_cut, tmp_path):
 
 
 def test_packed_trainer_refuses_what_it_cannot_train(smollm2_f32_cut, docs):
-    """Bad segments, segments without pack, pack with a preference loss: ValueError, and the Trainer
-    still trains after them."""
+    """Bad segments, segments without pack, bad shared tokens (patch 0101: shared without segments or pack, a shared
+    document that is not a later one of the window, a shared token at another position in its second document):
+    ValueError naming the rule, and the Trainer still trains after them."""
     pw, pl, ps, _ = train.packed_windows(docs, 256, pad=0)
     with llamabind.Model(smollm2_f32_cut, use_mmap=False, n_threads=2) as m:
         with train.Trainer(m, optimizer="sgd", lr=1e-9, n_threads=2) as plain:
             with pytest.raises(ValueError, match="pack=True"):
                 plain.step(pw, pl, ps)
-        with pytest.raises(ValueError, match="pack"):
-            train.Trainer(m, pack=True, loss="dpo", batch_size=2)
+            with pytest.raises(ValueError, match="packed training context"):
+                plain.optimizer.eval(pw[:1], True, pl[:1], shared=np.full_like(ps[:1], -1))
         with train.Trainer(m, pack=True, optimizer="sgd", lr=1e-9, n_threads=2) as t:
+            m1 = t.micro_batch
+            assert ps[0, 0] == 0 and ps[0, 5] == 0 and ps[0].max() >= 1  # docs: 70, 120, 50 tokens
+
+            def shared_at(i, doc):  # position i of the first window a token of document doc too
+                sh = np.full_like(ps[:m1], -1)
+                sh[0, i] = doc
+                return sh
+
+            for seg, sh, msg in [
+                (None, shared_at(0, 1), "shared tokens need segments"),
+                (ps[:m1], shared_at(0, 0), "must be -1 or a later document"),
+                (ps[:m1], shared_at(0, ps[0].max() + 1), "must be -1 or a later document"),
+                (ps[:m1], shared_at(5, 1), "same position in both documents"),  # 5th of doc 0, 1st of doc 1
+            ]:
+                with pytest.raises(ValueError, match=msg):
+                    t.optimizer.eval(pw[:m1], True, pl[:m1], segments=seg, shared=sh)
+            t.optimizer.eval(pw[:m1], False, pl[:m1], segments=ps[:m1], shared=shared_at(0, 1))  # position 0 in both
             for bad, msg in [(ps + 1, "from 0 in steps of 1"), (ps * 2, "from 0 in steps of 1"), (ps[:, :-1], "shape")]:
                 with pytest.raises(ValueError, match=msg):
                     t.step(pw, pl, bad)
@@ -208,3 +226,29 @@ def test_packed_segments_never_abort(packed_trainer, docs, steps):
     else:
         with pytest.raises(ValueError):
             packed_trainer.evaluate(pw, pl, seg)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.integers(0, 255), st.sampled_from([-2, 0, 1, 2, 3, 300]), max_size=4))
+def test_shared_tokens_never_abort(packed_trainer, docs, marks):
+    """Any shared array (patch 0101) beside valid segments, a few positions marked with any document (before, the
+    same, later, outside the window, a negative other than -1): a loss where the rules hold (a later document of the
+    window, the same position in both), else a ValueError naming the rule, never an abort (llama_opt_set_shared_tokens's own check would
+    return false; llama_batch_allocr's would abort the batch)."""
+    pw, pl, ps, _ = train.packed_windows(docs, 256, pad=0)
+    sh = np.full_like(ps, -1)
+    for i, v in marks.items():
+        sh[0, i] = v
+    opt = packed_trainer.optimizer
+    ok, seen = True, np.zeros(400, int)  # the rules: a document's positions count its tokens and the ones it shares
+    for i, (own, v) in enumerate(zip(ps[0], sh[0])):
+        ok = ok and (v == -1 or (own < v <= ps[0].max() and seen[v] == seen[own]))
+        seen[own] += 1
+        seen[v] += v >= 0
+    if ok:
+        opt.reset()
+        opt.eval(pw, False, pl, segments=ps, shared=sh)
+        assert np.isfinite(opt.result(False)[0])
+    else:
+        with pytest.raises(ValueError):
+            opt.eval(pw, False, pl, segments=ps, shared=sh)

@@ -155,6 +155,7 @@ pref_bench() {
   for spec in $1; do
     IFS=: read -r size ctx batch <<< "$spec"
     what=$([ "$size" = smollm2 ] && echo "--model smollm2-135m-instruct" || echo "--size $size")
+    [ -f $MODELS/llama-$size-q4_0.gguf ] && what="--model $MODELS/llama-$size-q4_0.gguf"  # start_1b_f32's
     python3 bench/preference.py $what --ctx $ctx --batch $batch --steps ${LB_PREF_STEPS:-12} \
       --runners "$2" --torch python3 --torch-runs ${LB_PREF_TORCH:-lora,full} \
       --out "$OUT/preference-$size-$ctx.json" 2>&1 | grep -vE "^(llama|load|print_info|common|main|ggml|init)" \
@@ -182,6 +183,7 @@ pref83b)
   [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REQUIRE_GPU=1 timeout ${LB_TEST_TIMEOUT:-400} python3 -m pytest \
     tests/test_train_preference.py $PYTEST_ARGS -s -k "${LB_PREF83_K:-ln_2 or keeps_its_graphs or packed_pairs}" 2>&1 \
     | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/pref83b-tests.log" | tail -15
+  [ "${LB_PREF:-x}" = " " ] || { start_1b_f32; wait; }
   pref_bench "${LB_PREF:-1b:512:8 1b:2048:4}" "${LB_PREF_RUNNERS:-lora,lora-pack,full,full-pack}"
   ;;
 qlora)
