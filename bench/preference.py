@@ -10,8 +10,9 @@ installed where the GPU is) in one run, on the same pairs, each runner its own p
 
 Pairs: Python's reference text (pydoc_data.topics): the prompt a topic's first ctx/2 tokens, the chosen answer
 the next 3/8 ctx tokens, the rejected answer as many tokens of the next topic (a wrong topic's answer), so each
-sequence is 7/8 ctx tokens: llamabind puts each in a window of ctx tokens (``-pack`` runners: TrainingArgs.pack, a
-step's pairs in one window with each prompt once), PyTorch pads a batch's sequences to the longest (the same here). Both: DPO's sigmoid loss, beta 0.1, the reference log-probabilities precomputed
+sequence is 7/8 ctx tokens: llamabind puts each in a window of ctx tokens (pack=False; the ``-pack`` runners:
+pack=True, a step's pairs in one window with each prompt once), PyTorch pads a batch's sequences to the longest
+(the same here). Both: DPO's sigmoid loss, beta 0.1, the reference log-probabilities precomputed
 before the first step (TRL's precompute_ref_log_probs), AdamW (LoRA lr 1e-4, full 1e-6), batch pairs a step.
 "pairs/s": batch over the median step time after the first; peak GPU memory from nvidia-smi (the CUDA context
 included, every runner alike). Prints a table and writes bench/results/preference-<host>-<date>.json (--out).
@@ -69,8 +70,8 @@ def worker_llamabind(args) -> dict:
     with llamabind.Model(args.model, use_mmap=lora, repack=False, n_gpu_layers=-1) as m:
         r = train.preference(
             m, pairs, method="dpo", beta=BETA, ctx_size=args.ctx, batch_size=args.batch, iters=args.steps,
-            lora_rank=RANK if lora else None, lr=LR_LORA if lora else LR_FULL, val_split=0.0, shuffle=False, pack=bool(pack),
-            progress=False, on_step=lambda step, metrics: times.append(time.perf_counter()),
+            lora_rank=RANK if lora else None, lr=LR_LORA if lora else LR_FULL, val_split=0.0, shuffle=False,
+            pack=bool(pack), progress=False, on_step=lambda step, metrics: times.append(time.perf_counter()),
         )  # fmt: skip
     steps = [b - a for a, b in zip(times, times[1:])]
     return dict(steps=r.steps, step_times=steps, loss_first=r.losses[0], loss_last=r.losses[-1])
@@ -175,7 +176,8 @@ def main() -> int:
             kind, _, pack = r.partition("-")
             cmd = [sys.executable, __file__, "--worker", r, "--model", str(paths[kind]), "--data", str(data)]
             cmd += ["--ctx", str(args.ctx), "--batch", str(args.batch), "--steps", str(args.steps)]
-            name = {"lora": f"LoRA r{RANK}", "qlora": f"QLoRA r{RANK}", "full": "full"}[kind] + (" packed" if pack else "")
+            name = {"lora": f"LoRA r{RANK}", "qlora": f"QLoRA r{RANK}", "full": "full"}[kind]
+            name += " packed" if pack else ""
             try:
                 out, _, gpu_mb = run_process(cmd)
                 rows[f"llamabind DPO {name}"] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}

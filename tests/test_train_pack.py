@@ -233,8 +233,8 @@ def test_packed_segments_never_abort(packed_trainer, docs, steps):
 def test_shared_tokens_never_abort(packed_trainer, docs, marks):
     """Any shared array (patch 0101) beside valid segments, a few positions marked with any document (before, the
     same, later, outside the window, a negative other than -1): a loss where the rules hold (a later document of the
-    window, the same position in both), else a ValueError naming the rule, never an abort (llama_opt_set_shared_tokens's own check would
-    return false; llama_batch_allocr's would abort the batch)."""
+    window, the same position in both), else a ValueError naming the rule, never an abort
+    (llama_opt_set_shared_tokens's own check would return false; llama_batch_allocr's would abort the batch)."""
     pw, pl, ps, _ = train.packed_windows(docs, 256, pad=0)
     sh = np.full_like(ps, -1)
     for i, v in marks.items():

@@ -358,14 +358,14 @@ def test_preference_refuses_bad_settings_before_training(model_path, tmp_path):
 
 
 def test_cli_finetune_dpo(smollm2_f32_cut, doc_pairs, tmp_path):
-    """``python -m llamabind finetune --method dpo --data pairs.jsonl --lora-rank 8``: trains, prints TRL's
-    metrics, writes an adapter that loads."""
+    """``python -m llamabind finetune --method dpo --data pairs.jsonl --lora-rank 8 --pack``: trains (the pairs
+    packed, each prompt once: --pack reaches train.preference), prints TRL's metrics, writes an adapter that loads."""
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in doc_pairs[:20]))
     out = tmp_path / "dpo.gguf"
     cmd = [sys.executable, "-m", "llamabind", "finetune", "-m", str(smollm2_f32_cut), "--method", "dpo", "--data",
            str(data), "--lora-rank", "8", "--lr", "1e-4", "--batch", "2", "--iters", "3", "-o", str(out), "-t", "2",
-           "--no-progress", "--steps-per-report", "1"]  # fmt: skip
+           "--pack", "--no-progress", "--steps-per-report", "1"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "held-out pairs before: loss 0.6931" in r.stdout and "held-out pairs after:" in r.stdout, r.stdout
@@ -448,8 +448,8 @@ def test_packed_pairs_train_as_their_windows(method, doc_pairs, smollm2_f32_cut)
     for tol, x, y in [(first, a.val_before, b.val_before), (first, a.metrics[0], b.metrics[0])] + [
         (later, x, y) for x, y in zip(a.metrics[1:] + [a.evals[-1][1]], b.metrics[1:] + [b.evals[-1][1]])
     ]:
-        np.testing.assert_allclose([y.logps_chosen, y.logps_rejected, y.rewards_margins],
-                                   [x.logps_chosen, x.logps_rejected, x.rewards_margins], rtol=tol, atol=tol)  # fmt: skip
+        got, want = (np.array([r.logps_chosen, r.logps_rejected, r.rewards_margins]) for r in (y, x))
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("pack", [False, True])

@@ -84,7 +84,7 @@ ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_ten
         const float nc = (float) p.rows[2 * i], nr = (float) p.rows[2 * i + 1];
         if (p.method == PrefLoss::DPO) {
             // z = beta ((log pi(c) - log pi(r)) - ref), log pi(c) = -nc cc; -log sigmoid(z) = softplus(-z)
-            ggml_tensor * u   = ggml_sub(ctx, ggml_scale(ctx, cr, b * nr), ggml_scale(ctx, cc, b * nc));
+            ggml_tensor * u = ggml_sub(ctx, ggml_scale(ctx, cr, b * nr), ggml_scale(ctx, cc, b * nc));
             ggml_tensor * ref = ggml_view_1d(ctx, p.ref_in, 1, i * sizeof(float));
             pairs = add(ctx, pairs, ggml_softplus(ctx, ggml_sub(ctx, ggml_scale(ctx, ref, b), u)));
         } else {

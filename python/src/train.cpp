@@ -238,7 +238,8 @@ static void check_pref_step(PrefLoss & pref, const std::optional<Windows> & labe
         n_seq = docs.back() + 1;
         if (n_seq % 2 != 0)
             raise_value("a packed preference step takes documents that alternate chosen, rejected: an even number; "
-                        "got " + std::to_string(n_seq));
+                        "got " +
+                        std::to_string(n_seq));
     }
     std::vector<int64_t> labelled(n_seq, 0);
     for (int64_t k = 0; k < (int64_t) labels->shape(0) * n_win; ++k)
@@ -341,8 +342,7 @@ static std::vector<int32_t> set_segments(Context & c, const std::optional<Window
 }
 
 static void opt_step(Context & c, Windows windows, bool train, std::optional<Windows> labels, std::optional<F64In> refs,
-                     std::optional<I32In> prompt_rows, std::optional<Windows> segments,
-                     std::optional<Windows> shared) {
+                     std::optional<I32In> prompt_rows, std::optional<Windows> segments, std::optional<Windows> shared) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (!c.train) raise_value("call opt_init first");

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 
@@ -268,9 +269,11 @@ def _add_memory_and_step_options(f) -> None:
     )
     f.add_argument(
         "--pack",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="pack several examples (JSONL rows) into each window, each attending only to itself with its positions "
-        "from 0 (sequence packing, TRL's padding_free): no compute spent on padding",
+        "from 0 (sequence packing, TRL's padding_free): no compute spent on padding; --method dpo/orpo: a step's "
+        "pairs in one window, each prompt once (default there: on a CUDA GPU with flash attention)",
     )
     f.add_argument(
         "--max-grad-norm",

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .._validate import as_float, expect, one_of
+from ..build import devices
 from ..model import LoraAdapter, Model
 from .args import TrainingArgs, _bool
 from .checkpoint import restore_optimizer, save_checkpoint
@@ -112,11 +113,10 @@ class _Pairs:
     ref: np.ndarray | None = None
     prompt_rows: np.ndarray | None = None
     pad: int = 0
-    spans: np.ndarray | None = None  # pair_spans, for packed micro-batches
+    spans: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))  # pair_spans: packed micro-batches
 
     def __len__(self) -> int:
         return len(self.lengths)
-
 
 
 def pair_spans(win: np.ndarray, lab: np.ndarray) -> np.ndarray:
@@ -158,7 +158,7 @@ def pack_pairs(
             out[1][at : at + b - a] = 2 * k + j
             out[2][at : at + b - a] = also
             at += b - a
-    return tok[None], *(x[None] for x in out)
+    return tok[None], out[0][None], out[1][None], out[2][None]
 
 
 def _as_pairs(model: Model, data, what: str, method: str) -> list[PreferencePair]:
@@ -191,7 +191,7 @@ def _logps(
     trainer's one window (:func:`pack_pairs`); 0: a window a sequence."""
     opt, m = trainer.optimizer, pack or trainer.micro_batch // 2
     n = len(idx)
-    fill = idx[-1:] if not pack else np.argmin(_packed_lengths(p.spans))[None]  # the shortest: it fits (_packed_ctx)
+    fill = idx[-1:] if not pack else np.array([np.argmin(_packed_lengths(p.spans))])  # the shortest: _packed_ctx's
     full = np.concatenate([idx, np.repeat(fill, -n % m)])
     rows = np.stack([2 * full, 2 * full + 1], axis=1).reshape(-1)
     ref = np.zeros(len(full)) if refs is None else np.concatenate([refs, np.repeat(refs[-1:], -n % m)])
@@ -303,8 +303,10 @@ def preference(
         args: the run's settings, a :class:`~llamabind.train.TrainingArgs` (or its fields as keyword
             arguments, ``settings``): ``batch_size`` counts pairs (two windows each: a micro-batch of
             ``batch_size // grad_accum`` pairs is one graph), ``ctx_size`` is each window's tokens (a
-            longer pair is cut: :func:`pair_windows`), ``val_split`` holds back the last pairs; the
-            schedule, LoRA, precision, flash attention, checkpoints and reports as :func:`finetune`.
+            longer pair is cut: :func:`pair_windows`), ``val_split`` holds back the last pairs; ``pack``
+            puts a micro-batch's pairs into one window with each prompt once (:func:`pack_pairs`: the same
+            losses; None: where the output layer runs on a CUDA GPU with flash attention); the schedule, LoRA,
+            precision, flash attention, checkpoints and reports as :func:`finetune`.
         method: ``"dpo"`` (Rafailov et al. 2023, eq. 7: ``-log sigmoid(beta ((log pi(c) - log ref(c)) -
             (log pi(r) - log ref(r))))``, the log-probabilities summed over each answer's tokens, the mean over
             the pairs; TRL's DPOTrainer, ``loss_type="sigmoid"``) or ``"orpo"`` (Hong et al. 2024, eq. 6-7:
@@ -348,10 +350,14 @@ def preference(
     if a.lora:
         result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
     # pack: a micro-batch's pairs in one window, each prompt once (pack_pairs), the window fitted to the longest
-    pack = a.batch_size // a.grad_accum if a.pack else 0
+    packed = a.pack if a.pack is not None else _packs_where_it_pays(model, a)
+    pack = a.batch_size // a.grad_accum if packed else 0
     expect(2 * pack <= MAX_DOCS, f"pack: at most {MAX_DOCS // 2} pairs a micro-batch; got {pack}")
-    targs = a.replace(batch_size=a.grad_accum, ctx_size=_packed_ctx(sets, pack)) if pack else a.replace(
-        batch_size=2 * a.batch_size)
+    targs = (
+        a.replace(batch_size=a.grad_accum, ctx_size=_packed_ctx(sets, pack), pack=True)
+        if pack
+        else a.replace(batch_size=2 * a.batch_size, pack=False)
+    )
     trainer = Trainer(
         model, targs, params="lora" if a.lora else "model", adapter=result.adapter, loss=method, beta=beta
     )  # fmt: skip
@@ -405,7 +411,8 @@ def _pair_sets(model: Model, train_pairs, val_pairs, ctx_size: int, prompt_loss:
             )
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
-        p = _Pairs(*arrays, pad=pad)
+        win, lab, lengths = arrays
+        p = _Pairs(win, lab, lengths, pad=pad)
         p.spans = pair_spans(p.win, p.lab)
         if prompt_loss:
             p.prompt_rows = ((p.lab[0::2] >= 0).sum(axis=1) - p.lengths[:, 0]).astype(np.int32)
@@ -414,6 +421,13 @@ def _pair_sets(model: Model, train_pairs, val_pairs, ctx_size: int, prompt_loss:
     if truncated:
         _log.warning("%d preference pair(s) cut to fit ctx_size %d", truncated, ctx_size)
     return sets, truncated
+
+
+def _packs_where_it_pays(model: Model, a: TrainingArgs) -> bool:
+    """TrainingArgs.pack=None for pairs: packed where the output layer runs on a CUDA GPU with flash attention (the
+    training kernels skip the tiles of other pairs); elsewhere the attention would span the whole packed window."""
+    cuda = any(d.get("type") == "gpu" and d.get("backend") == "CUDA" for d in devices())
+    return bool(model.output_offloaded) and a.flash_attn is not False and cuda
 
 
 def _packed_lengths(spans: np.ndarray) -> np.ndarray:

@@ -133,7 +133,7 @@ class Trainer:
         self.context = Context(
             model, n_ctx=n, n_batch=n, n_ubatch=n, n_seq_max=MAX_DOCS if a.pack else self.micro_batch,
             kv_unified=a.pack or self.micro_batch == 1, n_threads=a.n_threads, training=True,
-            training_profile=bool(profile), flash_attn="on" if flash else "off", packed=a.pack,
+            training_profile=bool(profile), flash_attn="on" if flash else "off", packed=bool(a.pack),
         )  # fmt: skip
         precision = a.precision or ("bf16" if model.output_offloaded else "f32")
         try:
@@ -265,7 +265,7 @@ class Trainer:
         """segments as int32 (rows, ctx_size), or None; ValueError without ``pack`` (the rest: opt_step)."""
         if segments is None:
             return None
-        expect(self.args.pack, "segments are for a Trainer made with pack=True (packed windows)")
+        expect(bool(self.args.pack), "segments are for a Trainer made with pack=True (packed windows)")
         seg = np.asarray(segments)
         if seg.ndim != 2 or not np.issubdtype(seg.dtype, np.integer):
             raise TypeError(f"segments must be a 2-D integer array (windows, ctx_size); got {seg.dtype} {seg.shape}")
