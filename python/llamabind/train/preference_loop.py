@@ -120,9 +120,10 @@ class _Pairs:
 
 
 def pair_spans(win: np.ndarray, lab: np.ndarray) -> np.ndarray:
-    """int64 (n, 3) of :func:`pair_windows`' windows: per pair, the prompt positions its two windows share (before
-    the rejected window's first labelled position, the same tokens in both), and the end of each window's labelled
-    positions (chosen, rejected): what :func:`pack_pairs` lays out. Numpy only."""
+    """int64 (n, 3) of :func:`pair_windows`' ``win`` (2n, ctx + 1) and ``lab`` (2n, ctx): per pair, the prompt
+    positions its two windows share (before the rejected window's first labelled position, the same tokens in both),
+    and the end of each window's labelled positions (chosen, rejected): what :func:`pack_pairs` lays out. Numpy
+    only."""
     ctx = lab.shape[1]
     lab_c, lab_r = lab[0::2] >= 0, lab[1::2] >= 0
     same = win[0::2, :ctx] == win[1::2, :ctx]
@@ -349,23 +350,7 @@ def preference(
     resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
     if a.lora:
         result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
-    # pack: a micro-batch's pairs in one window, each prompt once (pack_pairs), the window fitted to the longest
-    packed = a.pack if a.pack is not None else _packs_where_it_pays(model, a)
-    pack = a.batch_size // a.grad_accum if packed else 0
-    expect(2 * pack <= MAX_DOCS, f"pack: at most {MAX_DOCS // 2} pairs a micro-batch; got {pack}")
-    targs = (
-        a.replace(batch_size=a.grad_accum, ctx_size=_packed_ctx(sets, pack), pack=True)
-        if pack
-        else a.replace(batch_size=2 * a.batch_size, pack=False)
-    )
-    trainer = Trainer(
-        model, targs, params="lora" if a.lora else "model", adapter=result.adapter, loss=method, beta=beta
-    )  # fmt: skip
-    if method == "dpo" and model.output_offloaded:
-        # DPO's reference log-probabilities and the validations from the training graph's forward pass, as the policy's
-        # at step 1 (patch 0095): a GPU's forward graph alone fuses and rounds otherwise (an H200's first loss was
-        # 0.7067, not ln 2); on the CPU the two are the same sums already
-        trainer.optimizer.forward_as_training(True)
+    trainer, pack = _trainer(model, a, sets, result.adapter, method, beta)
     run = _PrefRun(trainer, sets[0], sets[1], method, beta, a, total, result, run_id, pack=pack)
     try:
         if a.log is not None:
@@ -387,6 +372,30 @@ def preference(
         if run.log is not None:
             run.log.close()
     return result
+
+
+def _trainer(
+    model: Model, a: TrainingArgs, sets: Sequence[_Pairs], adapter: LoraAdapter | None, method: str, beta: float
+) -> tuple[Trainer, int]:
+    """The run's Trainer and how many pairs a micro-batch packs into its one window (0: a window a sequence)."""
+    # pack: a micro-batch's pairs in one window, each prompt once (pack_pairs), the window fitted to the longest
+    packed = a.pack if a.pack is not None else _packs_where_it_pays(model, a)
+    pack = a.batch_size // a.grad_accum if packed else 0
+    expect(2 * pack <= MAX_DOCS, f"pack: at most {MAX_DOCS // 2} pairs a micro-batch; got {pack}")
+    targs = (
+        a.replace(batch_size=a.grad_accum, ctx_size=_packed_ctx(sets, pack), pack=True)
+        if pack
+        else a.replace(batch_size=2 * a.batch_size, pack=False)
+    )
+    trainer = Trainer(
+        model, targs, params="lora" if a.lora else "model", adapter=adapter, loss=method, beta=beta
+    )  # fmt: skip
+    if method == "dpo" and model.output_offloaded:
+        # DPO's reference log-probabilities and the validations from the training graph's forward pass, as the policy's
+        # at step 1 (patch 0095): a GPU's forward graph alone fuses and rounds otherwise (an H200's first loss was
+        # 0.7067, not ln 2); on the CPU the two are the same sums already
+        trainer.optimizer.forward_as_training(True)
+    return trainer, pack
 
 
 def _run_id(a: TrainingArgs, n_train: int, method: str, beta: float, prompt_loss: bool) -> dict:
