@@ -414,9 +414,14 @@ def test_cli_finetune_says_what_it_does_and_prints_no_nan(model_path, tmp_path):
             assert line and int(line.group(1)) >= 1, p.stderr[-2000:]
             assert p.stderr.index("validation before training") < p.stderr.index("epoch 1/1"), p.stderr[-2000:]
             assert f"validation loss before: {line.group(2)}" in p.stdout, p.stdout
-    # eval says what it reads and evaluates before its result line (it was silent until the end)
-    p = subprocess.run([sys.executable, "-m", "llamabind", "eval", "-m", str(model_path), "--data", str(data), "-c",
-                        "256", "-t", "2"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    # eval says what it reads and evaluates before its result line (it was silent until the end), and with
+    # --progress (default where stderr is a terminal) a bar over the windows with the running loss, the same result
+    ev = [sys.executable, "-m", "llamabind", "eval", "-m", str(model_path), "--data", str(data), "-c", "256", "-t", "2"]
+    p = subprocess.run(ev, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"reading and checking {data}" in p.stderr and "evaluating 30 examples in windows of 256" in p.stderr
     assert re.search(r"^loss [\d.]+, perplexity", p.stdout, re.M), p.stdout
+    assert "window/s" not in p.stderr and "windows/s" not in p.stderr  # no bar: stderr is no terminal here
+    bar = subprocess.run([*ev, "--progress"], capture_output=True, text=True, timeout=300)
+    assert bar.returncode == 0 and bar.stdout == p.stdout, bar.stderr[-2000:]
+    assert re.search(r"evaluating:\s+\d+%.*\d+/30 ", bar.stderr), bar.stderr[-2000:]  # tqdm's state, as it last drew

@@ -52,7 +52,8 @@ def _eval(args) -> int:
         what = "the text" if isinstance(data, str) else f"{len(data)} examples"
         print(f"evaluating {what} in windows of {args.n_ctx} tokens ...", file=sys.stderr, flush=True)
         adapters = [(m.load_lora(p), scale) for p, scale in loras]
-        r = train.evaluate(m, data, ctx_size=args.n_ctx, adapter=adapters, n_threads=args.threads)
+        progress = sys.stderr.isatty() if args.progress is None else args.progress
+        r = train.evaluate(m, data, ctx_size=args.n_ctx, adapter=adapters, n_threads=args.threads, progress=progress)
     print(f"loss {r.loss:.4f}, perplexity {r.perplexity:.3f} over {r.tokens} tokens in {r.windows} windows{note}")
     return 0
 
@@ -396,6 +397,10 @@ def _eval_and_fuse_parsers(sub) -> None:
     ev.add_argument("--chat-template-file", default=None, help="jinja chat template instead of the GGUF's")
     add_threads(ev)
     add_ngl(ev)
+    ev.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="a tqdm bar over the windows with the running loss (default: where stderr is a terminal)",
+    )  # fmt: skip
     ev.set_defaults(fn=_eval)
     fu = sub.add_parser(
         "fuse",

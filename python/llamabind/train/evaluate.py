@@ -58,6 +58,7 @@ def evaluate(
     adapter: LoraAdapter | Sequence[tuple[LoraAdapter, float]] | None = None,
     scale: float = 1.0,
     n_threads: int | None = None,
+    progress: bool = False,
 ) -> EvalResult:
     """Loss and perplexity of ``model`` (with ``adapter`` applied at ``scale``, or several adapters
     as (adapter, scale) pairs) on ``data``: text
@@ -67,8 +68,9 @@ def evaluate(
     context's parameters (F32 KV cache, no flash attention; ``n_threads``: None for all cores), so
     the loss is the one fine-tuning's validation reports for a single window, given a model loaded as training loads it
     (``repack=False``; a model whose CPU weights are repacked, e.g. for AMX, computes its products
-    with other kernels and gives a loss that differs in the third decimal). Raises TypeError for
-    other data, ValueError for data with no counted token or ctx_size not a multiple of 256."""
+    with other kernels and gives a loss that differs in the third decimal). ``progress``: a tqdm bar over the
+    windows (on stderr), with the running loss. Raises TypeError for other data, ValueError for data with no
+    counted token or ctx_size not a multiple of 256."""
     ctx_size = as_int(ctx_size, "ctx_size", 256)
     expect(ctx_size % 256 == 0, f"ctx_size must be a multiple of 256, as in training; got {ctx_size}")
     scale = as_float(scale, "scale")
@@ -82,6 +84,11 @@ def evaluate(
         pairs = [(adapter, scale)] if isinstance(adapter, LoraAdapter) else list(adapter or [])
         for a, sc in pairs:
             ctx.set_lora(a, as_float(sc, "scale"))
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(pieces), desc="evaluating", unit="window", leave=False)
         for tokens, labels in pieces:
             ctx.clear()
             logits = ctx.eval(tokens[:-1].tolist()).astype(np.float64)
@@ -91,5 +98,10 @@ def evaluate(
             nll = np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(z)), labels[keep]]
             total += float(nll.sum())
             n += int(keep.sum())
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{total / n:.4f}")
+        if bar is not None:
+            bar.close()
     loss = total / n
     return EvalResult(loss, math.exp(loss), n, len(pieces))
