@@ -229,3 +229,96 @@ def test_fetch_says_when_the_registry_is_unreachable(tmp_path):
     p = vendor_py("fetch", env=env, timeout=600)
     assert p.returncode == 3, p.stderr
     assert "could not download llama-cpp-python==0.3.36" in p.stderr
+
+
+_PATCH = """diff --git a/a.txt b/a.txt
+--- a/a.txt
++++ b/a.txt
+@@ -8,7 +8,7 @@
+ line 7
+ line 8
+ line 9
+-line 10
++LINE 10 patched
+ line 11
+ line 12
+ line 13
+diff --git a/new.txt b/new.txt
+new file mode 100644
+--- /dev/null
++++ b/new.txt
+@@ -0,0 +1 @@
++hello
+"""
+
+
+@pytest.mark.parametrize(
+    "upstream,state",
+    [
+        ({12: "line 12 upstream"}, "applies (3-way)"),  # a context line changed: git apply refuses, the merge is clean
+        ({10: "line 10 upstream"}, "conflicts"),  # the line the patch changes, changed otherwise
+        ({10: "LINE 10 patched"}, "already upstream"),
+        ({-1: "a new first line"}, "applies"),  # moved lines only: git apply's offsets
+    ],
+)
+def test_merge_patch_is_gits_three_way_merge(vendor_mod, tmp_path, upstream, state):
+    """Issue 86 item 8: a patch over a newer source applies as it is where it can, else by a 3-way merge of the
+    file from the pin's version before and after the patch and the source's (git am -3's rule): a changed context
+    line merges cleanly (both changes kept), a changed patched line is a conflict region marked diff3-style with
+    the file named, a source that has the change says so, moved lines apply with offsets; the patch's new file is
+    created; the pin side always advances."""
+    lines = [f"line {i}" for i in range(30)]
+    pin, src = tmp_path / "pin", tmp_path / "src"
+    for d in (pin, src):
+        d.mkdir()
+    (pin / "a.txt").write_text("\n".join(lines) + "\n")
+    new = list(lines)
+    for i, text in upstream.items():
+        if i < 0:
+            new.insert(0, text)
+        else:
+            new[i] = text
+    (src / "a.txt").write_text("\n".join(new) + "\n")
+    if state == "already upstream":
+        (src / "new.txt").write_text("hello\n")
+    patch = tmp_path / "p.patch"
+    patch.write_text(_PATCH)
+    r = vendor_mod.merge_patch(patch, pin, src)
+    assert r["state"] == state, r
+    assert "LINE 10 patched" in (pin / "a.txt").read_text() and (pin / "new.txt").read_text() == "hello\n"
+    out = (src / "a.txt").read_text()
+    if state == "conflicts":
+        assert r["conflicts"] == {"a.txt": 1}
+        assert (
+            "<<<<<<< source\nline 10 upstream\n||||||| pin\nline 10\n=======\nLINE 10 patched\n>>>>>>> patched" in out
+        )
+    else:
+        assert r["conflicts"] == {} and "LINE 10 patched" in out and (src / "new.txt").read_text() == "hello\n"
+        assert all(text in out for text in upstream.values())
+
+
+def test_rehearse_the_series_over_a_moved_source(vendor_dir, tmp_path):
+    """Issue 86 item 8, the whole series: ``vendor.py rehearse --source DIR --out DIR`` over the pin's own files with
+    a context line of patch 0001's hunk changed upstream: git apply refuses 0001 there, the 3-way merge takes it, the
+    rest apply, nothing needs hands, and the patched copy is the vendor tree's patched file with the upstream change;
+    --out refuses a non-empty directory."""
+    spec = importlib.util.spec_from_file_location("v", ROOT / "vendor" / "vendor.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = tmp_path / "src"
+    touched = {f for n in mod.series() for f in mod.patch_files(mod.PATCHES / n)}
+    mod.pristine_files(mod.load_lock(), touched, src)
+    rel = "ggml/src/ggml-cpu/ops.cpp"
+    line = "        // post-order:\n        // dot_y_dy := dot(y, dy)\n"  # the first 2 lines above the changed ones
+    upstream = "        // post-order (upstream):\n        // dot_y_dy := dot(y, dy)\n"
+    text = (src / rel).read_text()
+    assert text.count(line) == 1
+    (src / rel).write_text(text.replace(line, upstream))
+    p = vendor_py("rehearse", "--source", str(src), "--out", str(tmp_path / "out"), timeout=600)
+    print(p.stdout[-3000:], p.stderr[-2000:])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "0 file(s) need hands" in p.stdout
+    assert "0001-ggml-cpu-soft_max_back-dst-aliases-y.patch" in p.stdout.split("applies (3-way)")[0].splitlines()[-1]
+    assert (tmp_path / "out" / rel).read_text() == (vendor_dir / rel).read_text().replace(line, upstream)
+    again = vendor_py("rehearse", "--source", str(src), "--out", str(tmp_path / "out"))
+    assert again.returncode == 1 and "is not empty" in again.stderr + again.stdout

@@ -5,7 +5,11 @@
     python vendor/vendor.py fetch     download the pinned source package into the cache and verify it
     python vendor/vendor.py verify    check the unpacked tree against the lock (digest of the pristine files)
     python vendor/vendor.py status    for each patch: applies / already upstream / conflicts, against the pin
-                                      (or --source DIR, e.g. a newer upstream checkout); and applied in vendor/
+                                      (or --source DIR, e.g. a newer upstream checkout, with git's 3-way merge:
+                                      "applies (3-way)" where it merges cleanly); and applied in vendor/
+    python vendor/vendor.py rehearse --source DIR --out DIR
+                                      re-pinning in one command: DIR's tree copied to --out with the series
+                                      applied (3-way), conflict regions marked diff3-style; what needs hands listed
     python vendor/vendor.py refresh NAME [--add PATH ...]
                                       re-export patches/NAME from the edited vendor/llama.cpp tree
 
@@ -250,6 +254,43 @@ def apply_patch(patch: Path, tree: Path) -> None:
         raise VendorError(explain_failure(patch, p.stderr))
 
 
+def merge_patch(patch: Path, pin: Path, tree: Path) -> dict:
+    """``patch`` onto ``tree`` (another source, the patches before it applied), as ``git am -3`` does: as it is
+    where it applies; else each file it touches is merged (git merge-file, diff3 style) from the pin series'
+    version before the patch (``pin``: the pin's files with the patches before it applied), the one after it, and
+    the tree's. ``pin`` always gets the patch. Returns {"state": "applies" | "applies (3-way)" | "already
+    upstream" | "conflicts", "conflicts": {file: conflict regions}}; the tree keeps the merged files, the
+    conflict regions marked where hands are needed (a file the tree lacks counts as one)."""
+    files = patch_files(patch)
+    before = {f: (pin / f).read_bytes() if (pin / f).exists() else None for f in files}
+    apply_patch(patch, pin)  # the series applies to the pin by definition
+    if check_patch(patch, tree)[0]:
+        apply_patch(patch, tree)
+        return {"state": "applies", "conflicts": {}}
+    if check_patch(patch, tree, reverse=True)[0]:
+        return {"state": "already upstream", "conflicts": {}}
+    conflicts = {}
+    with tempfile.TemporaryDirectory() as d:
+        for i, f in enumerate(files):
+            ours, base, theirs = tree / f, Path(d) / f"base{i}", pin / f
+            if before[f] is None and not ours.exists():  # a new file: the patch's
+                ours.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(theirs, ours)
+                continue
+            if not ours.exists() or not theirs.exists():  # gone from the source, or deleted by the patch
+                conflicts[f] = 1
+                continue
+            base.write_bytes(before[f] or b"")
+            p = subprocess.run(["git", "merge-file", "-p", "--diff3", "-L", "source", "-L", "pin", "-L", "patched",
+                                str(ours), str(base), str(theirs)], capture_output=True)  # fmt: skip
+            if p.returncode < 0 or p.returncode > 127:
+                raise VendorError(f"git merge-file failed on {f}: {p.stderr.decode(errors='replace').strip()}")
+            ours.write_bytes(p.stdout)
+            if p.returncode:
+                conflicts[f] = p.returncode
+    return {"state": "conflicts" if conflicts else "applies (3-way)", "conflicts": conflicts}
+
+
 def patch_hashes() -> list[dict]:
     return [{"name": n, "sha256": sha256_file(PATCHES / n)} for n in series()]
 
@@ -350,25 +391,28 @@ def status(source: Path | None = None) -> list[dict]:
         touched = set()
         for n in names:
             touched.update(patch_files(PATCHES / n))
-        if source is None:
-            pristine_files(lock, touched, base)
-        else:
-            for rel in touched:
-                if (source / rel).exists():
-                    (base / rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(source / rel, base / rel)
+        pin = Path(d) / "pin"  # with a source: the pin series, whose files the 3-way merges start from
+        pristine_files(lock, touched, pin if source is not None else base)
+        if source is not None:
+            _copy_files(source, base, touched)
         for n in names:
             patch = PATCHES / n
-            fwd, out = check_patch(patch, base)
-            if fwd:
-                state = "applies"
-                _git(["apply", str(patch)], base)  # later patches see this one
+            row = {"name": n, "against": "pin" if source is None else str(source)}
+            if source is not None:
+                merged = merge_patch(patch, pin, base)
+                row["state"] = merged["state"]
+                if merged["conflicts"]:
+                    row["detail"] = "conflict regions: " + ", ".join(
+                        f"{f} ({k})" for f, k in merged["conflicts"].items()
+                    )
             else:
-                rev, _ = check_patch(patch, base, reverse=True)
-                state = "already upstream" if rev else "conflicts"
-            row = {"name": n, "against": "pin" if source is None else str(source), "state": state}
-            if state == "conflicts":
-                row["detail"] = explain_failure(patch, out)
+                fwd, out = check_patch(patch, base)
+                if fwd:
+                    _git(["apply", str(patch)], base)  # later patches see this one
+                rev = not fwd and check_patch(patch, base, reverse=True)[0]
+                row["state"] = "applies" if fwd else "already upstream" if rev else "conflicts"
+                if row["state"] == "conflicts":
+                    row["detail"] = explain_failure(patch, out)
             if STAMP.exists():
                 applied = {p["name"]: p["sha256"] for p in json.loads(STAMP.read_text())["patches"]}
                 if applied.get(n) == sha256_file(patch):
@@ -395,6 +439,39 @@ def cmd_status(args) -> int:
             if "detail" in r:
                 print("    " + r["detail"].replace("\n", "\n    "))
     return 1 if any(r["state"] == "conflicts" for r in rows) else 0
+
+
+def _copy_files(src: Path, dest: Path, files: set[str]) -> None:
+    for rel in files:
+        if (src / rel).exists():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / rel, dest / rel)
+
+
+def cmd_rehearse(args) -> int:
+    """The series over another source (a newer upstream): its tree copied to --out, every patch applied as it is or
+    by a 3-way merge, conflict regions marked; prints each patch's state and what needs hands."""
+    source, out = Path(args.source).resolve(), Path(args.out).resolve()
+    if not (source / "ggml").is_dir():
+        raise VendorError(f"--source {source}: not a llama.cpp tree (no ggml/)")
+    if out.exists() and any(out.iterdir()):
+        raise VendorError(f"--out {out}: exists and is not empty")
+    shutil.copytree(source, out, dirs_exist_ok=True, symlinks=True)
+    names = series()
+    touched = {f for n in names for f in patch_files(PATCHES / n)}
+    hands = []
+    with tempfile.TemporaryDirectory() as d:
+        pin = Path(d) / "pin"
+        pristine_files(load_lock(), touched, pin)
+        for n in names:
+            r = merge_patch(PATCHES / n, pin, out)
+            print(f"{n:<72}  {r['state']}")
+            for f, k in r["conflicts"].items():
+                hands.append(f"{n}: {f} ({k} conflict region{'s' if k > 1 else ''})")
+    print(f"{len(names)} patches over {source}; {len(hands)} file(s) need hands" + (":" if hands else ""))
+    for h in hands:
+        print("  " + h)
+    return 1 if hands else 0
 
 
 def _split_patch(text: str) -> tuple[str, str]:
@@ -470,6 +547,10 @@ def main(argv=None) -> int:
     s.add_argument("--source", help="another llama.cpp tree (e.g. a newer upstream) to check against")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_status)
+    h = sub.add_parser("rehearse", help="the series over another source, 3-way merged, into --out")
+    h.add_argument("--source", required=True, help="a llama.cpp tree (e.g. a newer upstream)")
+    h.add_argument("--out", required=True, help="where the patched copy goes (a new or empty directory)")
+    h.set_defaults(fn=cmd_rehearse)
     r = sub.add_parser("refresh", help="re-export a patch from the edited vendor tree")
     r.add_argument("name")
     r.add_argument("--add", action="append", help="also include this file (relative to llama.cpp root)")
