@@ -11,9 +11,13 @@
 // repeat (pref_reuse_loss, pref_set_inputs).
 #include "preference.h"
 
+#include "common.h"
+
 #include <ggml-backend.h>
 
 #include <algorithm>
+#include <cmath>
+#include <string>
 
 namespace lb {
 
@@ -116,6 +120,53 @@ void pref_set_inputs(void * userdata) {
     if (p.ref_in) {
         GGML_ASSERT(p.ref.size() == (size_t) ggml_nelements(p.ref_in));  // opt_step checked it
         ggml_backend_tensor_set(p.ref_in, p.ref.data(), 0, ggml_nbytes(p.ref_in));
+    }
+}
+
+// a preference loss's checks of a step (opt_step), before anything runs: every window has a labelled position (an
+// answer token); DPO's reference log-ratio per pair; ORPO's labelled prompt positions per pair, fewer than its chosen
+// window's (a packed context: its documents in place of the windows, docs each position's, an even number of them)
+void pref_check_step(PrefLoss & pref, const int32_t * labels, int64_t n_rows, int64_t n_win, const double * refs,
+                     int64_t n_refs, const int32_t * prompt_rows, int64_t n_prompt, const std::vector<int32_t> & docs) {
+    if (!labels) raise_value("a preference loss needs labels: each window's answer tokens, -1 elsewhere");
+    const std::string what = docs.empty() ? "window " : "document ";
+    const int64_t n_seq = docs.empty() ? n_rows : docs.back() + 1;
+    if (n_seq % 2 != 0)
+        raise_value("a packed preference step takes documents that alternate chosen, rejected: an even number; got " +
+                    std::to_string(n_seq));
+    std::vector<int64_t> labelled(n_seq, 0);
+    for (int64_t k = 0; k < n_rows * n_win; ++k) labelled[docs.empty() ? k / n_win : docs[k]] += labels[k] >= 0;
+    for (int64_t s = 0; s < n_seq; ++s) {
+        if (labelled[s] == 0)
+            raise_value(what + std::to_string(s) +
+                        " has no labelled position: a preference pair's answer needs at least one token in its window");
+    }
+    pref.ref.clear();
+    if (pref.method == PrefLoss::DPO) {
+        if (!refs || n_refs != n_seq / 2)
+            raise_value("DPO needs refs: float64 (" + std::to_string(n_seq / 2) +
+                        ",), each pair's reference log-ratio log p_ref(chosen) - log p_ref(rejected)");
+        for (int64_t i = 0; i < n_seq / 2; ++i) {
+            if (!std::isfinite(refs[i])) raise_value("refs[" + std::to_string(i) + "] is not finite");
+            pref.ref.push_back((float) refs[i]);
+        }
+    }
+    pref.prompt.clear();
+    if (prompt_rows) {
+        if (pref.method != PrefLoss::ORPO)
+            raise_value("prompt_rows are for ORPO's nll over the chosen prompt and answer (opt_init with loss 'orpo')");
+        if (n_prompt != n_seq / 2)
+            raise_value("prompt_rows must be int32 (" + std::to_string(n_seq / 2) +
+                        ",): per pair, the labelled positions of its chosen window's prompt; got " +
+                        std::to_string(n_prompt));
+        for (int64_t i = 0; i < n_seq / 2; ++i) {
+            const int32_t n = prompt_rows[i];
+            if (n < 0 || n >= labelled[2 * i])
+                raise_value("prompt_rows[" + std::to_string(i) + "] = " + std::to_string(n) + " must be in [0, " +
+                            std::to_string(labelled[2 * i]) +
+                            "): its chosen window's labelled positions less the answer's (at least one)");
+            pref.prompt.push_back(n);
+        }
     }
 }
 

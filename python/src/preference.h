@@ -37,6 +37,12 @@ bool pref_reuse_loss(const int32_t * seq_rows, int32_t n_seq, void * userdata);
 // llama_opt_params.set_loss_inputs: the next eval's reference log-ratios into the loss's input
 void pref_set_inputs(void * userdata);
 
+// opt_step's checks of a step's preference inputs (labels (n_rows, n_win) row-major; refs n_refs float64, DPO;
+// prompt_rows n_prompt int32, ORPO; docs: a packed step's document of each position, else empty), setting pref.ref
+// and pref.prompt for the loss; ValueError (raise_value) naming what is wrong
+void pref_check_step(PrefLoss & pref, const int32_t * labels, int64_t n_rows, int64_t n_win, const double * refs,
+                     int64_t n_refs, const int32_t * prompt_rows, int64_t n_prompt, const std::vector<int32_t> & docs);
+
 // after an eval: the per-sequence log-likelihoods into PrefLoss::logps (the graph's tensors still allocated)
 void pref_read(PrefLoss & p);
 

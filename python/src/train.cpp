@@ -226,65 +226,6 @@ static void pref_after_eval(bool, ggml_opt_context_t, ggml_opt_dataset_t, ggml_o
     if (tl_pref) pref_read(*tl_pref);
 }
 
-// a preference loss's checks of a step: every window has a labelled position (an answer token); DPO's
-// reference log-ratio per pair; ORPO's labelled prompt positions per pair, fewer than its chosen window's
-// (a packed context: its documents in place of the windows, docs each position's, an even number of them)
-static void check_pref_step(PrefLoss & pref, const std::optional<Windows> & labels, const std::optional<F64In> & refs,
-                            const std::optional<I32In> & prompt_rows, int64_t n_win, const std::vector<int32_t> & docs,
-                            int64_t n_seq) {
-    if (!labels) raise_value("a preference loss needs labels: each window's answer tokens, -1 elsewhere");
-    const char * what = docs.empty() ? "window " : "document ";
-    if (!docs.empty()) {
-        n_seq = docs.back() + 1;
-        if (n_seq % 2 != 0)
-            raise_value("a packed preference step takes documents that alternate chosen, rejected: an even number; "
-                        "got " +
-                        std::to_string(n_seq));
-    }
-    std::vector<int64_t> labelled(n_seq, 0);
-    for (int64_t k = 0; k < (int64_t) labels->shape(0) * n_win; ++k)
-        labelled[docs.empty() ? k / n_win : docs[k]] += (*labels)(k / n_win, k % n_win) >= 0;
-    for (int64_t s = 0; s < n_seq; ++s) {
-        if (labelled[s] == 0)
-            raise_value(what + std::to_string(s) +
-                        " has no labelled position: a preference pair's answer "
-                        "needs at least one token in its window");
-    }
-    pref.ref.clear();
-    if (pref.method == PrefLoss::DPO) {
-        if (!refs || (int64_t) refs->shape(0) != n_seq / 2)
-            raise_value("DPO needs refs: float64 (" + std::to_string(n_seq / 2) +
-                        ",), each pair's reference log-ratio log p_ref(chosen) - log p_ref(rejected)");
-        for (int64_t i = 0; i < n_seq / 2; ++i) {
-            if (!std::isfinite((*refs)(i))) raise_value("refs[" + std::to_string(i) + "] is not finite");
-            pref.ref.push_back((float) (*refs)(i));
-        }
-    }
-    pref.prompt.clear();
-    if (prompt_rows) {
-        if (pref.method != PrefLoss::ORPO)
-            raise_value("prompt_rows are for ORPO's nll over the chosen prompt and answer (opt_init with loss 'orpo')");
-        if ((int64_t) prompt_rows->shape(0) != n_seq / 2)
-            raise_value("prompt_rows must be int32 (" + std::to_string(n_seq / 2) +
-                        ",): per pair, the labelled "
-                        "positions of its chosen window's prompt; got " +
-                        std::to_string(prompt_rows->shape(0)));
-        for (int64_t i = 0; i < n_seq / 2; ++i) {
-            const int32_t n = (*prompt_rows)(i);
-            if (n < 0 || n >= labelled[2 * i])
-                raise_value("prompt_rows[" + std::to_string(i) + "] = " + std::to_string(n) + " must be in [0, " +
-                            std::to_string(labelled[2 * i]) +
-                            "): its chosen window's labelled positions less "
-                            "the answer's (at least one)");
-            pref.prompt.push_back(n);
-        }
-    }
-}
-
-// One datapoint: n_seq_max windows of n_win + 1 tokens (n_win = n_ctx / n_seq_max), each its own
-// sequence; inputs windows[:, :-1], labels windows[:, 1:], or ``labels`` (n_seq_max, n_win) ids,
-// -1 for a position left out of the loss (patch 0027). train: forward, backward and, every
-// grad_accum-th training datapoint, an optimizer step; else forward only (validation loss).
 // the documents of a packed context's datapoint (patch 0096): segments (n_seq, n_win), each row non-decreasing from 0
 // in steps of 1 (none: a document a window), numbered on across the windows; shared (n_seq, n_win): -1, or a later
 // document of the window that the position's token belongs to too (llama_opt_set_shared_tokens). Set on the context
@@ -341,6 +282,10 @@ static std::vector<int32_t> set_segments(Context & c, const std::optional<Window
     return seg;
 }
 
+// One datapoint: n_seq_max windows of n_win + 1 tokens (n_win = n_ctx / n_seq_max), each its own
+// sequence; inputs windows[:, :-1], labels windows[:, 1:], or ``labels`` (n_seq_max, n_win) ids,
+// -1 for a position left out of the loss (patch 0027). train: forward, backward and, every
+// grad_accum-th training datapoint, an optimizer step; else forward only (validation loss).
 static void opt_step(Context & c, Windows windows, bool train, std::optional<Windows> labels, std::optional<F64In> refs,
                      std::optional<I32In> prompt_rows, std::optional<Windows> segments, std::optional<Windows> shared) {
     BusyGuard guard(c);
@@ -385,7 +330,9 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
     const std::vector<int32_t> docs = set_segments(c, segments, shared, n_seq, n_win);
     TrainState & st = *c.train;
     if (st.pref)
-        check_pref_step(*st.pref, labels, refs, prompt_rows, n_win, docs, n_seq);
+        pref_check_step(*st.pref, labels ? labels->data() : nullptr, n_seq, n_win, refs ? refs->data() : nullptr,
+                        refs ? (int64_t) refs->shape(0) : 0, prompt_rows ? prompt_rows->data() : nullptr,
+                        prompt_rows ? (int64_t) prompt_rows->shape(0) : -1, docs);
     else if (refs || prompt_rows)
         raise_value(std::string(refs ? "refs" : "prompt_rows") + " are for a preference loss (opt_init with loss '" +
                     (refs ? "dpo" : "orpo") + "')");
