@@ -354,8 +354,12 @@ def _pty_chat(model_path, keys: list[bytes], env: dict) -> str:
     for i, k in enumerate(keys):
         n = out.count(b"> ")
         if k == b"\x03":  # a person's pause after the prompt: CPython's readline notices a SIGINT that lands between
-            time.sleep(0.3)  # printing the prompt and its select() only at the next key (a cold CI lost one so)
+            time.sleep(0.3)  # printing the prompt and its select() only when a line completes (cold CIs lost two so)
         os.write(fd, k)
+        if k == b"\x03" and i < len(keys) - 1:
+            wait_for_prompts(n + 1, timeout=10)
+            if out.count(b"> ") == n:  # the SIGINT is pending in the REPL: Enter completes the line, as a person's
+                os.write(fd, b"\r")  # next key would, and input() raises KeyboardInterrupt as it returns
         if k.endswith((b"\r", b"\x03")) and i < len(keys) - 1:  # wait for the next prompt (none after the last)
             wait_for_prompts(n + 1)
     end = time.time() + 10
