@@ -26,7 +26,9 @@ class Optimizer:
     ValueError/TypeError for bad arguments or a context that is not a training one. ``loss``:
     ``"cross_entropy"`` (next-token), or ``"dpo"`` / ``"orpo"``: a preference loss over windows that
     alternate a pair's chosen and rejected answer (an even n_seq_max; llama_opt_params.build_loss, patch
-    0054), ``beta`` > 0 DPO's beta or ORPO's lambda. ``recompute``: gradient checkpointing, only the layers'
+    0054), ``beta`` > 0 DPO's beta or ORPO's lambda; or ``"grpo"``: the sum over the labelled positions of a
+    coefficient (``refs`` of :meth:`eval`) times the position's log softmax(logits / ``beta``) (``beta``: GRPO's
+    sampling temperature; :func:`~llamabind.train.grpo`). ``recompute``: gradient checkpointing, only the layers'
     outputs kept for the backward pass, the rest recomputed there (llama_opt_params.recompute_activations,
     patch 0066). ``max_grad_norm``: clip the gradients to this global L2 norm before each optimizer step
     (torch.nn.utils.clip_grad_norm_; llama_opt_params.max_grad_norm, patch 0094); None or 0: no clipping.
@@ -89,7 +91,8 @@ class Optimizer:
         token belongs to too, seen by that document's tokens as its own (a prompt shared by a pair's chosen and
         rejected answer; a shared token has the same position in both: llama_opt_set_shared_tokens, patch 0101).
         Under a preference loss a packed window's documents alternate chosen, rejected and take the windows'
-        place in ``refs``, ``prompt_rows`` and :meth:`seq_logps`."""
+        place in ``refs``, ``prompt_rows`` and :meth:`seq_logps`. Under ``loss="grpo"``: ``refs`` float64
+        (labelled positions,), window-major, each one's coefficient."""
         if refs is not None:
             refs = np.ascontiguousarray(refs, dtype=np.float64).reshape(-1)
         if prompt_rows is not None:
@@ -100,8 +103,8 @@ class Optimizer:
         """float64 (n_seq_max,): the last :meth:`eval`'s per-window summed log-likelihood of its answer's
         labelled tokens (nats), read from the preference loss's graph after the eval (its per-window
         ggml_cross_entropy_loss nodes, ggml_backend_tensor_get; patch 0054); ``prompt``: of the labelled
-        prompt positions before them (ORPO's ``prompt_rows``; 0 where none). ValueError without a
-        preference loss."""
+        prompt positions before them (ORPO's ``prompt_rows``; 0 where none). Under ``loss="grpo"``: float64
+        (labelled positions,), window-major, each one's log-probability. ValueError without a caller's loss."""
         return _core.opt_seq_logps(self._native, bool(prompt))
 
     def forward_as_training(self, on: bool) -> None:

@@ -16,7 +16,9 @@
 #include <ggml-backend.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <numeric>
 #include <string>
 
 namespace lb {
@@ -37,9 +39,35 @@ static ggml_tensor * log1m_exp_neg(ggml_context * ctx, ggml_tensor * ce) {
     return ggml_log(ctx, ggml_scale(ctx, ggml_expm1(ctx, ggml_scale(ctx, ce, -1.0f)), -1.0f));
 }
 
+// GRPO (issue 85): sum_r coef_r x log softmax(z_r / T)[y_r] over the labelled rows r. The coefficients are the
+// derivative of TRL's per-token loss at this step's log-probabilities (grpo.py), so that the graph's gradient is
+// TRL's; the log-probabilities are an output (pref_read). softmax, then the target's probability picked from the
+// flat [1, V x rows] view by ggml_get_rows (GET_ROWS_BACK in the backward pass), then its log: every backend that
+// trains has these ops and their backward passes. A sampled token's probability is far above F32's underflow.
+static ggml_tensor * grpo_build_loss(ggml_context * ctx, ggml_tensor * logits, PrefLoss & p) {
+    const int64_t n_vocab = logits->ne[0], n = logits->ne[1];
+    GGML_ASSERT(n == (int64_t) p.target.size() && n_vocab == p.n_vocab && n_vocab * n < INT32_MAX);  // opt_step checked it
+    ggml_tensor * z = p.beta == 1.0f ? logits : ggml_scale(ctx, logits, 1.0f / p.beta);
+    ggml_tensor * probs = ggml_reshape_2d(ctx, ggml_soft_max(ctx, z), 1, n_vocab * n);
+    p.idx_in = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    ggml_set_name(p.idx_in, "grpo_targets");
+    ggml_set_input(p.idx_in);
+    p.coef_in = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, n);
+    ggml_set_name(p.coef_in, "grpo_coef");
+    ggml_set_input(p.coef_in);
+    p.token_lp = ggml_log(ctx, ggml_get_rows(ctx, probs, p.idx_in));
+    ggml_set_name(p.token_lp, "grpo_logp");
+    ggml_set_output(p.token_lp);  // read back after the eval (pref_read)
+    p.built_rows.assign(1, (int32_t) n);
+    ggml_tensor * loss = ggml_sum(ctx, ggml_mul(ctx, p.token_lp, p.coef_in));
+    ggml_set_name(loss, "loss_grpo");
+    return loss;
+}
+
 ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_tensor * labels, const int32_t * seq_rows,
                               int32_t n_seq, void * userdata) {
     PrefLoss & p = *(PrefLoss *) userdata;
+    if (p.method == PrefLoss::GRPO) return grpo_build_loss(ctx, logits, p);
     // opt_step checked these (an even number of windows, each with a labelled answer token, a ref per pair,
     // ORPO's labelled prompt positions fewer than the chosen window's labelled positions)
     GGML_ASSERT(n_seq > 0 && n_seq % 2 == 0);
@@ -111,15 +139,50 @@ ggml_tensor * pref_build_loss(ggml_context * ctx, ggml_tensor * logits, ggml_ten
 
 bool pref_reuse_loss(const int32_t * seq_rows, int32_t n_seq, void * userdata) {
     const PrefLoss & p = *(const PrefLoss *) userdata;
+    if (p.method == PrefLoss::GRPO)  // its graph depends on the number of rows alone
+        return p.built_rows.size() == 1 && p.built_rows[0] == std::accumulate(seq_rows, seq_rows + n_seq, 0);
     return p.built_rows.size() == (size_t) n_seq && std::equal(seq_rows, seq_rows + n_seq, p.built_rows.begin()) &&
            p.built_prompt == p.prompt;
 }
 
 void pref_set_inputs(void * userdata) {
     const PrefLoss & p = *(const PrefLoss *) userdata;
+    if (p.method == PrefLoss::GRPO) {
+        const int64_t n = (int64_t) p.target.size();
+        GGML_ASSERT(ggml_nelements(p.idx_in) == n && p.coef.size() == (size_t) n);  // opt_step checked it
+        std::vector<int32_t> idx(n);
+        for (int64_t r = 0; r < n; ++r) idx[r] = (int32_t) (r * p.n_vocab + p.target[r]);
+        ggml_backend_tensor_set(p.idx_in, idx.data(), 0, ggml_nbytes(p.idx_in));
+        ggml_backend_tensor_set(p.coef_in, p.coef.data(), 0, ggml_nbytes(p.coef_in));
+        return;
+    }
     if (p.ref_in) {
         GGML_ASSERT(p.ref.size() == (size_t) ggml_nelements(p.ref_in));  // opt_step checked it
         ggml_backend_tensor_set(p.ref_in, p.ref.data(), 0, ggml_nbytes(p.ref_in));
+    }
+}
+
+// GRPO's checks of a step: labels (the completions' tokens), a finite coefficient per labelled position
+static void grpo_check_step(PrefLoss & p, const int32_t * labels, int64_t n, const double * coefs, int64_t n_coefs,
+                            const int32_t * prompt_rows, const std::vector<int32_t> & docs) {
+    if (!labels) raise_value("GRPO needs labels: each window's completion tokens, -1 elsewhere");
+    if (prompt_rows) raise_value("prompt_rows are for ORPO's nll over the chosen prompt and answer");
+    if (!docs.empty()) raise_value("GRPO takes unpacked windows (a completion a window)");
+    p.target.clear();
+    for (int64_t k = 0; k < n; ++k)
+        if (labels[k] >= 0) p.target.push_back(labels[k]);
+    const int64_t rows = (int64_t) p.target.size();
+    if (!coefs || n_coefs != rows)
+        raise_value("GRPO needs refs: float64 (" + std::to_string(rows) +
+                    ",), a coefficient per labelled position (window-major), the derivative of the loss in its "
+                    "log-probability");
+    if (p.n_vocab * rows >= INT32_MAX)
+        raise_value("GRPO: " + std::to_string(rows) + " labelled positions x " + std::to_string(p.n_vocab) +
+                    " logits exceed 2^31 values in one eval; use smaller micro-batches");
+    p.coef.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+        if (!std::isfinite(coefs[r])) raise_value("refs[" + std::to_string(r) + "] is not finite");
+        p.coef[r] = (float) coefs[r];
     }
 }
 
@@ -128,6 +191,10 @@ void pref_set_inputs(void * userdata) {
 // window's (a packed context: its documents in place of the windows, docs each position's, an even number of them)
 void pref_check_step(PrefLoss & pref, const int32_t * labels, int64_t n_rows, int64_t n_win, const double * refs,
                      int64_t n_refs, const int32_t * prompt_rows, int64_t n_prompt, const std::vector<int32_t> & docs) {
+    if (pref.method == PrefLoss::GRPO) {
+        grpo_check_step(pref, labels, n_rows * n_win, refs, n_refs, prompt_rows, docs);
+        return;
+    }
     if (!labels) raise_value("a preference loss needs labels: each window's answer tokens, -1 elsewhere");
     const std::string what = docs.empty() ? "window " : "document ";
     const int64_t n_seq = docs.empty() ? n_rows : docs.back() + 1;
@@ -171,6 +238,12 @@ void pref_check_step(PrefLoss & pref, const int32_t * labels, int64_t n_rows, in
 }
 
 void pref_read(PrefLoss & p) {
+    if (p.method == PrefLoss::GRPO) {
+        std::vector<float> lp(p.target.size());
+        ggml_backend_tensor_get(p.token_lp, lp.data(), 0, ggml_nbytes(p.token_lp));
+        p.logps.assign(lp.begin(), lp.end());
+        return;
+    }
     p.logps.resize(p.ce.size());
     p.logps_prompt.assign(p.ce.size(), 0.0);
     for (size_t s = 0; s < p.ce.size(); ++s) {

@@ -150,17 +150,19 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     st->lr = lr;
     st->wd = wd;
     if (params != "model" && params != "lora") raise_value("params must be 'model' or 'lora'; got '" + params + "'");
-    if (loss != "cross_entropy" && loss != "dpo" && loss != "orpo")
-        raise_value("loss must be 'cross_entropy', 'dpo' or 'orpo'; got '" + loss + "'");
+    if (loss != "cross_entropy" && loss != "dpo" && loss != "orpo" && loss != "grpo")
+        raise_value("loss must be 'cross_entropy', 'dpo', 'orpo' or 'grpo'; got '" + loss + "'");
     if (loss != "cross_entropy") {
         if (!(beta > 0) || !std::isfinite(beta))
-            raise_value("beta must be a finite number > 0; got " + std::to_string(beta));
-        if (llama_n_seq_max(ctx) % 2 != 0)
+            raise_value(std::string(loss == "grpo" ? "temperature" : "beta") + " must be a finite number > 0; got " +
+                        std::to_string(beta));
+        if (loss != "grpo" && llama_n_seq_max(ctx) % 2 != 0)
             raise_value("a preference loss takes pairs of windows (chosen, rejected): n_seq_max must be even; got " +
                         std::to_string(llama_n_seq_max(ctx)));
         st->pref = std::make_unique<PrefLoss>();
-        st->pref->method = loss == "dpo" ? PrefLoss::DPO : PrefLoss::ORPO;
+        st->pref->method = loss == "dpo" ? PrefLoss::DPO : loss == "orpo" ? PrefLoss::ORPO : PrefLoss::GRPO;
         st->pref->beta = beta;
+        st->pref->n_vocab = c.owner->n_vocab();
     }
     if (precision != "f32" && precision != "bf16")
         raise_value("precision must be 'bf16' or 'f32'; got '" + precision + "'");
@@ -533,7 +535,8 @@ void register_train(nb::module_ & m) {
           "gradients averaged; llama_opt_params.n_grad_accum, patch 0025). precision 'bf16': products of F32 "
           "tensors in BF16 with F32 accumulation where the backend has them (llama_opt_params.prec_products, "
           "patch 0052); 'f32': F32. loss 'dpo' or 'orpo' (beta: DPO's beta, ORPO's lambda): a preference loss over "
-          "windows that alternate chosen, rejected (llama_opt_params.build_loss, patch 0054). recompute: keep only "
+          "windows that alternate chosen, rejected (llama_opt_params.build_loss, patch 0054); 'grpo' (beta: the "
+          "sampling temperature T): sum over labelled positions of refs[r] x log softmax(logits / T)[label]. recompute: keep only "
           "the layers' outputs for the backward pass, recompute the rest (llama_opt_params.recompute_activations, "
           "patch 0066). max_grad_norm > 0: the gradients clipped to that global L2 norm before each optimizer step "
           "(llama_opt_params.max_grad_norm, patch 0094); 0: none. ce_chunk_rows: the cross-entropy in chunks of "
@@ -551,7 +554,8 @@ void register_train(nb::module_ & m) {
           nb::arg("segments") = nb::none(), nb::arg("shared") = nb::none(),
           "llama_opt_epoch on n_seq_max windows, int32 (n_seq_max, n_ctx / n_seq_max + 1), one sequence each "
           "(next-token cross-entropy, or the preference loss of opt_init: refs float64 (n_seq_max / 2,) for DPO; "
-          "prompt_rows int32 (n_seq_max / 2,) for ORPO, each chosen window's labelled prompt positions): "
+          "prompt_rows int32 (n_seq_max / 2,) for ORPO, each chosen window's labelled prompt positions; refs float64 "
+          "(labelled positions,) for GRPO, each one's coefficient, window-major): "
           "train=True adds the backward pass (and the optimizer step), False only accumulates the validation loss. "
           "A packed context takes any number m of windows dividing n_ctx, (m, n_ctx / m + 1), and segments int32 "
           "(m, n_ctx / m): each position's document in its window, from 0 in steps of 1 (none: one a window; "
@@ -560,7 +564,8 @@ void register_train(nb::module_ & m) {
           "llama_opt_set_shared_tokens). A packed preference step's documents alternate chosen, rejected.");
     m.def("opt_seq_logps", &opt_seq_logps, nb::arg("context"), nb::arg("prompt") = false,
           "float64 (n_seq_max,): the last opt_step's per-window summed log-likelihood of its answer's labelled "
-          "tokens (prompt: of the labelled prompt positions before them, 0 where none).");
+          "tokens (prompt: of the labelled prompt positions before them, 0 where none); GRPO: float64 (labelled "
+          "positions,), each one's log-probability.");
     m.def("opt_result", &opt_result, nb::arg("context"), nb::arg("train"),
           "(mean loss per labelled token, next-token accuracy, labelled tokens) since opt_reset, token-weighted.");
     m.def("opt_reset", &opt_reset, nb::arg("context"));

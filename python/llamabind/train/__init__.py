@@ -62,9 +62,12 @@ from .data import (
 )  # fmt: skip
 from .evaluate import EvalResult, evaluate
 from .fuse import fuse
+from .grpo import GRPOConfig, GRPOResult, grpo
+from .grpo_math import group_advantages, token_loss
 from .loop import EpochStats, TrainResult, finetune, iterate_batches
 from .lora import LORA_TARGETS, lora_init, to_f32
 from .pairs import PreferenceMetrics, PreferencePair, pair_logps, preference_metrics, read_pairs
+from .rollout import GRPOPrompt, read_prompts
 from .preference_loop import METHODS, PreferenceResult, pack_pairs, pair_spans, pair_windows, preference
 from .schedule import SCHEDULES, lr_at
 from .trainer import Trainer
@@ -77,6 +80,9 @@ __all__ = [
     "EpochStats",
     "EvalResult",
     "Example",
+    "GRPOConfig",
+    "GRPOPrompt",
+    "GRPOResult",
     "PreferenceMetrics",
     "PreferencePair",
     "PreferenceResult",
@@ -90,6 +96,8 @@ __all__ = [
     "load_dataset",
     "finetune",
     "fuse",
+    "group_advantages",
+    "grpo",
     "iterate_batches",
     "load_jsonl",
     "latest_checkpoint",
@@ -104,6 +112,8 @@ __all__ = [
     "preference_metrics",
     "read_data",
     "read_pairs",
+    "read_prompts",
     "to_f32",
+    "token_loss",
     "windows",
 ]

@@ -1,0 +1,501 @@
+"""GRPO (issue 85): online reinforcement learning from rewards, DeepSeekMath's Group Relative Policy Optimization
+(Shao et al. 2024) as TRL 1.16's GRPOTrainer computes it, on the GGUF you have. Each step samples
+``num_generations`` completions of a few prompts from the policy being trained (:mod:`.rollout`: llama.cpp's
+batched decode over the same weights, the LoRA adapter being trained applied), scores them with Python reward
+functions, normalizes the rewards within each prompt's group into advantages and trains on the completions'
+tokens with TRL's clipped-ratio loss (:mod:`.grpo_math`), in ggml-opt's training graph (``loss="grpo"``: each
+token's log-probability times the loss's derivative in it, so the backward pass is TRL's gradient)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import numpy as np
+
+from .._validate import as_float, as_int, expect, one_of
+from ..context import Context
+from ..model import LoraAdapter, Model
+from ..sampling import SamplingParams
+from .args import TrainingArgs
+from .grpo_math import LOSS_TYPES, group_advantages, token_loss
+from .loop import _new_adapter, iterate_batches
+from .rollout import GRPOPrompt, Roller, Rollouts, read_prompts
+from .schedule import lr_at
+from .trainer import Trainer, check_model
+
+__all__ = ["GRPOConfig", "GRPOResult", "grpo"]
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO's settings, with TRL 1.16 GRPOConfig's names and defaults (the rest of a run's settings are
+    :class:`~llamabind.train.TrainingArgs`'). ValueError/TypeError naming a field out of range.
+
+    Attributes:
+        num_generations: completions sampled per prompt (G, >= 2); a step's ``batch_size`` completions are
+            ``batch_size / G`` prompts' groups.
+        max_completion_length: the most tokens a completion has (TRL: 512).
+        max_prompt_length: a longer prompt keeps its last tokens (TRL truncates on the left); None: none cut.
+        temperature, top_p, top_k, min_p, repetition_penalty: the rollouts' sampling (llama.cpp's sampler
+            chain; top_k 0, top_p 1, min_p 0 and repetition_penalty 1 are off). The log-probabilities are of
+            logits / temperature, as TRL's.
+        beta: the KL coefficient (k3 estimator) to the reference: the model as the run starts (a new LoRA
+            adapter's base; for a full fine-tune the GGUF loaded again). 0 (TRL's default): no reference.
+        epsilon, epsilon_high: the ratio's clipping range [1 - epsilon, 1 + epsilon_high] (None: epsilon).
+        num_iterations: optimizer steps on each generation batch (TRL's mu); above 1 the ratio moves
+            away from 1 and its clipping applies.
+        loss_type: ``"dapo"`` (TRL's default: the token sum over the generation batch's tokens), ``"grpo"``
+            (each completion's token mean, then their mean), ``"bnpo"`` (the micro-batch's token mean) or
+            ``"dr_grpo"`` (the token sum over completions x max_completion_length).
+        scale_rewards: ``"group"`` (advantages divided by the group's reward standard deviation),
+            ``"batch"`` or ``"none"`` (Dr. GRPO).
+        mask_truncated_completions: a completion that reached max_completion_length without ending does not
+            train (DAPO).
+        reward_weights: one weight per reward function (None: 1 each).
+        use_bias_correction_kl: the KL term times the ratio (TRL's default since DeepSeek-V3.2).
+        seed: the rollouts' sampling seed (completion i of step s: seed + s x 4096 + i); None: random.
+    """
+
+    num_generations: int = 8
+    max_completion_length: int = 512
+    max_prompt_length: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    num_iterations: int = 1
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    mask_truncated_completions: bool = False
+    reward_weights: Sequence[float] | None = None
+    use_bias_correction_kl: bool = True
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        as_int(self.num_generations, "num_generations", 2, 256)
+        as_int(self.max_completion_length, "max_completion_length", 1)
+        if self.max_prompt_length is not None:
+            as_int(self.max_prompt_length, "max_prompt_length", 1)
+        t = as_float(self.temperature, "temperature")
+        expect(t > 0 and math.isfinite(t), f"temperature must be > 0 (sampling; 0 would be greedy); got {t}")
+        for name in ("beta", "epsilon"):
+            v = as_float(getattr(self, name), name)
+            expect(v >= 0 and math.isfinite(v), f"{name} must be a finite number >= 0; got {v}")
+        if self.epsilon_high is not None:
+            v = as_float(self.epsilon_high, "epsilon_high")
+            expect(v >= 0 and math.isfinite(v), f"epsilon_high must be a finite number >= 0; got {v}")
+        as_int(self.num_iterations, "num_iterations", 1)
+        one_of(self.loss_type, "loss_type", LOSS_TYPES)
+        one_of(self.scale_rewards, "scale_rewards", ("group", "batch", "none"))
+        if self.seed is not None:
+            as_int(self.seed, "seed", 0)
+
+    def sampling(self, seed: int | None) -> SamplingParams:
+        """The rollouts' sampler chain settings (ValueError for an out-of-range one)."""
+        return SamplingParams(
+            temperature=float(self.temperature), top_p=float(self.top_p), top_k=int(self.top_k),
+            min_p=float(self.min_p), repeat_penalty=float(self.repetition_penalty), seed=seed,
+        )  # fmt: skip
+
+
+@dataclass
+class GRPOResult:
+    """What :func:`grpo` did: ``steps`` optimizer steps, ``losses`` and ``metrics`` per step (TRL's logged
+    names: loss, reward, reward_std, rewards/NAME/mean, kl, clip_ratio/region_mean, completions/mean_length,
+    completions/clipped_ratio, frac_reward_zero_std), ``val_before`` and ``evals`` [(step, mean reward)] of the
+    held-out prompts, ``adapter`` the trained LoRA adapter (None for a full fine-tune), ``interrupted`` by
+    Ctrl-C."""
+
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    val_before: float | None = None
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    adapter: LoraAdapter | None = None
+    interrupted: bool = False
+
+
+RewardFunc = Callable[..., Sequence[float | None]]
+
+
+def _reward_name(f: RewardFunc) -> str:
+    return getattr(f, "__name__", type(f).__name__)
+
+
+def score(funcs: Sequence[RewardFunc], prompts: Sequence[GRPOPrompt], r: Rollouts, num_generations: int) -> np.ndarray:
+    """float64 (n completions, k functions): each function called as TRL calls it, ``f(prompts=, completions=,
+    completion_ids=, **columns)`` (prompt i // G for completion i; a conversational prompt's completion as
+    ``[{"role": "assistant", "content": text}]``; each other column of the prompts' rows as a list), None as
+    NaN. Raises ValueError (a wrong length or a value that is not a number or None) or RuntimeError (the
+    function raised) naming the function; nothing has trained when it does."""
+    rep = [p for p in prompts for _ in range(num_generations)]
+    conv = not isinstance(prompts[0].prompt, str)
+    completions = [[{"role": "assistant", "content": t}] for t in r.texts] if conv else list(r.texts)
+    cols: dict[str, list[Any]] = {k: [p.columns.get(k) for p in rep] for k in prompts[0].columns}
+    out = np.full((len(rep), len(funcs)), np.nan)
+    for j, f in enumerate(funcs):
+        name = _reward_name(f)
+        try:
+            got = f(prompts=[p.prompt for p in rep], completions=completions,
+                    completion_ids=[c.tolist() for c in r.completions], **cols)  # fmt: skip
+        except Exception as e:
+            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        got = list(got) if isinstance(got, (Sequence, np.ndarray)) and not isinstance(got, str) else None
+        if got is None or len(got) != len(rep):
+            n = "not a list" if got is None else f"{len(got)} values"
+            raise ValueError(
+                f"reward function {name!r} returned {n}; it must return one reward per completion ({len(rep)})"
+            )
+        for i, v in enumerate(got):
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
+                raise ValueError(f"reward function {name!r}: reward {i} is {v!r}; a finite number or None")
+            out[i, j] = float(v)
+    return out
+
+
+@dataclass
+class _Batch:
+    """A generation batch as training windows: windows (n, W + 1), labels (n, W) (each completion's tokens,
+    -1 elsewhere), mask (n, T) over each completion's tokens (T the longest), its advantages (n,)."""
+
+    windows: np.ndarray
+    labels: np.ndarray
+    mask: np.ndarray
+    prompt_len: np.ndarray  # (n,): each window's prompt tokens
+    advantages: np.ndarray
+    ref: np.ndarray | None = None  # (n, T): the reference's log-probabilities (beta > 0)
+
+
+def _windows(prompts: Sequence[np.ndarray], r: Rollouts, G: int, W: int, pad: int, mask_truncated: bool) -> _Batch:
+    n = len(r.completions)
+    T = max(len(c) for c in r.completions)
+    win = np.full((n, W + 1), pad, np.int32)
+    lab = np.full((n, W), -1, np.int32)
+    mask = np.zeros((n, T))
+    plen = np.array([len(prompts[i // G]) for i in range(n)])
+    for i, c in enumerate(r.completions):
+        p = prompts[i // G]
+        seq = np.concatenate([p, c])
+        win[i, : len(seq)] = seq
+        if not (mask_truncated and r.truncated[i]):
+            lab[i, len(p) - 1 : len(seq) - 1] = c
+            mask[i, : len(c)] = 1.0
+    return _Batch(win, lab, mask, plen, np.zeros(n))
+
+
+def _log_softmax_at(logits: np.ndarray, targets: np.ndarray, temperature: float) -> np.ndarray:
+    z = logits.astype(np.float64) / temperature
+    m = z.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(z - m).sum(axis=1))
+    return z[np.arange(len(targets)), targets] - lse
+
+
+def reference_logps(
+    ctx: Context, prompts: Sequence[np.ndarray], r: Rollouts, G: int, T: int, temperature: float
+) -> np.ndarray:
+    """float64 (n, T): each completion token's log softmax(logits / temperature) under the reference, from
+    llama_decode's logits (:meth:`Context.eval`) in float64; 0 after a completion's end."""
+    out = np.zeros((len(r.completions), T))
+    for i, c in enumerate(r.completions):
+        p = prompts[i // G]
+        seq = np.concatenate([p, c])
+        ctx.clear()
+        logits = ctx.eval(seq[:-1].tolist())
+        out[i, : len(c)] = _log_softmax_at(logits[len(p) - 1 :], c, temperature)
+    return out
+
+
+def _check_config(config: GRPOConfig | None, funcs: Any) -> tuple[GRPOConfig, list[RewardFunc], np.ndarray]:
+    config = config if config is not None else GRPOConfig()
+    expect(isinstance(config, GRPOConfig), f"config must be a GRPOConfig; got {type(config).__name__}")
+    funcs = [funcs] if callable(funcs) else list(funcs or [])
+    expect(len(funcs) > 0, "reward_funcs: give at least one reward function f(prompts, completions, **columns)")
+    for f in funcs:
+        if not callable(f):
+            raise TypeError(f"reward_funcs: {f!r} is not callable")
+    weights = np.ones(len(funcs)) if config.reward_weights is None else np.asarray(config.reward_weights, np.float64)
+    expect(
+        weights.shape == (len(funcs),) and np.isfinite(weights).all(),
+        f"reward_weights must hold one finite weight per reward function ({len(funcs)}); got {config.reward_weights!r}",
+    )
+    return config, funcs, weights
+
+
+class _GRPORun:
+    """What one :func:`grpo` call's steps share: the Trainer, the rollout context, the reference's."""
+
+    def __init__(self, model: Model, a: TrainingArgs, c: GRPOConfig, funcs, weights, W: int, adapter, ref_model):
+        self.model, self.a, self.c, self.funcs, self.weights, self.W = model, a, c, funcs, weights, W
+        self.G = c.num_generations
+        self.eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
+        self.pad = model.token_eos if model.token_eos is not None and model.token_eos >= 0 else 0
+        self.trainer = Trainer(
+            model, a.replace(ctx_size=W, pack=False, val_split=0.0), params="lora" if adapter else "model",
+            adapter=adapter, loss="grpo", beta=float(c.temperature),
+        )  # fmt: skip
+        self.roller = self.ref_ctx = None
+        try:
+            self.roller = Roller(model, a.batch_size, W + 1, adapter, a.n_threads)
+            if c.beta > 0:  # the reference: the base under a LoRA adapter, else the GGUF loaded again
+                ref = ref_model if ref_model is not None else (model if adapter is not None else Model(model.path))
+                self.ref_ctx = Context(ref, n_ctx=W + 256, n_batch=W + 256, n_ubatch=W + 256, n_threads=a.n_threads,
+                                       training=True)  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+        self.log: IO[str] | None = None
+
+    def close(self) -> None:
+        for x in (self.trainer, self.roller, self.ref_ctx):
+            if x is not None:
+                x.close()
+
+    def prompt_ids(self, prompts: Sequence[GRPOPrompt]) -> list[np.ndarray]:
+        n = self.c.max_prompt_length
+        return [p.ids if n is None else p.ids[-n:] for p in prompts]
+
+    def generate(self, prompts: Sequence[GRPOPrompt], step: int) -> tuple[_Batch, dict[str, float]]:
+        """A generation batch: rollouts, rewards, advantages, windows (and the reference's log-probabilities)."""
+        c, G = self.c, self.G
+        ids = self.prompt_ids(prompts)
+        seed = None if c.seed is None else c.seed + step * 4096
+        r = self.roller(ids, G, c.max_completion_length, c.sampling(seed))
+        per_func = score(self.funcs, prompts, r, G)
+        adv, rewards, std = group_advantages(per_func, self.weights, G, c.scale_rewards)
+        b = _windows(ids, r, G, self.W, self.pad, c.mask_truncated_completions)
+        b.advantages = adv
+        if self.ref_ctx is not None:
+            b.ref = reference_logps(self.ref_ctx, ids, r, G, b.mask.shape[1], c.temperature)
+        lengths = np.array([len(x) for x in r.completions], np.float64)
+        m = {"reward": float(np.nanmean(rewards)), "reward_std": float(_std(rewards)),
+             "frac_reward_zero_std": float(np.isclose(np.nan_to_num(std, nan=0.0), 0.0).mean()),
+             "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
+             "completions/clipped_ratio": float(r.truncated.mean()),
+             "rollout_tokens_per_s": float(lengths.sum() / max(r.seconds, 1e-9))}  # fmt: skip
+        for j, f in enumerate(self.funcs):
+            m[f"rewards/{_reward_name(f)}/mean"] = float(np.nanmean(per_func[:, j]))
+        return b, m
+
+    def train_step(self, b: _Batch, old: list[np.ndarray | None]) -> dict[str, float]:
+        """One optimizer step over the generation batch ``b``, micro-batch by micro-batch; ``old``: per
+        micro-batch the sampling policy's log-probabilities (None: this step's own, the ratio 1), filled in
+        where this step computes them (num_iterations > 1)."""
+        c, a, opt = self.c, self.a, self.trainer.optimizer
+        m = a.batch_size // a.grad_accum
+        n_items = float(b.mask.sum())
+        need_logp = c.beta > 0 or c.num_iterations > 1
+        loss, kl, clipped, n_tok = 0.0, 0.0, np.zeros(3), 0.0
+        for k in range(a.grad_accum):
+            rows = slice(k * m, (k + 1) * m)
+            win, lab, mask = b.windows[rows], b.labels[rows].copy(), b.mask[rows]
+            sel = mask > 0
+            if not sel.any():  # every completion masked (truncated): one token with coefficient 0 keeps the step
+                p0 = int(b.prompt_len[k * m])
+                lab[0, p0 - 1] = b.windows[k * m, p0]
+                sel = np.zeros_like(sel)
+                sel[0, 0] = True
+            logp, o = np.zeros(mask.shape), old[k]
+            if need_logp:  # this step's log-probabilities: a forward pass of the training graph
+                opt.eval(win, False, lab, np.zeros(int(sel.sum())))
+                logp[sel] = opt.seq_logps()
+                if o is None and c.num_iterations > 1:
+                    old[k] = logp.copy()  # the sampling policy's, for the generation batch's later steps
+            ref = None if b.ref is None else b.ref[rows]
+            tl = token_loss(
+                logp, o, ref, b.advantages[rows], mask,
+                loss_type=c.loss_type, beta=c.beta, epsilon=c.epsilon, epsilon_high=self.eps_high,
+                bias_correction_kl=c.use_bias_correction_kl, max_completion_length=c.max_completion_length,
+                n_items=n_items, grad_accum=a.grad_accum,
+            )  # fmt: skip
+            # ggml-opt averages the micro-batches' gradients (patch 0025): TRL sums their losses
+            opt.eval(win, True, lab, (tl.coef * a.grad_accum)[sel])
+            loss += tl.loss
+            w = float(mask.sum())
+            n_tok += w
+            kl += (0.0 if math.isnan(tl.kl) else tl.kl) * w
+            clipped += np.asarray(tl.clipped) * w
+        out = {"loss": loss, "clip_ratio/low_mean": clipped[0] / max(n_tok, 1.0),
+               "clip_ratio/high_mean": clipped[1] / max(n_tok, 1.0),
+               "clip_ratio/region_mean": clipped[2] / max(n_tok, 1.0)}  # fmt: skip
+        if c.beta > 0:
+            out["kl"] = kl / max(n_tok, 1.0)
+        return out
+
+    def evaluate(self, prompts: Sequence[GRPOPrompt]) -> float:
+        """The held-out prompts' mean reward over G sampled completions each (the rollouts' settings, seeded)."""
+        P = self.a.batch_size // self.G
+        total, n = 0.0, 0
+        for k in range(0, len(prompts), P):
+            part = list(prompts[k : k + P])
+            seed = None if self.c.seed is None else self.c.seed + 7919 + k
+            r = self.roller(self.prompt_ids(part), self.G, self.c.max_completion_length, self.c.sampling(seed))
+            rewards = np.nansum(score(self.funcs, part, r, self.G) * self.weights[None, :], axis=1)
+            total += float(rewards.sum())
+            n += len(rewards)
+        return total / max(n, 1)
+
+    def write(self, **row: Any) -> None:
+        if self.log is not None:
+            self.log.write(json.dumps(row) + "\n")
+            self.log.flush()
+
+
+def _std(x: np.ndarray) -> float:
+    x = x[~np.isnan(x)]
+    return float(x.std(ddof=1)) if len(x) > 1 else float("nan")
+
+
+def _window(prompts: Sequence[GRPOPrompt], c: GRPOConfig, model: Model) -> int:
+    """The training window: the longest (cut) prompt and max_completion_length, a multiple of 256."""
+    longest = max(len(p.ids) if c.max_prompt_length is None else min(len(p.ids), c.max_prompt_length) for p in prompts)
+    W = -(-(longest + c.max_completion_length - 1) // 256) * 256
+    n_train = int(model.metadata.get(f"{model.metadata.get('general.architecture')}.context_length", 0) or 0)
+    expect(
+        not n_train or longest + c.max_completion_length <= n_train,
+        f"the longest prompt ({longest} tokens) + max_completion_length ({c.max_completion_length}) exceed the model's "
+        f"context ({n_train}): set max_prompt_length or a smaller max_completion_length",
+    )
+    return W
+
+
+def grpo(
+    model: Model,
+    prompts: Any,
+    reward_funcs: RewardFunc | Sequence[RewardFunc],
+    args: TrainingArgs | None = None,
+    config: GRPOConfig | None = None,
+    *,
+    valid: Any = None,
+    ref_model: Model | None = None,
+    on_step: Callable[[int, dict[str, float]], Any] | None = None,
+    **settings: Any,
+) -> GRPOResult:
+    """Train ``model`` with GRPO on rewards of its own completions (TRL 1.16's GRPOTrainer's algorithm, its
+    GRPOConfig's names in ``config``): every weight (F32, use_mmap=False) or with ``lora_rank`` a new LoRA
+    adapter over the frozen model (any weight type, repack=False: QLoRA).
+
+    Args:
+        model: the :class:`~llamabind.Model`; its weights (or the adapter's) change in place.
+        prompts: a JSONL file, a list of dicts or a 🤗 Dataset with ``"prompt"`` (text, or messages rendered
+            with the chat template's generation prompt; :func:`~llamabind.train.rollout.read_prompts`), or a list
+            of strings. The rows' other fields go to the reward functions.
+        reward_funcs: one or several callables with TRL's signature ``f(prompts, completions, completion_ids,
+            **columns) -> list[float | None]`` (keyword arguments; accept ``**kwargs``), weighted by
+            ``config.reward_weights`` and summed (None: not scored by that function).
+        args: a :class:`~llamabind.train.TrainingArgs` (or its fields as keyword arguments): ``batch_size``
+            counts completions per optimizer step (TRL's per_device_train_batch_size x
+            gradient_accumulation_steps), a multiple of num_generations: ``batch_size / num_generations`` prompts
+            a step; ``grad_accum`` micro-batches; ``iters`` optimizer steps (else ``epochs`` over the prompts,
+            times num_iterations); ``val_split`` / ``valid`` held-out prompts, whose mean reward is measured
+            before, every ``steps_per_eval`` and after; the schedule, LoRA, precision as
+            :func:`~llamabind.train.finetune`. The training window is the longest prompt plus
+            max_completion_length, a multiple of 256 (``ctx_size`` is not used).
+        config: :class:`GRPOConfig` (None: TRL's defaults).
+        valid: held-out prompts (as ``prompts``), instead of ``val_split``.
+        ref_model: the reference for ``config.beta > 0`` in a full fine-tune (None: the GGUF loaded again).
+        on_step: called as on_step(step, metrics) after each optimizer step.
+
+    Returns a :class:`GRPOResult`. Ctrl-C stops between steps and returns what was trained. Wraps
+    llama_decode (rollouts) and llama_opt_epoch with llama_opt_params.build_loss (patch 0054).
+
+    Where llamabind differs from TRL: the rollouts are llama.cpp's sampler chain (the same distribution:
+    softmax(logits / temperature) filtered by top_k / top_p / min_p; another random stream); the
+    reference's log-probabilities (beta > 0) come from llama_decode's logits; one optimizer step per
+    generation batch and num_iterations (TRL's steps_per_generation = gradient_accumulation_steps); no
+    vLLM, entropy masks or importance_sampling_level "sequence"; no checkpoints/resume yet.
+
+    Raises TypeError/ValueError for bad settings (naming the field), no prompts, a batch_size that is not a
+    multiple of num_generations, a prompt + max_completion_length beyond the model's context, a model
+    training cannot use; ValueError/RuntimeError naming a reward function that raised or returned the wrong
+    thing (nothing trains on that step); FloatingPointError naming the step if the loss becomes NaN/inf."""
+    c, funcs, weights = _check_config(config, reward_funcs)
+    a = TrainingArgs.of(args, **settings)
+    check_model(model, a.lora)
+    G = c.num_generations
+    expect(a.batch_size % G == 0, f"batch_size ({a.batch_size} completions a step) must be a multiple of "
+           f"num_generations ({G}): batch_size / num_generations prompts a step")  # fmt: skip
+    expect((a.batch_size // a.grad_accum) * a.grad_accum == a.batch_size, "grad_accum must divide batch_size")
+    train_p = read_prompts(prompts, model, "prompts")
+    val_p = read_prompts(valid, model, "valid") if valid is not None else []
+    if valid is None and a.val_split and len(train_p) > 1:
+        n_val = max(1, int(round(len(train_p) * a.val_split)))
+        if len(train_p) - n_val >= 1:
+            train_p, val_p = train_p[:-n_val], train_p[-n_val:]
+    P = a.batch_size // G
+    n_gen = -(-len(train_p) // P)
+    total = a.iters if a.iters is not None else a.epochs * n_gen * c.num_iterations
+    W = _window(train_p + val_p, c, model)
+    result = GRPOResult()
+    adapter = result.adapter = _new_adapter(model, a) if a.lora else None
+    run = _GRPORun(model, a, c, funcs, weights, W, adapter, ref_model)
+    try:
+        if a.log is not None:
+            run.log = open(a.log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
+        result.val_before = run.evaluate(val_p) if val_p else None
+        _loop(run, train_p, val_p, total, result, on_step)
+        if (
+            result.steps
+            and val_p
+            and not result.interrupted
+            and (not result.evals or result.evals[-1][0] != result.steps)
+        ):
+            result.evals.append((result.steps, run.evaluate(val_p)))
+    finally:
+        run.close()
+        if run.log is not None:
+            run.log.close()
+    return result
+
+
+def _report(step: int, total: int, m: dict[str, float], lr: float) -> None:
+    print(
+        f"step {step}/{total}: loss {m['loss']:.4f}, reward {m['reward']:.4f}, completion length "
+        f"{m['completions/mean_length']:.1f}, lr {lr:.3g}, {m['rollout_tokens_per_s']:.1f} rollout tokens/s",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+
+
+def _loop(run: _GRPORun, train_p, val_p, total: int, r: GRPOResult, on_step) -> None:
+    a, c = run.a, run.c
+    P = a.batch_size // run.G
+    gens = -(-total // c.num_iterations)
+    t0, n_tok = time.perf_counter(), 0
+    try:
+        for _epoch, batches in iterate_batches(len(train_p), P, 1 << 30, a.seed, a.shuffle, 0, gens):
+            for idx in batches:
+                batch, gm = run.generate([train_p[i] for i in idx], r.steps)
+                old: list[np.ndarray | None] = [None] * a.grad_accum
+                for _ in range(min(c.num_iterations, total - r.steps)):
+                    lr = lr_at(r.steps, total, a.lr, a.lr_schedule, a.warmup, a.min_lr)
+                    run.trainer.set_lr(lr)
+                    m = {**run.train_step(batch, old), **gm}
+                    r.steps += 1
+                    if not math.isfinite(m["loss"]):
+                        raise FloatingPointError(f"the GRPO loss is {m['loss']} at step {r.steps}")
+                    n_tok += int(batch.mask.sum())
+                    m["train_tokens_per_s"] = n_tok / (time.perf_counter() - t0)
+                    r.losses.append(m["loss"])
+                    r.metrics.append(m)
+                    run.write(step=r.steps, lr=lr, **m)
+                    if a.steps_per_report and r.steps % a.steps_per_report == 0:
+                        _report(r.steps, total, m, lr)
+                    if a.steps_per_eval and r.steps % a.steps_per_eval == 0 and val_p:
+                        r.evals.append((r.steps, run.evaluate(val_p)))
+                    if on_step is not None:
+                        on_step(r.steps, m)
+                if r.steps >= total:
+                    return
+    except KeyboardInterrupt:
+        r.interrupted = True

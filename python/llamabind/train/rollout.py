@@ -1,0 +1,153 @@
+"""GRPO's rollouts (issue 85): prompts in TRL's formats as token ids, and G completions of each sampled from the
+policy being trained, all decoded together in one context (one llama_decode a step for every unfinished
+completion, a prompt's KV cells shared by its G sequences), with the adapter being trained applied or the fully
+fine-tuned weights in place: no second copy of the weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._validate import expect
+from ..context import Context
+from ..model import LoraAdapter, Model
+from ..sampling import SamplingParams
+from .pairs import _rows
+
+__all__ = ["GRPOPrompt", "Rollouts", "read_prompts", "rollout"]
+
+
+@dataclass
+class GRPOPrompt:
+    """A prompt of a GRPO run: ``prompt`` as given (text, or a list of messages), ``ids`` its token ids
+    (int32, the chat template's generation prompt for messages), ``columns`` the row's other fields (passed
+    to the reward functions)."""
+
+    prompt: Any
+    ids: np.ndarray
+    columns: dict[str, Any]
+
+
+def read_prompts(data: Any, model: Model, name: str | None = None) -> list[GRPOPrompt]:
+    """Prompts in TRL's formats: a JSONL file, a list of dicts or a 🤗 Dataset whose rows have ``"prompt"``,
+    text or a list of messages (rendered with the model's chat template and its generation prompt), or a
+    list of strings. Raises FileNotFoundError, ValueError naming the row (no prompt, an empty one, messages
+    without string content)."""
+    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)) and data and isinstance(data[0], str):
+        data = [{"prompt": p} for p in data]
+    rows, at = _rows(data, name or "the prompts")
+    out = []
+    for k, row in enumerate(rows):
+        expect(isinstance(row, dict), f"{at(k)}: a row must be an object with 'prompt'")
+        p = row.get("prompt")
+        expect(p is not None, f"{at(k)}: missing field 'prompt'")
+        if isinstance(p, str):
+            expect(bool(p.strip()), f"{at(k)}: field 'prompt' is empty")
+            ids = model.tokenize(p, add_special=True, parse_special=True)
+        else:
+            ok = isinstance(p, list) and p and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in p)
+            expect(
+                bool(ok), f"{at(k)}: field 'prompt' must be text or a non-empty list of messages with string content"
+            )
+            text = model.chat_templates().render(p, add_generation_prompt=True)
+            ids = model.tokenize(text, add_special=False, parse_special=True)
+        expect(len(ids) > 0, f"{at(k)}: the prompt has no token")
+        cols = {c: v for c, v in row.items() if c not in ("prompt", "completion", "completion_ids")}
+        out.append(GRPOPrompt(p, np.asarray(ids, np.int32), cols))
+    expect(len(out) > 0, "no prompts")
+    return out
+
+
+@dataclass
+class Rollouts:
+    """Completions of prompts: ``completions[i]`` the token ids of completion i (int32; with its end-of-sequence
+    token when it ended), ``truncated[i]`` True where it reached max_completion_length without ending,
+    ``texts[i]`` its text (the end-of-sequence token left out), ``seconds`` the time the decoding took."""
+
+    completions: list[np.ndarray]
+    truncated: np.ndarray
+    texts: list[str]
+    seconds: float
+
+
+class Roller:
+    """A context that decodes G completions of a few prompts together, kept across steps (cleared each call).
+    ``n_seq``: sequences per call (<= 256); ``n_tokens``: the most tokens one sequence holds."""
+
+    def __init__(self, model: Model, n_seq: int, n_tokens: int, adapter: LoraAdapter | None, n_threads: int | None):
+        base = model.context_params
+        n_ctx = -(-n_seq * n_tokens // 256) * 256
+        self.model = model
+        self.ctx = Context(
+            model, n_ctx=n_ctx, n_batch=max(n_seq, 512), n_ubatch=max(n_seq, 512), n_threads=n_threads,
+            n_seq_max=n_seq, kv_unified=True, type_k=base["type_k"], type_v=base["type_v"],
+            flash_attn=base["flash_attn"],
+        )  # fmt: skip
+        if adapter is not None:
+            self.ctx.set_lora(adapter, 1.0)
+
+    def close(self) -> None:
+        self.ctx.close()
+
+    def __call__(
+        self, prompts: Sequence[np.ndarray], num_generations: int, max_tokens: int, sampling: SamplingParams
+    ) -> Rollouts:
+        return rollout(self.ctx, prompts, num_generations, max_tokens, sampling)
+
+
+def rollout(
+    ctx: Context, prompts: Sequence[np.ndarray], num_generations: int, max_tokens: int, sampling: SamplingParams
+) -> Rollouts:
+    """``num_generations`` completions of each prompt (token ids), sampled with ``sampling`` (one sampler chain
+    a completion, seeded ``seed + i`` for completion i when a seed is given), at most ``max_tokens`` tokens
+    each; completion i is of prompt i // num_generations. Each prompt is decoded once, its KV cells copied to
+    its other sequences (llama_memory_seq_cp), then every unfinished completion gets a token per llama_decode."""
+    t0 = time.perf_counter()
+    model = ctx.model
+    ctx.clear()
+    n = len(prompts) * num_generations
+    samplers = []
+    try:
+        for i in range(n):
+            seed = None if sampling.seed is None else (sampling.seed + i) & 0xFFFFFFFF
+            samplers.append(dataclasses.replace(sampling, seed=seed).build(model))
+        first = {}  # sequence -> its first sampled token
+        for j, ids in enumerate(prompts):
+            s0 = j * num_generations
+            if len(ids) > 1:
+                ctx.decode_sequence(ids[:-1].tolist(), s0)
+                for g in range(1, num_generations):
+                    ctx.seq_copy(s0, s0 + g)
+            idx = ctx.decode_batch([(s0 + g, [int(ids[-1])]) for g in range(num_generations)])
+            for g in range(num_generations):
+                samplers[s0 + g].accept(ids.tolist())
+                first[s0 + g] = samplers[s0 + g].sample(ctx, idx[g])
+        out: list[list[int]] = [[] for _ in range(n)]
+        truncated = np.zeros(n, bool)
+        nxt = first
+        active = list(range(n))
+        while active:
+            step = []
+            for i in active:
+                tok = nxt[i]
+                out[i].append(tok)
+                if model.is_eog(tok):
+                    continue
+                if len(out[i]) >= max_tokens:
+                    truncated[i] = True
+                    continue
+                step.append(i)
+            active = step
+            if active:
+                idx = ctx.decode_batch([(i, [out[i][-1]]) for i in active])
+                nxt = {i: samplers[i].sample(ctx, idx[k]) for k, i in enumerate(active)}
+    finally:
+        for s in samplers:
+            s.close()
+    texts = [model.detokenize([t for t in c if not model.is_eog(t)]) for c in out]
+    return Rollouts([np.asarray(c, np.int32) for c in out], truncated, texts, time.perf_counter() - t0)

@@ -1,0 +1,136 @@
+"""Issue 85: GRPO. The loss and its gradient against TRL 1.16's GRPOTrainer itself (its own ``_compute_loss`` and
+autograd, tests/grpo_reference.py in the side venv), the advantages against TRL's formula as its source computes it,
+the run end to end (rollouts, rewards, a LoRA step), bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import gguf
+import numpy as np
+import pytest
+from conftest import reference_job
+
+import llamabind
+from llamabind import train
+
+# per case: TRL's loss_type, beta, old log-probabilities moved off the policy's (num_iterations > 1: the ratio
+# clipped where it leaves [1 - epsilon, 1 + epsilon_high]), the KL's bias correction, epsilon_high, temperature
+CASES = [
+    dict(name="dapo", loss_type="dapo", beta=0.0, off_policy=False, bias=True, epsilon_high=None, temperature=1.0),
+    dict(name="grpo-kl", loss_type="grpo", beta=0.04, off_policy=False, bias=True, epsilon_high=None, temperature=1.0),
+    dict(name="bnpo-clipped", loss_type="bnpo", beta=0.0, off_policy=True, bias=True, epsilon_high=None,
+         temperature=1.0),
+    dict(name="dr_grpo-kl-clipped", loss_type="dr_grpo", beta=0.1, off_policy=True, bias=False, epsilon_high=0.28,
+         temperature=0.7),
+]  # fmt: skip
+ANSWERS = [" 4<|im_end|>", "The answer is 4.<|im_end|>", "2 + 2 equals five, I think, or", "Four.<|im_end|>"]
+ADVANTAGES = [1.2, -0.5, 0.3, -1.0]
+WEIGHTS = {"blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",
+           "blk.1.ffn_down.weight": "model.layers.1.mlp.down_proj.weight",
+           "output_norm.weight": "model.norm.weight"}  # fmt: skip
+
+
+def _tensors(path) -> dict[str, np.ndarray]:
+    r = gguf.GGUFReader(path)
+    return {t.name: np.array(t.data, np.float64).reshape(-1) for t in r.tensors if t.name in WEIGHTS}
+
+
+def _ours(path, tmp_path, case: dict, prompt: list[int], completions: list[list[int]], rng) -> tuple[dict, dict]:
+    """One SGD step at lr 1 over the case's completions: (what the reference gets, our loss, log-probs and
+    gradients: the weights' change)."""
+    n, W = len(completions), 256
+    win = np.zeros((n, W + 1), np.int32)
+    lab = np.full((n, W), -1, np.int32)
+    T = max(len(c) for c in completions)
+    mask = np.zeros((n, T))
+    for i, c in enumerate(completions):
+        seq = prompt + c
+        win[i, : len(seq)] = seq
+        lab[i, len(prompt) - 1 : len(seq) - 1] = c
+        mask[i, : len(c)] = 1
+    sel = mask > 0
+    with llamabind.Model(path, n_threads=2, repack=False, use_mmap=False, n_gpu_layers=0) as m:
+        tr = train.Trainer(m, ctx_size=W, batch_size=n, optimizer="sgd", lr=1.0, max_grad_norm=1e30, n_threads=2,
+                           loss="grpo", beta=case["temperature"])  # fmt: skip
+        with tr:
+            tr.optimizer.eval(win, False, lab, np.zeros(int(sel.sum())))
+            logp = np.zeros((n, T))
+            logp[sel] = tr.optimizer.seq_logps()
+            shift = lambda s: np.where(sel, logp + rng.uniform(-s, s, logp.shape), 0.0)  # noqa: E731
+            old = shift(0.4) if case["off_policy"] else None
+            ref = shift(0.5) if case["beta"] else None
+            loss_of = lambda lp: train.token_loss(  # noqa: E731
+                lp, old, ref, np.array(ADVANTAGES), mask, loss_type=case["loss_type"], beta=case["beta"],
+                epsilon=0.2, epsilon_high=case["epsilon_high"] or 0.2, bias_correction_kl=case["bias"],
+                max_completion_length=16, n_items=float(mask.sum()), grad_accum=1,
+            )  # fmt: skip
+            tl = loss_of(logp)
+            tr.optimizer.eval(win, True, lab, tl.coef[sel])
+            norm = tr.optimizer.grad_norm()
+        out = tmp_path / f"{case['name']}.gguf"
+        m.save(out)
+    before, after = _tensors(path), _tensors(out)
+    ours = dict(loss=tl.loss, logps=logp, grad_norm=norm, clipped=tl.clipped, loss_of=loss_of, coef=tl.coef,
+                grads={k: before[k] - after[k] for k in WEIGHTS})  # fmt: skip
+    rows = lambda x: None if x is None else [x[i, : len(c)].tolist() for i, c in enumerate(completions)]  # noqa: E731
+    job = dict(name=case["name"], prompt=prompt, completions=completions, advantages=ADVANTAGES, old=rows(old),
+               ref=rows(ref), loss_type=case["loss_type"], beta=case["beta"], epsilon=0.2,
+               epsilon_high=case["epsilon_high"], max_completion_length=16, use_bias_correction_kl=case["bias"],
+               temperature=case["temperature"])  # fmt: skip
+    return job, ours
+
+
+def test_grpo_loss_and_gradient_equal_trls(smollm2_f32_cut, reference_python, tmp_path):
+    """TRL 1.16's GRPOTrainer._compute_loss and its autograd against llamabind's GRPO loss (train.token_loss on
+    the host, the training graph's sum of coefficient x log-probability) on the same prompt, four completions
+    (three ending in <|im_end|>, one cut off) and advantages, every weight of SmolLM2's F32 blocks (CPU, F32 on
+    both sides). Cases: TRL's default dapo; grpo with the k3 KL to a reference (bias-corrected); bnpo and
+    dr_grpo with old log-probabilities moved up to +-0.4 nats from the policy's, so that ratios are clipped (both
+    sides clip: the case asserts some were), dr_grpo with epsilon_high 0.28, temperature 0.7, KL without the
+    bias correction.
+
+    - per token log-probabilities (log softmax(logits / temperature)): within 5e-5 nats (measured 1.9e-5 at
+      temperature 1, 3.1e-5 at 0.7: F32 forward passes of four blocks and 49,152 logits in two programs);
+    - the loss: train.token_loss of TRL's own log-probabilities within 1e-5 of TRL's loss relative to the sum of
+      its terms' magnitudes (the issue's bound for F32; the terms cancel: grpo-kl's loss is 1.6e-3 of terms
+      summing to ~0.2, which TRL adds in F32); of ours within 5e-5 x sum |d loss / d logp| (+1e-7) of it: the
+      log-probabilities' difference moves it by at most that to first order;
+    - the gradient's global norm (ggml-opt's, patch 0094) within 1e-4 relative, and the gradients of three
+      weights whose layout is the GGUF's (blk.0.attn_v, blk.1.ffn_down, output_norm: an SGD step at lr 1 reads
+      them off as the weights' change, F32 weights of ~0.05 round the difference at ~3e-9) within 1e-3 of their
+      norm: F32 sums over 49,152 logits and 576-wide products in another order than PyTorch's."""
+    if os.environ.get("LLAMABIND_REFERENCE_PYTHON") and subprocess.run([str(reference_python), "-c", "import trl"],
+                                                                      capture_output=True).returncode != 0:  # fmt: skip
+        pytest.skip("the reference Python given by LLAMABIND_REFERENCE_PYTHON has no trl (carry its wheel)")
+    with llamabind.Model(smollm2_f32_cut, vocab_only=True) as v:
+        text = v.chat_templates().render([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True)
+        prompt = v.tokenize(text, add_special=False, parse_special=True)
+        completions = [v.tokenize(a, add_special=False, parse_special=True) for a in ANSWERS]
+    rng = np.random.default_rng(0)
+    jobs, ours = [], {}
+    for case in CASES:
+        job, ours[case["name"]] = _ours(smollm2_f32_cut, tmp_path, case, prompt, completions, rng)
+        jobs.append(job)
+    theirs = reference_job(reference_python, "grpo_reference.py", tmp_path, {"gguf": str(smollm2_f32_cut),
+                                                                             "cases": jobs})  # fmt: skip
+    for case in CASES:
+        name, o, t = case["name"], ours[case["name"]], theirs[case["name"]]
+        lp = np.concatenate([o["logps"][i, : len(c)] for i, c in enumerate(completions)])
+        rel = {k: np.linalg.norm(o["grads"][k] - np.asarray(t["grads"][h])) / np.linalg.norm(t["grads"][h])
+               for k, h in WEIGHTS.items()}  # fmt: skip
+        d_lp = np.abs(lp - np.concatenate(t["logps"])).max()
+        print(f"{name}: loss {o['loss']:.8f} / TRL {t['loss']:.8f}; logps {d_lp:.1e}; grad_norm {o['grad_norm']:.6f} / "
+              f"{t['grad_norm']:.6f}; grads {rel}; clipped {o['clipped']}")  # fmt: skip
+        np.testing.assert_allclose(lp, np.concatenate(t["logps"]), atol=5e-5, err_msg=name)
+        t_lp = np.zeros_like(o["logps"])
+        for i, row in enumerate(t["logps"]):
+            t_lp[i, : len(row)] = row
+        at_theirs = o["loss_of"](t_lp)
+        assert abs(at_theirs.loss - t["loss"]) <= 1e-5 * at_theirs.magnitude, name
+        assert abs(o["loss"] - t["loss"]) <= 5e-5 * np.abs(o["coef"]).sum() + 1e-7, name
+        assert o["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-4), name
+        assert max(rel.values()) <= 1e-3, (name, rel)
+        if case["off_policy"]:
+            assert o["clipped"][2] > 0, name
