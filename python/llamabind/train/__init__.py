@@ -67,8 +67,8 @@ from .grpo_math import group_advantages, token_loss
 from .loop import EpochStats, TrainResult, finetune, iterate_batches
 from .lora import LORA_TARGETS, lora_init, to_f32
 from .pairs import PreferenceMetrics, PreferencePair, pair_logps, preference_metrics, read_pairs
-from .rollout import GRPOPrompt, read_prompts
 from .preference_loop import METHODS, PreferenceResult, pack_pairs, pair_spans, pair_windows, preference
+from .rollout import GRPOPrompt, read_prompts
 from .schedule import SCHEDULES, lr_at
 from .trainer import Trainer
 
