@@ -8,6 +8,7 @@ import sys
 
 from .. import models
 from .common import HelpFormatter, add_ctx_size, add_hf, add_lora, add_model, add_ngl, add_threads, lora_specs
+from .grpo import add_grpo_options, run_grpo
 from .run import _busy_note
 
 DATASET_ID = r"[\w.-]+/[\w.-]+(:[\w.-]+)?"  # a Hub dataset id, org/name[:split]
@@ -190,7 +191,7 @@ def _finetune(args) -> int:
         kw = dict(use_mmap=lora, repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
         with Model(src, progress=args.progress and sys.stderr.isatty(), **kw) as m:
             if args.method != "sft":
-                res = _preference(args, m, settings, resume)
+                res = run_grpo(args, m, settings) if args.method == "grpo" else _preference(args, m, settings, resume)
                 (m if res.adapter is None else res.adapter).save(out)
                 print(f"wrote {out}" + (" (a LoRA adapter: load it with --lora / Model.load_lora)" if lora else ""))
                 return 0
@@ -222,6 +223,7 @@ def _preference(args, m, settings, resume):
     """finetune --method dpo|orpo: train.preference on the pairs of --data (and --valid); prints TRL's metrics."""
     from .. import train
 
+    args.beta = 0.1 if args.beta is None else args.beta
     pairs = train.read_pairs(args.data, m, method=args.method)
     valid = train.read_pairs(args.valid, m, method=args.method) if args.valid else None
     print(f"{len(pairs)} preference pairs from {args.data}", file=sys.stderr)
@@ -301,13 +303,18 @@ def _finetune_parser(sub) -> None:
     )
     f.add_argument(
         "--method",
-        choices=["sft", "dpo", "orpo"],
+        choices=["sft", "dpo", "orpo", "grpo"],
         default="sft",
         help="sft: next-token cross-entropy on --data's examples; dpo, orpo: preference tuning on --data's pairs "
-        "(JSONL {prompt, chosen, rejected}, text or messages, as TRL), --batch pairs a step (default: sft)",
+        "(JSONL {prompt, chosen, rejected}, text or messages, as TRL), --batch pairs a step; grpo: reinforcement "
+        "learning from --reward's rewards of completions of --data's prompts, --batch completions a step "
+        "(default: sft)",
     )
     f.add_argument(
-        "--beta", type=float, default=0.1, help="--method dpo: DPO's beta; orpo: ORPO's lambda (default 0.1)"
+        "--beta",
+        type=float,
+        default=None,
+        help="--method dpo: DPO's beta; orpo: ORPO's lambda (default 0.1); grpo: the KL coefficient (default 0)",
     )
     f.add_argument("--no-prompt-loss", action="store_true", help=_NO_PROMPT_LOSS)
     f.add_argument("--valid", default=None, help="held-out file of the same kinds (instead of --val-split)")
@@ -363,6 +370,7 @@ def _finetune_parser(sub) -> None:
         "off (default: auto)",
     )
     _add_memory_and_step_options(f)
+    add_grpo_options(f)
     add_threads(f)
     add_ngl(f)
     f.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
