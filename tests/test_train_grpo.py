@@ -193,7 +193,7 @@ def test_grpo_refuses_bad_input_and_trains_nothing(smollm2_f32_cut):
     truncated ones still steps (a token with coefficient 0) and changes nothing."""
     prompts = [{"prompt": "Count: one two", "k": 1}, {"prompt": "Say a word:", "k": 2}]
     cfg = train.GRPOConfig(num_generations=2, max_completion_length=4)
-    with llamabind.Model(smollm2_f32_cut, n_threads=2, repack=False, use_mmap=False, n_gpu_layers=0) as m:
+    with llamabind.Model(smollm2_f32_cut, n_threads=2, repack=False, use_mmap=False) as m:
         probe = m.tokenize("Count: one two three")
 
         def logits() -> np.ndarray:

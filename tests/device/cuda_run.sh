@@ -81,7 +81,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: amx, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: amx, grpo85, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -185,6 +185,21 @@ pref83b)
     | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/pref83b-tests.log" | tail -15
   [ "${LB_PREF:-x}" = " " ] || { start_1b_f32; wait; }
   pref_bench "${LB_PREF:-1b:512:8 1b:2048:4}" "${LB_PREF_RUNNERS:-lora,lora-pack,full,full-pack}"
+  ;;
+grpo85)
+  # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf, .device-s and .device-t: TRL 1.16, datasets,
+  # dill, multiprocess wheels; LB_NO_TOOLS=1) issue 85: the build, GRPO's tests on CUDA0 (bad input, the CLI;
+  # the TRL parity runs on the CPU in CI), then bench/grpo.py on the 1B shape beside TRL's GRPOTrainer (LB_GRPO_ARGS)
+  [ -d .device-t ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-t/*.whl
+  start_1b_f32
+  [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REQUIRE_GPU=1 timeout ${LB_TEST_TIMEOUT:-300} python3 -m pytest \
+    tests/test_train_grpo.py $PYTEST_ARGS -s -k "${LB_GRPO_K:-refuses or cli}" 2>&1 \
+    | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/grpo85-tests.log" | tail -15
+  [ -n "${LB_NO_BENCH:-}" ] && exit 0
+  wait
+  python3 bench/grpo.py --model $MODELS/llama-1b-q4_0.gguf --trl python3 ${LB_GRPO_ARGS:-} \
+    --out "$OUT/grpo-1b.json" 2>&1 | grep -vE "^(llama|load|print_info|common|main|ggml|init)" | tail -14 \
+    | tee -a "$OUT/bench-grpo.txt"
   ;;
 qlora)
   # (carry .device-b after build) issue 27: quantized OUT_PROD on CUDA0 against float64 and the CPU,

@@ -283,7 +283,8 @@ class _GRPORun:
              "frac_reward_zero_std": float(np.isclose(np.nan_to_num(std, nan=0.0), 0.0).mean()),
              "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
              "completions/clipped_ratio": float(r.truncated.mean()),
-             "rollout_tokens_per_s": float(lengths.sum() / max(r.seconds, 1e-9))}  # fmt: skip
+             "rollout_tokens_per_s": float(lengths.sum() / max(r.seconds, 1e-9)),
+             "time/rollout_s": float(r.seconds)}  # fmt: skip
         for j, f in enumerate(self.funcs):
             m[f"rewards/{_reward_name(f)}/mean"] = float(np.nanmean(per_func[:, j]))
         return b, m
@@ -480,7 +481,8 @@ def _loop(run: _GRPORun, train_p, val_p, total: int, r: GRPOResult, on_step) -> 
                 for _ in range(min(c.num_iterations, total - r.steps)):
                     lr = lr_at(r.steps, total, a.lr, a.lr_schedule, a.warmup, a.min_lr)
                     run.trainer.set_lr(lr)
-                    m = {**run.train_step(batch, old), **gm}
+                    t1 = time.perf_counter()
+                    m = {**run.train_step(batch, old), **gm, "time/train_s": time.perf_counter() - t1}
                     r.steps += 1
                     if not math.isfinite(m["loss"]):
                         raise FloatingPointError(f"the GRPO loss is {m['loss']} at step {r.steps}")
