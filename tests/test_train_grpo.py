@@ -279,3 +279,36 @@ def test_cli_finetune_grpo(smollm2_f32_cut, tmp_path):
     assert g.returncode == 0, g.stderr[-2000:]
     bad = subprocess.run([a.replace(":says_it", ":nothing") for a in cmd], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "has no function 'nothing'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_grpo_resumes_from_a_checkpoint_as_if_never_stopped(smollm2_f32_cut, tmp_path):
+    """save_every / checkpoint_dir and resume=: a LoRA GRPO run of 4 steps (checkpoints at steps 2 and 4) against the
+    same run stopped at step 2 and resumed from its checkpoint: the prompts come in the same order, the rollouts are
+    seeded by the step and AdamW's state is restored, so the losses of steps 3-4 and the final adapter are the
+    same numbers (the CPU's sums are deterministic). A checkpoint of another run (another num_generations) is
+    refused, naming the difference."""
+    prompts = [f"Name a colour number {i}:" for i in range(6)]
+
+    def reward(completions, **kw):
+        return [float(len(c)) / 10 for c in completions]
+
+    cfg = train.GRPOConfig(num_generations=2, max_completion_length=4)
+    kw = dict(lora_rank=4, batch_size=4, grad_accum=2, lr=1e-3, val_split=0.0, progress=False, n_threads=2)
+    runs = {}
+    for name, iters, resume in (("whole", 4, None), ("first", 2, None), ("resumed", 4, "first")):
+        with llamabind.Model(smollm2_f32_cut, n_threads=2, repack=False, n_gpu_layers=0) as m:
+            ck = tmp_path / name if resume is None else tmp_path / resume
+            r = train.grpo(m, prompts, reward, config=cfg, iters=iters, save_every=2, checkpoint_dir=ck,
+                           resume=None if resume is None else ck, **kw)  # fmt: skip
+            r.adapter.save(tmp_path / f"{name}.gguf")
+            runs[name] = r
+    assert [c.name for c in runs["whole"].checkpoints] == ["step-0000002", "step-0000004"]
+    assert runs["resumed"].steps == 4 and runs["resumed"].losses[:2] == runs["first"].losses
+    np.testing.assert_array_equal(runs["resumed"].losses, runs["whole"].losses)
+    a, b = gguf.GGUFReader(tmp_path / "whole.gguf"), gguf.GGUFReader(tmp_path / "resumed.gguf")
+    for x, y in zip(a.tensors, b.tensors):
+        np.testing.assert_array_equal(np.array(x.data), np.array(y.data), err_msg=x.name)
+    with llamabind.Model(smollm2_f32_cut, n_threads=2, repack=False, n_gpu_layers=0) as m:
+        other = train.GRPOConfig(num_generations=4, max_completion_length=4)
+        with pytest.raises(ValueError, match="cannot resume .* grpo"):
+            train.grpo(m, prompts, reward, config=other, iters=4, resume=tmp_path / "first", **kw)

@@ -73,20 +73,18 @@ def grpo_config(args) -> Any:
     )  # fmt: skip
 
 
-def run_grpo(args, m, settings):
+def run_grpo(args, m, settings, resume):
     """finetune --method grpo: train.grpo on the prompts of --data (and --valid) with --reward's functions."""
     from .. import train
 
     if not args.reward:
         raise ValueError("--method grpo needs --reward FILE.py:FUNC (a reward function)")
-    if args.resume is not None:
-        raise ValueError("--resume is not supported with --method grpo yet")
     funcs = [load_reward(s) for s in args.reward]
     config = grpo_config(args)
     prompts = train.read_prompts(args.data, m)
     valid = train.read_prompts(args.valid, m) if args.valid else None
     print(f"{len(prompts)} prompts from {args.data}", file=sys.stderr)
-    res = train.grpo(m, prompts, funcs, settings, config, valid=valid)
+    res = train.grpo(m, prompts, funcs, settings, config, valid=valid, resume=resume)
     if res.val_before is not None:
         print(f"held-out prompts before: mean reward {res.val_before:.4f}")
     G = config.num_generations

@@ -191,7 +191,11 @@ def _finetune(args) -> int:
         kw = dict(use_mmap=lora, repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
         with Model(src, progress=args.progress and sys.stderr.isatty(), **kw) as m:
             if args.method != "sft":
-                res = run_grpo(args, m, settings) if args.method == "grpo" else _preference(args, m, settings, resume)
+                res = (
+                    run_grpo(args, m, settings, resume)
+                    if args.method == "grpo"
+                    else _preference(args, m, settings, resume)
+                )
                 (m if res.adapter is None else res.adapter).save(out)
                 print(f"wrote {out}" + (" (a LoRA adapter: load it with --lora / Model.load_lora)" if lora else ""))
                 return 0

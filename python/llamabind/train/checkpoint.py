@@ -30,6 +30,7 @@ OPTIMIZER = "optimizer.npz"
 # windows, their order, the shapes of the trained tensors and (preference tuning) the loss
 MUST_MATCH = (
     "kind", "ctx_size", "n_train", "batch_size", "seed", "shuffle", "optimizer", "embeddings", "lora", "method", "beta",
+    "grpo",
 )  # fmt: skip
 
 

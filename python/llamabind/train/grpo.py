@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
@@ -23,9 +25,20 @@ from ..context import Context
 from ..model import LoraAdapter, Model
 from ..sampling import SamplingParams
 from .args import TrainingArgs
+from .checkpoint import restore_optimizer, save_checkpoint
 from .grpo_math import LOSS_TYPES, group_advantages, token_loss
-from .loop import _new_adapter, iterate_batches
-from .rollout import GRPOPrompt, Roller, Rollouts, read_prompts
+from .loop import _new_adapter, _resumable, iterate_batches
+from .rollout import (
+    Batch,
+    GRPOPrompt,
+    RewardFunc,
+    Roller,
+    batch_windows,
+    read_prompts,
+    reference_logps,
+    reward_name,
+    score,
+)
 from .schedule import lr_at
 from .trainer import Trainer, check_model
 
@@ -114,7 +127,7 @@ class GRPOResult:
     names: loss, reward, reward_std, rewards/NAME/mean, kl, clip_ratio/region_mean, completions/mean_length,
     completions/clipped_ratio, frac_reward_zero_std), ``val_before`` and ``evals`` [(step, mean reward)] of the
     held-out prompts, ``adapter`` the trained LoRA adapter (None for a full fine-tune), ``interrupted`` by
-    Ctrl-C."""
+    Ctrl-C, ``checkpoints`` written."""
 
     steps: int = 0
     losses: list[float] = field(default_factory=list)
@@ -123,98 +136,7 @@ class GRPOResult:
     evals: list[tuple[int, float]] = field(default_factory=list)
     adapter: LoraAdapter | None = None
     interrupted: bool = False
-
-
-RewardFunc = Callable[..., Sequence[float | None]]
-
-
-def _reward_name(f: RewardFunc) -> str:
-    return getattr(f, "__name__", type(f).__name__)
-
-
-def score(funcs: Sequence[RewardFunc], prompts: Sequence[GRPOPrompt], r: Rollouts, num_generations: int) -> np.ndarray:
-    """float64 (n completions, k functions): each function called as TRL calls it, ``f(prompts=, completions=,
-    completion_ids=, **columns)`` (prompt i // G for completion i; a conversational prompt's completion as
-    ``[{"role": "assistant", "content": text}]``; each other column of the prompts' rows as a list), None as
-    NaN. Raises ValueError (a wrong length or a value that is not a number or None) or RuntimeError (the
-    function raised) naming the function; nothing has trained when it does."""
-    rep = [p for p in prompts for _ in range(num_generations)]
-    conv = not isinstance(prompts[0].prompt, str)
-    completions = [[{"role": "assistant", "content": t}] for t in r.texts] if conv else list(r.texts)
-    cols: dict[str, list[Any]] = {k: [p.columns.get(k) for p in rep] for k in prompts[0].columns}
-    out = np.full((len(rep), len(funcs)), np.nan)
-    for j, f in enumerate(funcs):
-        name = _reward_name(f)
-        try:
-            got = f(prompts=[p.prompt for p in rep], completions=completions,
-                    completion_ids=[c.tolist() for c in r.completions], **cols)  # fmt: skip
-        except Exception as e:
-            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-        got = list(got) if isinstance(got, (Sequence, np.ndarray)) and not isinstance(got, str) else None
-        if got is None or len(got) != len(rep):
-            n = "not a list" if got is None else f"{len(got)} values"
-            raise ValueError(
-                f"reward function {name!r} returned {n}; it must return one reward per completion ({len(rep)})"
-            )
-        for i, v in enumerate(got):
-            if v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
-                raise ValueError(f"reward function {name!r}: reward {i} is {v!r}; a finite number or None")
-            out[i, j] = float(v)
-    return out
-
-
-@dataclass
-class _Batch:
-    """A generation batch as training windows: windows (n, W + 1), labels (n, W) (each completion's tokens,
-    -1 elsewhere), mask (n, T) over each completion's tokens (T the longest), its advantages (n,)."""
-
-    windows: np.ndarray
-    labels: np.ndarray
-    mask: np.ndarray
-    prompt_len: np.ndarray  # (n,): each window's prompt tokens
-    advantages: np.ndarray
-    ref: np.ndarray | None = None  # (n, T): the reference's log-probabilities (beta > 0)
-
-
-def _windows(prompts: Sequence[np.ndarray], r: Rollouts, G: int, W: int, pad: int, mask_truncated: bool) -> _Batch:
-    n = len(r.completions)
-    T = max(len(c) for c in r.completions)
-    win = np.full((n, W + 1), pad, np.int32)
-    lab = np.full((n, W), -1, np.int32)
-    mask = np.zeros((n, T))
-    plen = np.array([len(prompts[i // G]) for i in range(n)])
-    for i, c in enumerate(r.completions):
-        p = prompts[i // G]
-        seq = np.concatenate([p, c])
-        win[i, : len(seq)] = seq
-        if not (mask_truncated and r.truncated[i]):
-            lab[i, len(p) - 1 : len(seq) - 1] = c
-            mask[i, : len(c)] = 1.0
-    return _Batch(win, lab, mask, plen, np.zeros(n))
-
-
-def _log_softmax_at(logits: np.ndarray, targets: np.ndarray, temperature: float) -> np.ndarray:
-    z = logits.astype(np.float64) / temperature
-    m = z.max(axis=1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(z - m).sum(axis=1))
-    return z[np.arange(len(targets)), targets] - lse
-
-
-def reference_logps(
-    ctx: Context, prompts: Sequence[np.ndarray], r: Rollouts, G: int, T: int, temperature: float
-) -> np.ndarray:
-    """float64 (n, T): each completion token's log softmax(logits / temperature) under the reference, from
-    llama_decode's logits (:meth:`Context.eval`) in float64; 0 after a completion's end."""
-    out = np.zeros((len(r.completions), T))
-    for i, c in enumerate(r.completions):
-        p = prompts[i // G]
-        seq = np.concatenate([p, c])
-        ctx.clear()
-        logits = ctx.eval(seq[:-1].tolist())
-        out[i, : len(c)] = _log_softmax_at(logits[len(p) - 1 :], c, temperature)
-    return out
+    checkpoints: list[Path] = field(default_factory=list)
 
 
 def _check_config(config: GRPOConfig | None, funcs: Any) -> tuple[GRPOConfig, list[RewardFunc], np.ndarray]:
@@ -256,6 +178,8 @@ class _GRPORun:
             self.close()
             raise
         self.log: IO[str] | None = None
+        self.run_id: dict[str, Any] = {}
+        self.total, self.saved = 0, 0
 
     def close(self) -> None:
         for x in (self.trainer, self.roller, self.ref_ctx):
@@ -266,7 +190,7 @@ class _GRPORun:
         n = self.c.max_prompt_length
         return [p.ids if n is None else p.ids[-n:] for p in prompts]
 
-    def generate(self, prompts: Sequence[GRPOPrompt], step: int) -> tuple[_Batch, dict[str, float]]:
+    def generate(self, prompts: Sequence[GRPOPrompt], step: int) -> tuple[Batch, dict[str, float]]:
         """A generation batch: rollouts, rewards, advantages, windows (and the reference's log-probabilities)."""
         c, G = self.c, self.G
         ids = self.prompt_ids(prompts)
@@ -274,7 +198,7 @@ class _GRPORun:
         r = self.roller(ids, G, c.max_completion_length, c.sampling(seed))
         per_func = score(self.funcs, prompts, r, G)
         adv, rewards, std = group_advantages(per_func, self.weights, G, c.scale_rewards)
-        b = _windows(ids, r, G, self.W, self.pad, c.mask_truncated_completions)
+        b = batch_windows(ids, r, G, self.W, self.pad, c.mask_truncated_completions)
         b.advantages = adv
         if self.ref_ctx is not None:
             b.ref = reference_logps(self.ref_ctx, ids, r, G, b.mask.shape[1], c.temperature)
@@ -286,10 +210,10 @@ class _GRPORun:
              "rollout_tokens_per_s": float(lengths.sum() / max(r.seconds, 1e-9)),
              "time/rollout_s": float(r.seconds)}  # fmt: skip
         for j, f in enumerate(self.funcs):
-            m[f"rewards/{_reward_name(f)}/mean"] = float(np.nanmean(per_func[:, j]))
+            m[f"rewards/{reward_name(f)}/mean"] = float(np.nanmean(per_func[:, j]))
         return b, m
 
-    def train_step(self, b: _Batch, old: list[np.ndarray | None]) -> dict[str, float]:
+    def train_step(self, b: Batch, old: list[np.ndarray | None]) -> dict[str, float]:
         """One optimizer step over the generation batch ``b``, micro-batch by micro-batch; ``old``: per
         micro-batch the sampling policy's log-probabilities (None: this step's own, the ratio 1), filled in
         where this step computes them (num_iterations > 1)."""
@@ -347,6 +271,22 @@ class _GRPORun:
             n += len(rewards)
         return total / max(n, 1)
 
+    def allocate(self) -> None:
+        """A forward pass (a window of one labelled token): ggml-opt's graphs and AdamW's moments allocated."""
+        n = self.a.batch_size // self.a.grad_accum
+        win = np.full((n, self.W + 1), self.pad, np.int32)
+        lab = np.full((n, self.W), -1, np.int32)
+        lab[0, 0] = self.pad
+        self.trainer.optimizer.eval(win, False, lab, np.zeros(1))
+
+    def checkpoint(self, r: GRPOResult) -> None:
+        if self.a.checkpoint_dir is None or r.steps in (0, self.saved):
+            return
+        state = dict(self.run_id, step=r.steps, total=self.total, losses=r.losses)
+        weights = self.model if r.adapter is None else r.adapter
+        r.checkpoints.append(save_checkpoint(self.a.checkpoint_dir, self.trainer, weights, state))
+        self.saved = r.steps
+
     def write(self, **row: Any) -> None:
         if self.log is not None:
             self.log.write(json.dumps(row) + "\n")
@@ -381,6 +321,7 @@ def grpo(
     valid: Any = None,
     ref_model: Model | None = None,
     on_step: Callable[[int, dict[str, float]], Any] | None = None,
+    resume: str | os.PathLike | None = None,
     **settings: Any,
 ) -> GRPOResult:
     """Train ``model`` with GRPO on rewards of its own completions (TRL 1.16's GRPOTrainer's algorithm, its
@@ -407,6 +348,11 @@ def grpo(
         valid: held-out prompts (as ``prompts``), instead of ``val_split``.
         ref_model: the reference for ``config.beta > 0`` in a full fine-tune (None: the GGUF loaded again).
         on_step: called as on_step(step, metrics) after each optimizer step.
+        resume: a checkpoint (``save_every`` / ``checkpoint_dir``, as :func:`~llamabind.train.finetune`'s; or a
+            checkpoint_dir: its newest) of the same run to continue from: the weights or adapter, AdamW's state,
+            the step; the prompts come in the same order and the rollouts are seeded by the step, so the run
+            continues as it would have (a checkpoint inside a generation batch, num_iterations > 1, samples that
+            batch anew). ValueError naming what differs.
 
     Returns a :class:`GRPOResult`. Ctrl-C stops between steps and returns what was trained. Wraps
     llama_decode (rollouts) and llama_opt_epoch with llama_opt_params.build_loss (patch 0054).
@@ -415,7 +361,7 @@ def grpo(
     softmax(logits / temperature) filtered by top_k / top_p / min_p; another random stream); the
     reference's log-probabilities (beta > 0) come from llama_decode's logits; one optimizer step per
     generation batch and num_iterations (TRL's steps_per_generation = gradient_accumulation_steps); no
-    vLLM, entropy masks or importance_sampling_level "sequence"; no checkpoints/resume yet.
+    vLLM, entropy masks or importance_sampling_level "sequence".
 
     Raises TypeError/ValueError for bad settings (naming the field), no prompts, a batch_size that is not a
     multiple of num_generations, a prompt + max_completion_length beyond the model's context, a model
@@ -439,13 +385,28 @@ def grpo(
     total = a.iters if a.iters is not None else a.epochs * n_gen * c.num_iterations
     W = _window(train_p + val_p, c, model)
     result = GRPOResult()
-    adapter = result.adapter = _new_adapter(model, a) if a.lora else None
-    run = _GRPORun(model, a, c, funcs, weights, W, adapter, ref_model)
+    run_id = dict(
+        kind="lora" if a.lora else "full", ctx_size=W, n_train=len(train_p), batch_size=a.batch_size, seed=a.seed,
+        shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
+        lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
+        method="grpo", beta=c.beta, grpo={k: v for k, v in asdict(c).items() if k != "reward_weights"},
+    )  # fmt: skip
+    resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
+    if a.lora:
+        result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
+    run = _GRPORun(model, a, c, funcs, weights, W, result.adapter, ref_model)
+    run.run_id, run.total = run_id, total
     try:
         if a.log is not None:
             run.log = open(a.log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
-        result.val_before = run.evaluate(val_p) if val_p else None
+        result.val_before = run.evaluate(val_p) if val_p and resumed is None else None
+        if resumed is not None:
+            run.allocate()  # ggml-opt allocates AdamW's moments with its first graph
+            restore_optimizer(run.trainer, *resumed)
+            result.steps = int(resumed[1]["step"])
+            result.losses = [float(x) for x in resumed[1]["losses"]]
         _loop(run, train_p, val_p, total, result, on_step)
+        run.checkpoint(result)
         if (
             result.steps
             and val_p
@@ -473,12 +434,13 @@ def _loop(run: _GRPORun, train_p, val_p, total: int, r: GRPOResult, on_step) -> 
     P = a.batch_size // run.G
     gens = -(-total // c.num_iterations)
     t0, n_tok = time.perf_counter(), 0
+    first_gen, done_iters = divmod(r.steps, c.num_iterations)  # a resumed run's position
     try:
-        for _epoch, batches in iterate_batches(len(train_p), P, 1 << 30, a.seed, a.shuffle, 0, gens):
+        for _epoch, batches in iterate_batches(len(train_p), P, 1 << 30, a.seed, a.shuffle, first_gen, gens):
             for idx in batches:
                 batch, gm = run.generate([train_p[i] for i in idx], r.steps)
                 old: list[np.ndarray | None] = [None] * a.grad_accum
-                for _ in range(min(c.num_iterations, total - r.steps)):
+                for _ in range(min(c.num_iterations - done_iters, total - r.steps)):
                     lr = lr_at(r.steps, total, a.lr, a.lr_schedule, a.warmup, a.min_lr)
                     run.trainer.set_lr(lr)
                     t1 = time.perf_counter()
@@ -495,8 +457,11 @@ def _loop(run: _GRPORun, train_p, val_p, total: int, r: GRPOResult, on_step) -> 
                         _report(r.steps, total, m, lr)
                     if a.steps_per_eval and r.steps % a.steps_per_eval == 0 and val_p:
                         r.evals.append((r.steps, run.evaluate(val_p)))
+                    if a.save_every and r.steps % a.save_every == 0:
+                        run.checkpoint(r)
                     if on_step is not None:
                         on_step(r.steps, m)
+                done_iters = 0
                 if r.steps >= total:
                     return
     except KeyboardInterrupt:

@@ -1,13 +1,14 @@
-"""GRPO's rollouts (issue 85): prompts in TRL's formats as token ids, and G completions of each sampled from the
-policy being trained, all decoded together in one context (one llama_decode a step for every unfinished
-completion, a prompt's KV cells shared by its G sequences), with the adapter being trained applied or the fully
-fine-tuned weights in place: no second copy of the weights."""
+"""GRPO's rollouts (issue 85): prompts in TRL's formats as token ids, G completions of each sampled from the
+policy being trained, their rewards and their training windows. The completions are all decoded together in one
+context (one llama_decode a step for every unfinished completion, a prompt's KV cells shared by its G sequences),
+with the adapter being trained applied or the fully fine-tuned weights in place: no second copy of the weights."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from ..model import LoraAdapter, Model
 from ..sampling import SamplingParams
 from .pairs import _rows
 
-__all__ = ["GRPOPrompt", "Rollouts", "read_prompts", "rollout"]
+__all__ = ["GRPOPrompt", "Rollouts", "read_prompts", "rollout", "score"]
 
 
 @dataclass
@@ -153,3 +154,95 @@ def rollout(
             s.close()
     texts = [model.detokenize([t for t in c if not model.is_eog(t)]) for c in out]
     return Rollouts([np.asarray(c, np.int32) for c in out], truncated, texts, time.perf_counter() - t0)
+
+
+RewardFunc = Callable[..., Sequence[float | None]]
+
+
+def reward_name(f: RewardFunc) -> str:
+    return getattr(f, "__name__", type(f).__name__)
+
+
+def score(funcs: Sequence[RewardFunc], prompts: Sequence[GRPOPrompt], r: Rollouts, num_generations: int) -> np.ndarray:
+    """float64 (n completions, k functions): each function called as TRL calls it, ``f(prompts=, completions=,
+    completion_ids=, **columns)`` (prompt i // G for completion i; a conversational prompt's completion as
+    ``[{"role": "assistant", "content": text}]``; each other column of the prompts' rows as a list), None as
+    NaN. Raises ValueError (a wrong length or a value that is not a number or None) or RuntimeError (the
+    function raised) naming the function; nothing has trained when it does."""
+    rep = [p for p in prompts for _ in range(num_generations)]
+    conv = not isinstance(prompts[0].prompt, str)
+    completions = [[{"role": "assistant", "content": t}] for t in r.texts] if conv else list(r.texts)
+    cols: dict[str, list[Any]] = {k: [p.columns.get(k) for p in rep] for k in prompts[0].columns}
+    out = np.full((len(rep), len(funcs)), np.nan)
+    for j, f in enumerate(funcs):
+        name = reward_name(f)
+        try:
+            got = f(prompts=[p.prompt for p in rep], completions=completions,
+                    completion_ids=[c.tolist() for c in r.completions], **cols)  # fmt: skip
+        except Exception as e:
+            raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        got = list(got) if isinstance(got, (Sequence, np.ndarray)) and not isinstance(got, str) else None
+        if got is None or len(got) != len(rep):
+            n = "not a list" if got is None else f"{len(got)} values"
+            raise ValueError(
+                f"reward function {name!r} returned {n}; it must return one reward per completion ({len(rep)})"
+            )
+        for i, v in enumerate(got):
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
+                raise ValueError(f"reward function {name!r}: reward {i} is {v!r}; a finite number or None")
+            out[i, j] = float(v)
+    return out
+
+
+@dataclass
+class Batch:
+    """A generation batch as training windows: windows (n, W + 1), labels (n, W) (each completion's tokens,
+    -1 elsewhere), mask (n, T) over each completion's tokens (T the longest), its advantages (n,)."""
+
+    windows: np.ndarray
+    labels: np.ndarray
+    mask: np.ndarray
+    prompt_len: np.ndarray  # (n,): each window's prompt tokens
+    advantages: np.ndarray
+    ref: np.ndarray | None = None  # (n, T): the reference's log-probabilities (beta > 0)
+
+
+def batch_windows(prompts: Sequence[np.ndarray], r: Rollouts, G: int, W: int, pad: int, mask_truncated: bool) -> Batch:
+    n = len(r.completions)
+    T = max(len(c) for c in r.completions)
+    win = np.full((n, W + 1), pad, np.int32)
+    lab = np.full((n, W), -1, np.int32)
+    mask = np.zeros((n, T))
+    plen = np.array([len(prompts[i // G]) for i in range(n)])
+    for i, c in enumerate(r.completions):
+        p = prompts[i // G]
+        seq = np.concatenate([p, c])
+        win[i, : len(seq)] = seq
+        if not (mask_truncated and r.truncated[i]):
+            lab[i, len(p) - 1 : len(seq) - 1] = c
+            mask[i, : len(c)] = 1.0
+    return Batch(win, lab, mask, plen, np.zeros(n))
+
+
+def _log_softmax_at(logits: np.ndarray, targets: np.ndarray, temperature: float) -> np.ndarray:
+    z = logits.astype(np.float64) / temperature
+    m = z.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(z - m).sum(axis=1))
+    return z[np.arange(len(targets)), targets] - lse
+
+
+def reference_logps(
+    ctx: Context, prompts: Sequence[np.ndarray], r: Rollouts, G: int, T: int, temperature: float
+) -> np.ndarray:
+    """float64 (n, T): each completion token's log softmax(logits / temperature) under the reference, from
+    llama_decode's logits (:meth:`Context.eval`) in float64; 0 after a completion's end."""
+    out = np.zeros((len(r.completions), T))
+    for i, c in enumerate(r.completions):
+        p = prompts[i // G]
+        seq = np.concatenate([p, c])
+        ctx.clear()
+        logits = ctx.eval(seq[:-1].tolist())
+        out[i, : len(c)] = _log_softmax_at(logits[len(p) - 1 :], c, temperature)
+    return out
