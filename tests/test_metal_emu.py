@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +32,17 @@ BUILD = ROOT / "build" / ("metal-emu-full" if FULL else "metal-emu")
 RAN = BUILD / "ran-kernels.txt"
 
 # the sample: these kernel files, these ops (every upstream test case of each)
-SAMPLE_KERNELS = ["binbcast", "norm", "softmax", "quantize", "conv", "rope", "mul_mv", "reduce", "fa_aux", "fa_vec_f16"]
-SAMPLE_OPS = ["ADD", "CONCAT", "RMS_NORM", "RMS_NORM_BACK", "SOFT_MAX", "SOFT_MAX_BACK", "IM2COL", "ROPE_BACK", "CPY"]
-# ROPE_BACK's F32 cases (the F16 ones add no kernel path)
-SAMPLE_PARAMS = {"ROPE_BACK": "type=f32"}
+SAMPLE_KERNELS = ["binbcast", "norm", "softmax", "quantize", "conv", "rope", "mul_mv", "reduce", "fa_aux", "fa_vec_f16",
+                  "misc"]  # fmt: skip
+# the seed's ops (ROPE forward and back, CONCAT, IM2COL, RMS_NORM_BACK, SOFT_MAX_BACK, ARGMAX) and a few more, under
+# the three profiles
+SAMPLE_OPS = ["ADD", "CONCAT", "RMS_NORM", "RMS_NORM_BACK", "SOFT_MAX", "SOFT_MAX_BACK", "IM2COL", "ROPE", "ROPE_BACK",
+              "ARGMAX", "CPY"]  # fmt: skip
+# ROPE's and ROPE_BACK's F32 cases of one shape: every mode (norm, neox, M-RoPE, vision, interleaved M-RoPE) with
+# and without frequency factors (57 and 36 cases; the full run takes all 1,000)
+SAMPLE_PARAMS = {"ROPE": r"type=f32,ne_a=\[128,32,2,1\]", "ROPE_BACK": r"type=f32,ne_a=\[128,32,2,1\]"}
 # the issue's list (RMS_NORM_BACK and SOFT_MAX_BACK: patch 0058's kernels; none at the pin)
-FULL_OPS = SAMPLE_OPS + ["MUL", "GET_ROWS", "ROPE", "MUL_MAT", "SCALE", "SILU", "GELU", "SUB", "DIV", "SUM_ROWS"]
+FULL_OPS = SAMPLE_OPS + ["MUL", "GET_ROWS", "MUL_MAT", "SCALE", "SILU", "GELU", "SUB", "DIV", "SUM_ROWS"]
 PROFILES = ["apple", "amd", "intel"]
 # FLASH_ATTN_EXT: head sizes 64 and 128 (the vec kernel patch 0004 touches, NE = 2 and NE = 1, and the
 # simdgroup-matrix one), K/V of every type the vec kernels take
@@ -115,7 +121,7 @@ def test_mtl0_registers_with_the_profiles_props(bin_dir):
         assert total > 0
 
 
-@pytest.mark.parametrize("profile", PROFILES if FULL else ["apple"])
+@pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("op", FULL_OPS if FULL else SAMPLE_OPS)
 def test_op_on_mtl0_matches_the_cpu(bin_dir, op, profile):
     """Every upstream test case of OP that MTL0 supports under PROFILE agrees with the CPU backend
@@ -290,8 +296,14 @@ def test_llamabind_op_tests_on_mtl0(bin_dir, portable_python, profile):
 
 
 def test_the_emulator_catches_a_broken_kernel(tmp_path):
-    """The comparison can fail: a copy of the kernels whose binbcast.metal subtracts where it adds, built
-    into a separate module, makes test-backend-ops report ADD cases as FAIL on MTL0."""
+    """The comparison can fail, and sees what a Mac would: one copy of the kernels with two mutants, built into a
+    separate module (binbcast and norm: the rest from ccache).
+
+    - binbcast.metal subtracts where it adds: test-backend-ops reports ADD cases as FAIL on MTL0;
+    - kernel_rms_norm_back leaves out its zero-init of the 64 floats of threadgroup memory it sums over (only the
+      simdgroups that exist write their partial sums): a GPU's threadgroup memory holds whatever was there, so
+      RMS_NORM_BACK fails under the emulator's poison fill (every byte 0xFF: NaN; rt.cpp's default) and passes
+      under LB_MTL_TGMEM_FILL=zero, the zero fill that hid this mutant before."""
     _require_toolchain()
     kernels = tmp_path / "kernels"
     shutil.copytree(VENDOR / "ggml" / "src" / "ggml-metal" / "kernels", kernels)
@@ -299,12 +311,49 @@ def test_the_emulator_catches_a_broken_kernel(tmp_path):
     add = "dst_ptr[i0] = src0_ptr[i0] + src1_ptr[i10];"  # (the kernel's one-source add)
     assert src.count(add) == 1
     (kernels / "binbcast.metal").write_text(src.replace(add, "dst_ptr[i0] = src0_ptr[i0] - src1_ptr[i10];"))
-    bins = build(tmp_path / "build", ["binbcast"], kernel_dir=kernels)  # (the rest from ccache)
-    env = dict(os.environ, LB_MTL_PROFILE="apple")
-    p = subprocess.run([str(bins / "test-backend-ops"), "-b", "MTL0", "-o", "ADD", "-p", "nf=1"],
-                       capture_output=True, text=True, env=env, cwd=bins, timeout=1800)  # fmt: skip
-    out = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout + p.stderr)
-    assert p.returncode != 0 and "FAIL" in out, out[-2000:]
+    src = (kernels / "norm.metal").read_text()
+    zero = (
+        "    if (sgitg == 0) {\n        shmem_f32[tiisg]      = 0.0f;\n        shmem_f32[32 + tiisg] = 0.0f;\n    }\n"
+    )
+    assert src.count(zero) == 1  # kernel_rms_norm_back_impl's (patch 0058)
+    (kernels / "norm.metal").write_text(src.replace(zero, ""))
+    bins = build(tmp_path / "build", ["binbcast", "norm"], kernel_dir=kernels)
+
+    def run(op: str, params: str | None, **env_: str) -> tuple[int, str]:
+        env = dict(os.environ, LB_MTL_PROFILE="apple", **env_)
+        cmd = [str(bins / "test-backend-ops"), "-b", "MTL0", "-o", op] + (["-p", params] if params else [])
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=bins, timeout=1800)
+        return p.returncode, re.sub(r"\x1b\[[0-9;]*m", "", p.stdout + p.stderr)
+
+    rc, out = run("ADD", "nf=1")
+    assert rc != 0 and "FAIL" in out, out[-2000:]
+    rc, out = run("RMS_NORM_BACK", None)
+    assert rc != 0 and "FAIL" in out, out[-2000:]
+    rc, out = run("RMS_NORM_BACK", None, LB_MTL_TGMEM_FILL="zero")
+    assert rc == 0 and "FAIL" not in out, out[-2000:]
+
+
+def test_kernels_using_what_msl_forbids_are_refused(tmp_path):
+    """g++ compiles what Apple's Metal compiler rejects (a `double`, exceptions, goto, ...: gen_kernels.py's
+    MSL_FORBIDDEN), so the emulator's kernel translation refuses it, naming the file and line: the tree's kernels
+    pass (every test above builds them), a copy of binbcast.metal with a double cast in its add does not."""
+    _require_toolchain()
+    sys.path.insert(0, str(EMU))
+    import gen_kernels
+
+    kernels = tmp_path / "kernels"
+    shutil.copytree(VENDOR / "ggml" / "src" / "ggml-metal" / "kernels", kernels)
+    src = (kernels / "binbcast.metal").read_text()
+    add = "dst_ptr[i0] = src0_ptr[i0] + src1_ptr[i10];"
+    line = src[: src.index(add)].count("\n") + 1
+    (kernels / "binbcast.metal").write_text(src.replace(add, "dst_ptr[i0] = (double) src0_ptr[i0] + src1_ptr[i10];"))
+    metal = VENDOR / "ggml" / "src" / "ggml-metal"
+    with pytest.raises(ValueError, match=rf"binbcast.metal:{line}: `double`: MSL has no double type"):
+        gen_kernels.translate((kernels / "binbcast.metal").read_text(), "binbcast", kernels, metal)
+    assert gen_kernels.msl_violations((VENDOR / "ggml/src/ggml-metal/kernels/norm.metal").read_text(), kernels,
+                                      metal) == []  # fmt: skip
+    for word in ("goto done;", "throw 1;", "thread_local int x;"):
+        assert gen_kernels.msl_violations(f"void f() {{ {word} }}", kernels, metal), word
 
 
 @pytest.mark.skipif(not FULL, reason="libllama is built with LLAMABIND_METAL_EMU=full")

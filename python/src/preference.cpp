@@ -46,7 +46,8 @@ static ggml_tensor * log1m_exp_neg(ggml_context * ctx, ggml_tensor * ce) {
 // trains has these ops and their backward passes. A sampled token's probability is far above F32's underflow.
 static ggml_tensor * grpo_build_loss(ggml_context * ctx, ggml_tensor * logits, PrefLoss & p) {
     const int64_t n_vocab = logits->ne[0], n = logits->ne[1];
-    GGML_ASSERT(n == (int64_t) p.target.size() && n_vocab == p.n_vocab && n_vocab * n < INT32_MAX);  // opt_step checked it
+    GGML_ASSERT(n == (int64_t) p.target.size() && n_vocab == p.n_vocab &&
+                n_vocab * n < INT32_MAX);  // opt_step checked it
     ggml_tensor * z = p.beta == 1.0f ? logits : ggml_scale(ctx, logits, 1.0f / p.beta);
     ggml_tensor * probs = ggml_reshape_2d(ctx, ggml_soft_max(ctx, z), 1, n_vocab * n);
     p.idx_in = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);

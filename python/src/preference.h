@@ -15,9 +15,9 @@ namespace lb {
 
 struct PrefLoss {
     enum Method { DPO, ORPO, GRPO } method = DPO;
-    float beta = 0.1f;            // DPO's beta; ORPO's lambda; GRPO: the sampling temperature (log softmax(z / T))
-    std::vector<float> coef;      // GRPO, per labelled position of the next eval (window-major): its coefficient
-    std::vector<int32_t> target;  // GRPO, per labelled position of the next eval: its label
+    float beta = 0.1f;                // DPO's beta; ORPO's lambda; GRPO: the sampling temperature (log softmax(z / T))
+    std::vector<float> coef;          // GRPO, per labelled position of the next eval (window-major): its coefficient
+    std::vector<int32_t> target;      // GRPO, per labelled position of the next eval: its label
     ggml_tensor * coef_in = nullptr;  // GRPO: the built loss's inputs, coefficients and flat indices of the targets
     ggml_tensor * idx_in = nullptr;
     ggml_tensor * token_lp = nullptr;  // GRPO: the labelled positions' log-probabilities, [1, rows]

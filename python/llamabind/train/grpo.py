@@ -149,7 +149,7 @@ def _check_config(config: GRPOConfig | None, funcs: Any) -> tuple[GRPOConfig, li
             raise TypeError(f"reward_funcs: {f!r} is not callable")
     weights = np.ones(len(funcs)) if config.reward_weights is None else np.asarray(config.reward_weights, np.float64)
     expect(
-        weights.shape == (len(funcs),) and np.isfinite(weights).all(),
+        weights.shape == (len(funcs),) and bool(np.isfinite(weights).all()),
         f"reward_weights must hold one finite weight per reward function ({len(funcs)}); got {config.reward_weights!r}",
     )
     return config, funcs, weights
@@ -167,7 +167,8 @@ class _GRPORun:
             model, a.replace(ctx_size=W, pack=False, val_split=0.0), params="lora" if adapter else "model",
             adapter=adapter, loss="grpo", beta=float(c.temperature),
         )  # fmt: skip
-        self.roller = self.ref_ctx = None
+        self.roller: Roller | None = None
+        self.ref_ctx: Context | None = None
         try:
             self.roller = Roller(model, a.batch_size, W + 1, adapter, a.n_threads)
             if c.beta > 0:  # the reference: the base under a LoRA adapter, else the GGUF loaded again
@@ -195,6 +196,7 @@ class _GRPORun:
         c, G = self.c, self.G
         ids = self.prompt_ids(prompts)
         seed = None if c.seed is None else c.seed + step * 4096
+        assert self.roller is not None
         r = self.roller(ids, G, c.max_completion_length, c.sampling(seed))
         per_func = score(self.funcs, prompts, r, G)
         adv, rewards, std = group_advantages(per_func, self.weights, G, c.scale_rewards)
@@ -265,6 +267,7 @@ class _GRPORun:
         for k in range(0, len(prompts), P):
             part = list(prompts[k : k + P])
             seed = None if self.c.seed is None else self.c.seed + 7919 + k
+            assert self.roller is not None
             r = self.roller(self.prompt_ids(part), self.G, self.c.max_completion_length, self.c.sampling(seed))
             rewards = np.nansum(score(self.funcs, part, r, self.G) * self.weights[None, :], axis=1)
             total += float(rewards.sum())

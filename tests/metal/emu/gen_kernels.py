@@ -4,10 +4,14 @@ buffers, threadgroup memory and thread-position attributes to each kernel's para
 as Metal (a [[buffer(n)]] index, or the parameter's place among the buffer parameters), plus a table of
 the kernels by [[host_name]] that the emulated device's library looks up.
 
+A source using what MSL forbids and C++ allows (`double`, exceptions, goto, ...: MSL_FORBIDDEN) is refused
+with its file and line, as Apple's compiler would refuse it.
+
 Rewrites (line numbers kept): `[[threadgroup(n)]]` -> `[[lb_threadgroup(n)]]` (`threadgroup` is an empty
 macro); `constant T name [[function_constant(i)]];` -> a thread_local set from the pipeline's constants
 before a dispatch runs; `threadgroup T name[n];` in a function body -> `static thread_local` (one array per
-OS thread = per threadgroup in flight, shared by its fibers); GNU range designators -> a loop; the
+OS thread = per threadgroup in flight, shared by its fibers), filled as host-set threadgroup memory is (poison)
+when a threadgroup first reaches it (lbrt::tg_local); GNU range designators -> a loop; the
 [[host_name]] instantiations are removed (the thunks instantiate what they call). Each source goes into
 a namespace of its own (lb_k_<file>). Which kernels exist is read after the preprocessor (#if decided as
 the real compile decides them).
@@ -41,7 +45,7 @@ ATTRS = {
 }
 
 FC_RE = re.compile(r"^(\s*)constant\s+([\w:]+)\s+(\w+)\s*\[\[\s*function_constant\(([^\]]*)\)\s*\]\]\s*;", re.M)
-TG_LOCAL_RE = re.compile(r"^(\s+)threadgroup\s+([\w:]+(?:\s*<[^;>]*>)?)\s+(\w+\s*\[)", re.M)
+TG_LOCAL_RE = re.compile(r"^(\s+)threadgroup\s+([\w:]+(?:\s*<[^;>]*>)?)\s+(\w+)(\s*\[[^;]*\]\s*;)", re.M)
 # GNU C's range designators (`float s[N] = { [0 ... N-1] = v };`, which g++ does not take in C++)
 RANGE_INIT_RE = re.compile(r"\b([\w:]+)\s+(\w+)\[([^\]]+)\]\s*=\s*\{\s*\[\s*0\s*\.\.\.[^\]]*\]\s*=\s*([^}]+?)\s*\}\s*;")
 # explicit instantiations: `kernel type_t name<args>;` or `kernel void name<args>(param types);`
@@ -107,14 +111,55 @@ def bind(params: str) -> list[str]:
     return exprs
 
 
-def preprocess(src: str, where: Path, ggml_metal: Path) -> str:
-    """src after the preprocessor with the real compile's #if decisions, `kernel` kept as __lb_kernel__."""
-    cmd = ["clang++", "-E", "-P", "-x", "c++", "-nostdinc", "-nostdinc++", f"-I{SCAN}", f"-I{where}",
-           f"-I{ggml_metal}", f"-I{ggml_metal.parent}", *DEFINES, "-"]  # fmt: skip
+def preprocess(src: str, where: Path, ggml_metal: Path, keep_lines: bool = False) -> str:
+    """src after the preprocessor with the real compile's #if decisions, `kernel` kept as __lb_kernel__
+    (``keep_lines``: with clang's line markers, for messages; without, -P)."""
+    cmd = ["clang++", "-E", *([] if keep_lines else ["-P"]), "-x", "c++", "-nostdinc", "-nostdinc++", f"-I{SCAN}",
+           f"-I{where}", f"-I{ggml_metal}", f"-I{ggml_metal.parent}", *DEFINES, "-"]  # fmt: skip
     return subprocess.run(cmd, input=src, capture_output=True, text=True, check=True).stdout
 
 
+# what C++ allows and the Metal Shading Language does not (MSL specification 3.2, sections 1.4 and 2.1: no double
+# or long double, no exceptions, RTTI, virtual functions, new/delete, goto, register or thread_local storage): g++
+# compiles a kernel using them and the emulator runs it, where Apple's compiler rejects the file
+MSL_FORBIDDEN = {
+    "double": "MSL has no double type (float is the widest)",
+    "goto": "MSL has no goto",
+    "virtual": "MSL has no virtual functions",
+    "try": "MSL has no exceptions",
+    "catch": "MSL has no exceptions",
+    "throw": "MSL has no exceptions",
+    "new": "MSL has no new (no dynamic allocation)",
+    "delete": "MSL has no delete (no dynamic allocation)",
+    "typeid": "MSL has no run-time type information",
+    "dynamic_cast": "MSL has no run-time type information",
+    "thread_local": "MSL has no thread_local storage",
+    "register": "MSL has no register storage class",
+}
+_NOT_CODE_RE = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
+
+
+def msl_violations(src: str, where: Path, ggml_metal: Path) -> list[str]:
+    """What MSL forbids in ``src`` as the real compile sees it (after the preprocessor; comments and literals
+    left out): "FILE:LINE: `word`: why" for each use (FILE "<stdin>" for src itself, else the header)."""
+    pre = preprocess(src, where, ggml_metal, keep_lines=True)
+    code = _NOT_CODE_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), pre)
+    out, file, line = [], "<stdin>", 1
+    for raw, text in zip(pre.split("\n"), code.split("\n")):
+        marker = re.match(r'#\s*(\d+)\s+"([^"]*)"', raw)
+        if marker:  # clang's line marker: the next line is LINE of FILE
+            line, file = int(marker.group(1)), marker.group(2)
+            continue
+        for m in re.finditer(r"\b(" + "|".join(MSL_FORBIDDEN) + r")\b", text):
+            out.append(f"{file}:{line}: `{m.group(1)}`: {MSL_FORBIDDEN[m.group(1)]}")
+        line += 1
+    return out
+
+
 def translate(src: str, stem: str, where: Path, ggml_metal: Path) -> str:
+    bad = [b.replace("<stdin>", f"{stem}.metal", 1) for b in msl_violations(src, where, ggml_metal)]
+    if bad:
+        raise ValueError(f"{stem}.metal uses what Metal's compiler rejects:\n  " + "\n  ".join(bad))
     fcs = [(m.group(2), m.group(3), m.group(4)) for m in FC_RE.finditer(src)]
     src = FC_RE.sub(lambda m: f"{m.group(1)}static thread_local {m.group(2)} {m.group(3)};", src)
     src = src.replace("[[threadgroup(", "[[lb_threadgroup(")
@@ -122,7 +167,13 @@ def translate(src: str, stem: str, where: Path, ggml_metal: Path) -> str:
         lambda m: f"{m.group(1)} {m.group(2)}[{m.group(3)}]; for (auto & lb_e_ : {m.group(2)}) lb_e_ = {m.group(4)};",
         src,
     )
-    src = TG_LOCAL_RE.sub(lambda m: f"{m.group(1)}static thread_local {m.group(2)} {m.group(3)}", src)
+    src = TG_LOCAL_RE.sub(
+        lambda m: (
+            f"{m.group(1)}static thread_local {m.group(2)} {m.group(3)}{m.group(4)} "
+            f"lbrt::tg_local({m.group(3)}, sizeof({m.group(3)}));"
+        ),
+        src,
+    )
 
     # the kernels the real compile sees: definitions and instantiations after #if
     pre = preprocess(src, where, ggml_metal)

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 // The context switch: callee-saved registers, MXCSR and the x87 control word on the old stack, its stack
@@ -80,6 +81,7 @@ struct group {
     void * sched = nullptr;
     int n = 0, live = 0, tg_arrived = 0, cur = -1;
     bool resumed = false;  // a barrier or simdgroup operation released its threads: the pass starts over
+    unsigned long long generation = 0;  // threadgroups run by this group (tg_local's poison, once per threadgroup)
 };
 
 thread_local group * G = nullptr;
@@ -149,12 +151,39 @@ bool forward_order() {
     return fwd;
 }
 
+// what a threadgroup's memory holds when it starts: on a GPU whatever the last threadgroup left there, never
+// promised to be zero. Poison (every byte 0xFF: NaN in float, half and bfloat, -1 in integers), so that a kernel
+// reading what it did not write fails; LB_MTL_TGMEM_FILL=zero fills zeros instead (what hid a removed zero-init)
+static int tgmem_fill() {
+    static const int fill = [] {
+        const char * v = std::getenv("LB_MTL_TGMEM_FILL");
+        return v && std::strcmp(v, "zero") == 0 ? 0x00 : 0xFF;
+    }();
+    return fill;
+}
+
+}  // namespace
+
+// a threadgroup array declared in a kernel's body (gen_kernels.py: a static thread_local, one per OS thread): filled
+// as the threadgroup memory the host sets when the first of a threadgroup's threads reaches its declaration
+void tg_local(void * p, std::size_t n) {
+    static thread_local std::unordered_map<void *, unsigned long long> filled;
+    unsigned long long & gen = filled[p];
+    if (gen != G->generation) {
+        std::memset(p, tgmem_fill(), n);
+        gen = G->generation;
+    }
+}
+
+namespace {
+
 void run_group(group & g, unsigned gx, unsigned gy, unsigned gz) {
     const dispatch & d = *g.d;
     const unsigned nx = d.tptg[0], ny = d.tptg[1];
+    g.generation++;
     for (int i = 0; i < (int) g.tgmem.size(); ++i) {
         if (g.tgmem[i].empty()) continue;
-        std::memset(g.tgmem[i].data(), 0, d.tgmem_size[i]);
+        std::memset(g.tgmem[i].data(), tgmem_fill(), d.tgmem_size[i]);
         std::memset(g.tgmem[i].data() + d.tgmem_size[i], GUARD_BYTE, GUARD);
     }
     for (auto & s : g.sg) {

@@ -5,12 +5,15 @@
 // numbers them: x fastest).
 #pragma once
 
+#include <cstddef>
 #include <type_traits>
 
 namespace lbrt {
 
 // the current thread's barriers and simdgroup operations (msl: threadgroup_barrier, simd_*)
 void threadgroup_barrier();
+// a kernel body's threadgroup array (gen_kernels.py), filled as host-set threadgroup memory once per threadgroup
+void tg_local(void * p, std::size_t n);
 // The hardware fault patch 0004 works around, modelled: simd_max over half values is -INF on RDNA when a
 // lane holds -INF. device.cpp sets it from the profile (on for the AMD one, an RDNA GPU) or
 // LB_MTL_FAULT_HALF_SIMD_MAX=1/0: at the pin only the Apple profile is offered the kernel it hits.
