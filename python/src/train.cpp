@@ -525,24 +525,23 @@ static void opt_set_lr(Context & c, float lr) {
 }
 
 void register_train(nb::module_ & m) {
-    m.def(
-        "opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
-        nb::arg("params") = "model", nb::arg("grad_accum") = 1, nb::arg("embeddings") = true,
-        nb::arg("precision") = "f32", nb::arg("loss") = "cross_entropy", nb::arg("beta") = 0.1f,
-        nb::arg("recompute") = false, nb::arg("max_grad_norm") = 0.0f, nb::arg("ce_chunk_rows") = 0,
-        "llama_opt_init on a training context, ggml-opt's AdamW or SGD. params 'model': every F32 weight "
-        "(llama_opt_param_filter_all; token_embd unless embeddings is false, patch 0033); 'lora': only the A/B "
-        "tensors of the adapters applied to the context. grad_accum: opt_steps per optimizer step (their "
-        "gradients averaged; llama_opt_params.n_grad_accum, patch 0025). precision 'bf16': products of F32 "
-        "tensors in BF16 with F32 accumulation where the backend has them (llama_opt_params.prec_products, "
-        "patch 0052); 'f32': F32. loss 'dpo' or 'orpo' (beta: DPO's beta, ORPO's lambda): a preference loss over "
-        "windows that alternate chosen, rejected (llama_opt_params.build_loss, patch 0054); 'grpo' (beta: the "
-        "sampling temperature T): sum over labelled positions of refs[r] x log softmax(logits / T)[label]. recompute: keep only "
-        "the layers' outputs for the backward pass, recompute the rest (llama_opt_params.recompute_activations, "
-        "patch 0066). max_grad_norm > 0: the gradients clipped to that global L2 norm before each optimizer step "
-        "(llama_opt_params.max_grad_norm, patch 0094); 0: none. ce_chunk_rows: the cross-entropy in chunks of "
-        "this many logits rows, each recomputed for the backward pass (llama_opt_params.ce_chunk_rows, patch "
-        "0098); 0 automatic, -1 whole.");
+    m.def("opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
+          nb::arg("params") = "model", nb::arg("grad_accum") = 1, nb::arg("embeddings") = true,
+          nb::arg("precision") = "f32", nb::arg("loss") = "cross_entropy", nb::arg("beta") = 0.1f,
+          nb::arg("recompute") = false, nb::arg("max_grad_norm") = 0.0f, nb::arg("ce_chunk_rows") = 0,
+          "llama_opt_init on a training context, ggml-opt's AdamW or SGD. params 'model': every F32 weight "
+          "(llama_opt_param_filter_all; token_embd unless embeddings is false, patch 0033); 'lora': only the A/B "
+          "tensors of the adapters applied to the context. grad_accum: opt_steps per optimizer step (their "
+          "gradients averaged; llama_opt_params.n_grad_accum, patch 0025). precision 'bf16': products of F32 "
+          "tensors in BF16 with F32 accumulation where the backend has them (llama_opt_params.prec_products, "
+          "patch 0052); 'f32': F32. loss 'dpo' or 'orpo' (beta: DPO's beta, ORPO's lambda): a preference loss over "
+          "windows that alternate chosen, rejected (llama_opt_params.build_loss, patch 0054); 'grpo' (beta: the "
+          "sampling temperature T): sum over labelled positions of refs[r] x log softmax(logits / T)[label]. "
+          "recompute: keep only the layers' outputs for the backward pass, recompute the rest "
+          "(llama_opt_params.recompute_activations, patch 0066). max_grad_norm > 0: the gradients clipped to that "
+          "global L2 norm before each optimizer step (llama_opt_params.max_grad_norm, patch 0094); 0: none. "
+          "ce_chunk_rows: the cross-entropy in chunks of this many logits rows, each recomputed for the backward "
+          "pass (llama_opt_params.ce_chunk_rows, patch 0098); 0 automatic, -1 whole.");
     m.def("opt_forward_as_training", &opt_forward_as_training, nb::arg("context"), nb::arg("on"),
           "ggml_opt_set_forward_as_training: forward-only opt_steps (train=False) between optimizer steps evaluate the "
           "training graph (its backward pass computed and dropped), so that a backend computes their forward nodes as "

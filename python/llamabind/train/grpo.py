@@ -55,12 +55,16 @@ class GRPOConfig:
             ``batch_size / G`` prompts' groups.
         max_completion_length: the most tokens a completion has (TRL: 512).
         max_prompt_length: a longer prompt keeps its last tokens (TRL truncates on the left); None: none cut.
-        temperature, top_p, top_k, min_p, repetition_penalty: the rollouts' sampling (llama.cpp's sampler
-            chain; top_k 0, top_p 1, min_p 0 and repetition_penalty 1 are off). The log-probabilities are of
-            logits / temperature, as TRL's.
+        temperature: the rollouts' sampling temperature (> 0); the log-probabilities are of logits / temperature,
+            as TRL's.
+        top_p: the rollouts' nucleus sampling (llama.cpp's sampler chain); 1 is off.
+        top_k: the rollouts' top-k; 0 is off.
+        min_p: the rollouts' min-p; 0 is off.
+        repetition_penalty: the rollouts' repetition penalty; 1 is off.
         beta: the KL coefficient (k3 estimator) to the reference: the model as the run starts (a new LoRA
             adapter's base; for a full fine-tune the GGUF loaded again). 0 (TRL's default): no reference.
-        epsilon, epsilon_high: the ratio's clipping range [1 - epsilon, 1 + epsilon_high] (None: epsilon).
+        epsilon: the ratio's clipping below, 1 - epsilon.
+        epsilon_high: the ratio's clipping above, 1 + epsilon_high (None: epsilon).
         num_iterations: optimizer steps on each generation batch (TRL's mu); above 1 the ratio moves
             away from 1 and its clipping applies.
         loss_type: ``"dapo"`` (TRL's default: the token sum over the generation batch's tokens), ``"grpo"``
@@ -114,7 +118,8 @@ class GRPOConfig:
             as_int(self.seed, "seed", 0)
 
     def sampling(self, seed: int | None) -> SamplingParams:
-        """The rollouts' sampler chain settings (ValueError for an out-of-range one)."""
+        """The rollouts' sampler chain settings with ``seed`` (None: random), as SamplingParams (ValueError for an
+        out-of-range one)."""
         return SamplingParams(
             temperature=float(self.temperature), top_p=float(self.top_p), top_k=int(self.top_k),
             min_p=float(self.min_p), repeat_penalty=float(self.repetition_penalty), seed=seed,

@@ -101,9 +101,12 @@ def token_loss(
             one's token mean; bnpo, the micro-batch's token mean; dr_grpo, the sum over b x
             max_completion_length; dapo, the sum over ``n_items``, the masked tokens of the whole generation
             batch: one optimizer step a generation batch, TRL's steps_per_generation = gradient_accumulation_steps).
-        beta: the KL coefficient; epsilon, epsilon_high: the ratio's clipping range [1 - epsilon,
-            1 + epsilon_high]; bias_correction_kl: the KL term times the ratio (TRL's
-            use_bias_correction_kl).
+        beta: the KL coefficient.
+        epsilon: the ratio's clipping below, 1 - epsilon.
+        epsilon_high: the ratio's clipping above, 1 + epsilon_high.
+        bias_correction_kl: the KL term times the ratio (TRL's use_bias_correction_kl).
+        max_completion_length: the dr_grpo normalization's length.
+        n_items: the dapo normalization's token count (the generation batch's masked tokens).
         grad_accum: micro-batches per optimizer step (the grpo, bnpo and dr_grpo losses are divided by it).
     """
     mask = np.asarray(mask, np.float64)

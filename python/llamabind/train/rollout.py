@@ -35,10 +35,11 @@ class GRPOPrompt:
 
 
 def read_prompts(data: Any, model: Model, name: str | None = None) -> list[GRPOPrompt]:
-    """Prompts in TRL's formats: a JSONL file, a list of dicts or a 🤗 Dataset whose rows have ``"prompt"``,
-    text or a list of messages (rendered with the model's chat template and its generation prompt), a
-    list of strings, or GRPOPrompts (returned as they are). Raises FileNotFoundError, ValueError naming the
-    row (no prompt, an empty one, messages without string content)."""
+    """Prompts in TRL's formats from ``data`` (``name``: what messages call it; default "the prompts"): a JSONL
+    file, a list of dicts or a 🤗 Dataset whose rows have ``"prompt"``, text or a list of messages (rendered with
+    the model's chat template and its generation prompt), a list of strings, or GRPOPrompts (returned as they
+    are). Raises FileNotFoundError, ValueError naming the row (no prompt, an empty one, messages without string
+    content)."""
     if isinstance(data, Sequence) and data and all(isinstance(p, GRPOPrompt) for p in data):
         return list(data)
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)) and data and isinstance(data[0], str):
