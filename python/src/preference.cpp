@@ -168,7 +168,7 @@ static void grpo_check_step(PrefLoss & p, const int32_t * labels, int64_t n, con
                             const int32_t * prompt_rows, const std::vector<int32_t> & docs) {
     if (!labels) raise_value("GRPO needs labels: each window's completion tokens, -1 elsewhere");
     if (prompt_rows) raise_value("prompt_rows are for ORPO's nll over the chosen prompt and answer");
-    if (!docs.empty()) raise_value("GRPO takes unpacked windows (a completion a window)");
+    (void) docs;  // packed (a completion a document): the labelled positions in window order all the same
     p.target.clear();
     for (int64_t k = 0; k < n; ++k)
         if (labels[k] >= 0) p.target.push_back(labels[k]);

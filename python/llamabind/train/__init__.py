@@ -68,7 +68,7 @@ from .loop import EpochStats, TrainResult, finetune, iterate_batches
 from .lora import LORA_TARGETS, lora_init, to_f32
 from .pairs import PreferenceMetrics, PreferencePair, pair_logps, preference_metrics, read_pairs
 from .preference_loop import METHODS, PreferenceResult, pack_pairs, pair_spans, pair_windows, preference
-from .rollout import GRPOPrompt, read_prompts
+from .rollout import GRPOPrompt, pack_completions, read_prompts
 from .schedule import SCHEDULES, lr_at
 from .trainer import Trainer
 
@@ -103,6 +103,7 @@ __all__ = [
     "latest_checkpoint",
     "lora_init",
     "lr_at",
+    "pack_completions",
     "pack_pairs",
     "packed_windows",
     "pair_logps",

@@ -34,6 +34,7 @@ from .rollout import (
     RewardFunc,
     Roller,
     batch_windows,
+    pack_completions,
     read_prompts,
     reference_logps,
     reward_name,
@@ -163,23 +164,36 @@ def _check_config(config: GRPOConfig | None, funcs: Any) -> tuple[GRPOConfig, li
 class _GRPORun:
     """What one :func:`grpo` call's steps share: the Trainer, the rollout context, the reference's."""
 
-    def __init__(self, model: Model, a: TrainingArgs, c: GRPOConfig, funcs, weights, W: int, adapter, ref_model):
-        self.model, self.a, self.c, self.funcs, self.weights, self.W = model, a, c, funcs, weights, W
+    def __init__(
+        self, model: Model, a: TrainingArgs, c: GRPOConfig, funcs, weights, longest: int, adapter, ref_model
+    ) -> None:
+        self.model, self.a, self.c, self.funcs, self.weights = model, a, c, funcs, weights
+        self.W = -(-longest // 256) * 256  # a completion's window (unpacked)
         self.G = c.num_generations
         self.eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
         self.pad = model.token_eos if model.token_eos is not None and model.token_eos >= 0 else 0
+        m = a.batch_size // a.grad_accum
+        # packed (TrainingArgs.pack None or True): a micro-batch's completions back to back in one window sized for
+        # the longest prompt and completion each, every completion its own document: no position of padding
+        self.packed = a.pack is not False
+        self.n_pack = -(-m * longest // 256) * 256
+        targs = (
+            a.replace(ctx_size=self.n_pack, batch_size=a.grad_accum, pack=True, val_split=0.0)
+            if self.packed
+            else a.replace(ctx_size=self.W, pack=False, val_split=0.0)
+        )
         self.trainer = Trainer(
-            model, a.replace(ctx_size=W, pack=False, val_split=0.0), params="lora" if adapter else "model",
-            adapter=adapter, loss="grpo", beta=float(c.temperature),
+            model, targs, params="lora" if adapter else "model", adapter=adapter, loss="grpo",
+            beta=float(c.temperature),
         )  # fmt: skip
         self.roller: Roller | None = None
         self.ref_ctx: Context | None = None
         try:
-            self.roller = Roller(model, a.batch_size, W + 1, adapter, a.n_threads)
+            self.roller = Roller(model, a.batch_size, self.W + 1, adapter, a.n_threads)
             if c.beta > 0:  # the reference: the base under a LoRA adapter, else the GGUF loaded again
                 ref = ref_model if ref_model is not None else (model if adapter is not None else Model(model.path))
-                self.ref_ctx = Context(ref, n_ctx=W + 256, n_batch=W + 256, n_ubatch=W + 256, n_threads=a.n_threads,
-                                       training=True)  # fmt: skip
+                n = self.W + 256
+                self.ref_ctx = Context(ref, n_ctx=n, n_batch=n, n_ubatch=n, n_threads=a.n_threads, training=True)
         except BaseException:
             self.close()
             raise
@@ -238,9 +252,12 @@ class _GRPORun:
                 lab[0, p0 - 1] = b.windows[k * m, p0]
                 sel = np.zeros_like(sel)
                 sel[0, 0] = True
+            seg = None
+            if self.packed:
+                win, lab, seg = pack_completions(win, lab, b.seq_len[rows], self.n_pack, self.pad)
             logp, o = np.zeros(mask.shape), old[k]
             if need_logp:  # this step's log-probabilities: a forward pass of the training graph
-                opt.eval(win, False, lab, np.zeros(int(sel.sum())))
+                opt.eval(win, False, lab, np.zeros(int(sel.sum())), segments=seg)
                 logp[sel] = opt.seq_logps()
                 if o is None and c.num_iterations > 1:
                     old[k] = logp.copy()  # the sampling policy's, for the generation batch's later steps
@@ -252,7 +269,7 @@ class _GRPORun:
                 n_items=n_items, grad_accum=a.grad_accum,
             )  # fmt: skip
             # ggml-opt averages the micro-batches' gradients (patch 0025): TRL sums their losses
-            opt.eval(win, True, lab, (tl.coef * a.grad_accum)[sel])
+            opt.eval(win, True, lab, (tl.coef * a.grad_accum)[sel], segments=seg)
             loss += tl.loss
             w = float(mask.sum())
             n_tok += w
@@ -281,11 +298,12 @@ class _GRPORun:
 
     def allocate(self) -> None:
         """A forward pass (a window of one labelled token): ggml-opt's graphs and AdamW's moments allocated."""
-        n = self.a.batch_size // self.a.grad_accum
-        win = np.full((n, self.W + 1), self.pad, np.int32)
-        lab = np.full((n, self.W), -1, np.int32)
+        n, w = (1, self.n_pack) if self.packed else (self.a.batch_size // self.a.grad_accum, self.W)
+        win = np.full((n, w + 1), self.pad, np.int32)
+        lab = np.full((n, w), -1, np.int32)
         lab[0, 0] = self.pad
-        self.trainer.optimizer.eval(win, False, lab, np.zeros(1))
+        seg = np.zeros((1, w), np.int32) if self.packed else None
+        self.trainer.optimizer.eval(win, False, lab, np.zeros(1), segments=seg)
 
     def checkpoint(self, r: GRPOResult) -> None:
         if self.a.checkpoint_dir is None or r.steps in (0, self.saved):
@@ -306,17 +324,16 @@ def _std(x: np.ndarray) -> float:
     return float(x.std(ddof=1)) if len(x) > 1 else float("nan")
 
 
-def _window(prompts: Sequence[GRPOPrompt], c: GRPOConfig, model: Model) -> int:
-    """The training window: the longest (cut) prompt and max_completion_length, a multiple of 256."""
+def _longest(prompts: Sequence[GRPOPrompt], c: GRPOConfig, model: Model) -> int:
+    """The most tokens a completion's sequence takes: the longest (cut) prompt and max_completion_length."""
     longest = max(len(p.ids) if c.max_prompt_length is None else min(len(p.ids), c.max_prompt_length) for p in prompts)
-    W = -(-(longest + c.max_completion_length - 1) // 256) * 256
     n_train = int(model.metadata.get(f"{model.metadata.get('general.architecture')}.context_length", 0) or 0)
     expect(
         not n_train or longest + c.max_completion_length <= n_train,
         f"the longest prompt ({longest} tokens) + max_completion_length ({c.max_completion_length}) exceed the model's "
         f"context ({n_train}): set max_prompt_length or a smaller max_completion_length",
     )
-    return W
+    return longest + c.max_completion_length
 
 
 def grpo(
@@ -391,10 +408,10 @@ def grpo(
     P = a.batch_size // G
     n_gen = -(-len(train_p) // P)
     total = a.iters if a.iters is not None else a.epochs * n_gen * c.num_iterations
-    W = _window(train_p + val_p, c, model)
+    longest = _longest(train_p + val_p, c, model)
     result = GRPOResult()
     run_id = dict(
-        kind="lora" if a.lora else "full", ctx_size=W, n_train=len(train_p), batch_size=a.batch_size, seed=a.seed,
+        kind="lora" if a.lora else "full", ctx_size=longest, n_train=len(train_p), batch_size=a.batch_size, seed=a.seed,
         shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
         lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
         method="grpo", beta=c.beta, grpo={k: v for k, v in asdict(c).items() if k != "reward_weights"},
@@ -402,7 +419,7 @@ def grpo(
     resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
     if a.lora:
         result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
-    run = _GRPORun(model, a, c, funcs, weights, W, result.adapter, ref_model)
+    run = _GRPORun(model, a, c, funcs, weights, longest, result.adapter, ref_model)
     run.run_id, run.total = run_id, total
     try:
         if a.log is not None:

@@ -20,7 +20,7 @@ from ..model import LoraAdapter, Model
 from ..sampling import SamplingParams
 from .pairs import _rows
 
-__all__ = ["GRPOPrompt", "Rollouts", "read_prompts", "rollout", "score"]
+__all__ = ["GRPOPrompt", "Rollouts", "pack_completions", "read_prompts", "rollout", "score"]
 
 
 @dataclass
@@ -206,6 +206,7 @@ class Batch:
     labels: np.ndarray
     mask: np.ndarray
     prompt_len: np.ndarray  # (n,): each window's prompt tokens
+    seq_len: np.ndarray  # (n,): each window's prompt and completion tokens
     advantages: np.ndarray
     ref: np.ndarray | None = None  # (n, T): the reference's log-probabilities (beta > 0)
 
@@ -224,7 +225,8 @@ def batch_windows(prompts: Sequence[np.ndarray], r: Rollouts, G: int, W: int, pa
         if not (mask_truncated and r.truncated[i]):
             lab[i, len(p) - 1 : len(seq) - 1] = c
             mask[i, : len(c)] = 1.0
-    return Batch(win, lab, mask, plen, np.zeros(n))
+    seq_len = plen + np.array([len(c) for c in r.completions])
+    return Batch(win, lab, mask, plen, seq_len, np.zeros(n))
 
 
 def _log_softmax_at(logits: np.ndarray, targets: np.ndarray, temperature: float) -> np.ndarray:
@@ -247,3 +249,26 @@ def reference_logps(
         logits = ctx.eval(seq[:-1].tolist())
         out[i, : len(c)] = _log_softmax_at(logits[len(p) - 1 :], c, temperature)
     return out
+
+
+def pack_completions(
+    win: np.ndarray, lab: np.ndarray, seq_len: np.ndarray, n_ctx: int, pad: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Completion windows (``win`` (m, W + 1), ``lab`` (m, W), each ``seq_len`` tokens of prompt and completion)
+    packed into one window of ``n_ctx`` tokens, back to back, completion i document i (its own positions from 0,
+    attending to itself only), the rest ``pad`` tokens of the last document, unlabelled: no position spent on
+    padding between them. The labelled positions keep their order. Returns (windows (1, n_ctx + 1), labels
+    (1, n_ctx), segments (1, n_ctx)) int32 for :meth:`~llamabind.Optimizer.eval`; ValueError when they need more
+    than n_ctx tokens."""
+    need = int(seq_len.sum())
+    expect(need <= n_ctx, f"{len(seq_len)} completion(s) need {need} tokens packed; the window holds {n_ctx}")
+    tok = np.full(n_ctx + 1, pad, np.int32)
+    labels = np.full(n_ctx, -1, np.int32)
+    seg = np.full(n_ctx, len(seq_len) - 1, np.int32)
+    at = 0
+    for i, n in enumerate(seq_len):
+        tok[at : at + n] = win[i, :n]
+        labels[at : at + n] = lab[i, :n]
+        seg[at : at + n] = i
+        at += n
+    return tok[None], labels[None], seg[None]
