@@ -4,6 +4,7 @@ the run end to end (rollouts, rewards, a LoRA step), bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,6 +14,8 @@ import gguf
 import numpy as np
 import pytest
 from conftest import reference_job
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import llamabind
 from llamabind import train
@@ -338,3 +341,40 @@ def test_packed_completions_train_as_their_windows(smollm2_f32_cut):
         for k in ("loss", "kl", "clip_ratio/region_mean"):
             assert a[k] == pytest.approx(b[k], abs=2e-5), (k, a[k], b[k])
     print([(round(x["loss"], 7), round(y["loss"], 7)) for x, y in zip(out[True], out[False])])
+
+
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 600), st.floats(allow_nan=True, allow_infinity=True),
+                    st.text(max_size=4), st.lists(st.floats(-2, 2), max_size=3))  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from([f.name for f in dataclasses.fields(train.GRPOConfig)]), _VALUES, max_size=4))
+def test_grpo_config_fuzz_is_valid_or_a_clear_error(fields):
+    """Any GRPOConfig field given any value: a config, or a ValueError/TypeError naming the field; nothing else."""
+    try:
+        train.GRPOConfig(**fields)
+    except (ValueError, TypeError) as e:
+        assert any(k in str(e) for k in fields), (fields, e)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(_VALUES, st.just(float("nan"))), max_size=6))
+def test_reward_values_fuzz_score_or_refuse(values):
+    """Whatever a reward function returns: the rewards (a number or None per completion, NaN for None) or a
+    ValueError naming the function; nothing else escapes, nothing is half-scored."""
+    from llamabind.train.rollout import GRPOPrompt, Rollouts, score
+
+    prompts = [GRPOPrompt("p", np.array([1], np.int32), {})]
+    r = Rollouts([np.array([5], np.int32)] * 4, np.zeros(4, bool), ["a", "b", "c", "d"], 0.0)
+
+    def f(**kw):
+        return values
+
+    try:
+        out = score([f], prompts, r, 4)
+    except ValueError as e:
+        assert "'f'" in str(e)
+        return
+    assert out.shape == (4, 1) and len(values) == 4
+    for v, o in zip(values, out[:, 0]):
+        assert (v is None and np.isnan(o)) or o == float(v)

@@ -117,6 +117,12 @@ class GRPOConfig:
         one_of(self.scale_rewards, "scale_rewards", ("group", "batch", "none"))
         if self.seed is not None:
             as_int(self.seed, "seed", 0)
+        for name in ("top_p", "min_p"):
+            as_float(getattr(self, name), name)
+        rp = as_float(self.repetition_penalty, "repetition_penalty")
+        expect(rp > 0 and math.isfinite(rp), f"repetition_penalty must be a finite number > 0 (1: off); got {rp}")
+        as_int(self.top_k, "top_k", 0)
+        self.sampling(None)  # the sampler chain's own ranges (top_p in (0, 1], ...), each error naming its field
 
     def sampling(self, seed: int | None) -> SamplingParams:
         """The rollouts' sampler chain settings with ``seed`` (None: random), as SamplingParams (ValueError for an
