@@ -378,3 +378,22 @@ def test_reward_values_fuzz_score_or_refuse(values):
     assert out.shape == (4, 1) and len(values) == 4
     for v, o in zip(values, out[:, 0]):
         assert (v is None and np.isnan(o)) or o == float(v)
+
+
+def test_full_fine_tune_with_a_kl_to_the_gguf_loaded_again(smollm2_f32_cut):
+    """A full fine-tune with beta > 0: the reference is the GGUF loaded again (TRL loads its ref_model from the same
+    id), its log-probabilities from llama_decode in float64. At the first step the policy is the reference: the
+    per-token KL is ~0 (the training graph's forward pass against llama_decode's, F32 sums in another order:
+    below 1e-5 nats); after a step with a large lr the policy moves away from it: the second step's KL is larger."""
+    prompts = ["The colour of the sky is", "Two plus two is"]
+
+    def reward(completions, **kw):
+        return [float(len(c)) / 10 for c in completions]
+
+    cfg = train.GRPOConfig(num_generations=2, max_completion_length=6, beta=0.04)
+    with llamabind.Model(smollm2_f32_cut, n_threads=2, repack=False, use_mmap=False, n_gpu_layers=0) as m:
+        r = train.grpo(m, prompts, reward, config=cfg, lr=1e-4, batch_size=4, iters=2, val_split=0.0,
+                       progress=False, n_threads=2)  # fmt: skip
+    kl = [x["kl"] for x in r.metrics]
+    print(f"kl per step {kl}")
+    assert abs(kl[0]) < 1e-5 and kl[1] > max(abs(kl[0]), 1e-6)

@@ -194,10 +194,13 @@ class _GRPORun:
         )  # fmt: skip
         self.roller: Roller | None = None
         self.ref_ctx: Context | None = None
+        self.own_ref: Model | None = None  # the reference this run loaded (closed with it)
         try:
             self.roller = Roller(model, a.batch_size, self.W + 1, adapter, a.n_threads)
             if c.beta > 0:  # the reference: the base under a LoRA adapter, else the GGUF loaded again
-                ref = ref_model if ref_model is not None else (model if adapter is not None else Model(model.path))
+                ref = ref_model if ref_model is not None else model if adapter is not None else None
+                if ref is None:
+                    ref = self.own_ref = Model(model.path, n_threads=a.n_threads)
                 n = self.W + 256
                 self.ref_ctx = Context(ref, n_ctx=n, n_batch=n, n_ubatch=n, n_threads=a.n_threads, training=True)
         except BaseException:
@@ -208,7 +211,7 @@ class _GRPORun:
         self.total, self.saved = 0, 0
 
     def close(self) -> None:
-        for x in (self.trainer, self.roller, self.ref_ctx):
+        for x in (self.trainer, self.roller, self.ref_ctx, self.own_ref):
             if x is not None:
                 x.close()
 
