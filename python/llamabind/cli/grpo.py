@@ -73,14 +73,19 @@ def grpo_config(args) -> Any:
     )  # fmt: skip
 
 
-def run_grpo(args, m, settings, resume):
-    """finetune --method grpo: train.grpo on the prompts of --data (and --valid) with --reward's functions."""
-    from .. import train
-
+def prepare_grpo(args) -> tuple[Any, list]:
+    """(GRPOConfig, reward functions) of the command line, checked before the model loads."""
     if not args.reward:
         raise ValueError("--method grpo needs --reward FILE.py:FUNC (a reward function)")
-    funcs = [load_reward(s) for s in args.reward]
-    config = grpo_config(args)
+    return grpo_config(args), [load_reward(s) for s in args.reward]
+
+
+def run_grpo(args, m, settings, resume, prepared):
+    """finetune --method grpo: train.grpo on the prompts of --data (and --valid) with --reward's functions
+    (``prepared``: :func:`prepare_grpo`'s)."""
+    from .. import train
+
+    config, funcs = prepared
     prompts = train.read_prompts(args.data, m)
     valid = train.read_prompts(args.valid, m) if args.valid else None
     print(f"{len(prompts)} prompts from {args.data}", file=sys.stderr)

@@ -8,7 +8,7 @@ import sys
 
 from .. import models
 from .common import HelpFormatter, add_ctx_size, add_hf, add_lora, add_model, add_ngl, add_threads, lora_specs
-from .grpo import add_grpo_options, run_grpo
+from .grpo import add_grpo_options, prepare_grpo, run_grpo
 from .run import _busy_note
 
 DATASET_ID = r"[\w.-]+/[\w.-]+(:[\w.-]+)?"  # a Hub dataset id, org/name[:split]
@@ -177,6 +177,7 @@ def _finetune(args) -> int:
     lora = args.lora_rank is not None
     ckpt_dir, resume = _checkpoints(args, out)
     settings = _training_args(args, ckpt_dir)  # checked now: a bad setting fails before the model loads
+    grpo = prepare_grpo(args) if args.method == "grpo" else None  # its settings and reward functions too
     if resume is not None:
         print(f"resuming from {resume}", file=sys.stderr)
         if not lora:  # a full fine-tune continues from the checkpoint's weights
@@ -192,7 +193,7 @@ def _finetune(args) -> int:
         with Model(src, progress=args.progress and sys.stderr.isatty(), **kw) as m:
             if args.method != "sft":
                 res = (
-                    run_grpo(args, m, settings, resume)
+                    run_grpo(args, m, settings, resume, grpo)
                     if args.method == "grpo"
                     else _preference(args, m, settings, resume)
                 )
