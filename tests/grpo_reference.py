@@ -13,17 +13,14 @@ Writes WORK/result.json, per case: the loss, TRL's per-token log-probabilities a
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 from datasets import Dataset
 from gguf_once import load_model
-from transformers import AutoTokenizer
-from trl_reference import plain
+from trl_reference import main, plain
 
 logging.disable(logging.WARNING)
 # weights whose layout is the GGUF's (q and k are permuted by the converter): their gradients, element by element
@@ -88,14 +85,5 @@ def run(base: Path, tokenizer, case: dict, tmp: Path) -> dict:
             "grads": {k: params[k].grad.flatten().tolist() for k in GRADS}, "grad_norm": norm}  # fmt: skip
 
 
-def main(work: Path) -> None:
-    job = json.loads((work / "job.json").read_text())
-    base = Path(job["gguf"])
-    tokenizer = AutoTokenizer.from_pretrained(base.parent, gguf_file=base.name)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = {case["name"]: run(base, tokenizer, case, Path(tmp)) for case in job["cases"]}
-    (work / "result.json").write_text(json.dumps(result))
-
-
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), run, "cases")

@@ -332,6 +332,12 @@ def _pty_chat(model_path, keys: list[bytes], env: dict) -> str:
     cmd = [sys.executable, "-m", "llamabind", "chat", "-m", str(model_path), "--temp", "0", "-n", "6", "--no-progress"]
     pid, fd = pty.fork()
     if pid == 0:  # the child: the REPL on the pty
+        # as a terminal's shell starts it: SIGINT at its default. A runner started in the background by a
+        # non-interactive shell (`bash -c '... &'`) ignores SIGINT, exec keeps that, and Python then installs no
+        # KeyboardInterrupt handler: Ctrl-C did nothing (what failed this test in two detached cold CI runs)
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execvpe(cmd[0], cmd, env)
     out = b""
 

@@ -87,12 +87,14 @@ def run(base: Path, tokenizer, spec: dict, tmp: Path) -> dict:
     return {"ids": ids, "steps": steps, "update_rel": rel}
 
 
-def main(work: Path) -> None:
+def main(work: Path, run_one=run, key: str = "runs") -> None:
+    """WORK/job.json's ``key`` entries, each run by ``run_one(base, tokenizer, spec, tmp)``, into WORK/result.json by
+    name (tests/grpo_reference.py runs its cases through it too)."""
     job = json.loads((work / "job.json").read_text())
     base = Path(job["gguf"])
     tokenizer = AutoTokenizer.from_pretrained(base.parent, gguf_file=base.name)
     with tempfile.TemporaryDirectory() as tmp:
-        result = {spec["name"]: run(base, tokenizer, spec, Path(tmp)) for spec in job["runs"]}
+        result = {spec["name"]: run_one(base, tokenizer, spec, Path(tmp)) for spec in job[key]}
     (work / "result.json").write_text(json.dumps(result))
 
 
