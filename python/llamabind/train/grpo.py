@@ -408,23 +408,13 @@ def grpo(
     expect(a.batch_size % G == 0, f"batch_size ({a.batch_size} completions a step) must be a multiple of "
            f"num_generations ({G}): batch_size / num_generations prompts a step")  # fmt: skip
     expect((a.batch_size // a.grad_accum) * a.grad_accum == a.batch_size, "grad_accum must divide batch_size")
-    train_p = read_prompts(prompts, model, "prompts")
-    val_p = read_prompts(valid, model, "valid") if valid is not None else []
-    if valid is None and a.val_split and len(train_p) > 1:
-        n_val = max(1, int(round(len(train_p) * a.val_split)))
-        if len(train_p) - n_val >= 1:
-            train_p, val_p = train_p[:-n_val], train_p[-n_val:]
+    train_p, val_p = _prompt_sets(model, prompts, valid, a.val_split)
     P = a.batch_size // G
     n_gen = -(-len(train_p) // P)
     total = a.iters if a.iters is not None else a.epochs * n_gen * c.num_iterations
     longest = _longest(train_p + val_p, c, model)
     result = GRPOResult()
-    run_id = dict(
-        kind="lora" if a.lora else "full", ctx_size=longest, n_train=len(train_p), batch_size=a.batch_size, seed=a.seed,
-        shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
-        lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
-        method="grpo", beta=c.beta, grpo={k: v for k, v in asdict(c).items() if k != "reward_weights"},
-    )  # fmt: skip
+    run_id = _run_id(a, c, longest, len(train_p))
     resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
     if a.lora:
         result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
@@ -453,6 +443,27 @@ def grpo(
         if run.log is not None:
             run.log.close()
     return result
+
+
+def _prompt_sets(model: Model, prompts: Any, valid: Any, val_split: float) -> tuple[list, list]:
+    """(train, held-out) prompts: ``valid``'s, or the last ``val_split`` of ``prompts`` (at least one left to train)."""
+    train_p = read_prompts(prompts, model, "prompts")
+    val_p = read_prompts(valid, model, "valid") if valid is not None else []
+    if valid is None and val_split and len(train_p) > 1:
+        n_val = max(1, int(round(len(train_p) * val_split)))
+        if len(train_p) - n_val >= 1:
+            train_p, val_p = train_p[:-n_val], train_p[-n_val:]
+    return train_p, val_p
+
+
+def _run_id(a: TrainingArgs, c: GRPOConfig, longest: int, n_train: int) -> dict:
+    """What a checkpoint of the run records, for a resumed run to match (checkpoint.MUST_MATCH)."""
+    return dict(
+        kind="lora" if a.lora else "full", ctx_size=longest, n_train=n_train, batch_size=a.batch_size, seed=a.seed,
+        shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
+        lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
+        method="grpo", beta=c.beta, grpo={k: v for k, v in asdict(c).items() if k != "reward_weights"},
+    )  # fmt: skip
 
 
 def _report(step: int, total: int, m: dict[str, float], lr: float) -> None:
