@@ -4,7 +4,7 @@ and its batches are :mod:`llamabind.train`'s (:class:`~llamabind.train.Trainer`)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,10 @@ class Optimizer:
     output product too, each chunk's logits recomputed for the backward pass, so that a window's [tokens,
     n_vocab] logits and their gradient never exist whole (a fused linear cross-entropy; llama_opt_params
     .ce_chunk_rows, patch 0098); None (default): automatic, chunks of <= 512 MiB of F32 logits where a window's
-    exceed 2 GiB; 0: whole. ValueError for a negative value."""
+    exceed 2 GiB; 0: whole. ValueError for a negative value. ``grad_reduce``: called before each optimizer step as
+    ``grad_reduce(grads)``, ``grads`` float32 (n,) every trained tensor's gradient (a host copy, valid during the
+    call), to change in place: data parallelism's all-reduce (llama_opt_params.grad_reduce, patch 0102); what it
+    raises is raised by :meth:`eval` as a RuntimeError, no step taken then or after. TypeError if not callable."""
 
     def __init__(
         self,
@@ -53,6 +56,7 @@ class Optimizer:
         recompute: bool = False,
         max_grad_norm: float | None = None,
         loss_chunk_tokens: int | None = None,
+        grad_reduce: Callable[[np.ndarray], Any] | None = None,
     ):
         self.context = context
         self._native = context._llama_context
@@ -60,7 +64,7 @@ class Optimizer:
             self._native, optimizer, as_float(lr, "lr"), as_float(weight_decay, "weight_decay"), params,
             as_int(grad_accum, "grad_accum", 1), bool(embeddings), precision, loss, as_float(beta, "beta"),
             bool(recompute), 0.0 if max_grad_norm is None else as_float(max_grad_norm, "max_grad_norm"),
-            _ce_chunk_rows(loss_chunk_tokens),
+            _ce_chunk_rows(loss_chunk_tokens), grad_reduce,
         )  # fmt: skip
 
     def eval(

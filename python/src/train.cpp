@@ -3,6 +3,7 @@
 // The loop over batches is Python's (llamabind.train): each opt_step runs llama_opt_epoch on a
 // one-datapoint dataset (n_seq_max windows, one sequence each, in one ubatch: patch 0031), so
 // Ctrl-C, progress and NaN checks happen between optimizer steps.
+#include "grad_reduce.h"
 #include "objects.h"
 #include "preference.h"
 
@@ -32,6 +33,7 @@ struct TrainState {
     int64_t rows[2] = { 0, 0 }, correct[2] = { 0, 0 };
     std::vector<ggml_tensor *> lora_params;  // adapter tensors flagged as parameters (unflagged after)
     std::unique_ptr<PrefLoss> pref;          // a preference loss (DPO, ORPO) in place of the cross-entropy
+    std::unique_ptr<GradReduce> reduce;      // data parallelism: the gradients' all-reduce before each step
 
     ~TrainState() {
         for (ggml_tensor * t : lora_params) t->flags &= ~GGML_TENSOR_FLAG_PARAM;
@@ -122,7 +124,7 @@ static bool all_but_token_embd(const ggml_tensor * t, void *) {
 // the adapters' are flagged here (ggml_set_param) before it, which is all ggml's backward pass looks at.
 static void opt_init(Context & c, const std::string & optimizer, float lr, float wd, const std::string & params,
                      int grad_accum, bool embeddings, const std::string & precision, const std::string & loss,
-                     float beta, bool recompute, float max_grad_norm, int64_t ce_chunk_rows) {
+                     float beta, bool recompute, float max_grad_norm, int64_t ce_chunk_rows, nb::object grad_reduce) {
     BusyGuard guard(c);
     llama_context * ctx = c.get();
     if (c.train) raise_value("opt_init was already called on this context (llama_opt_init runs once)");
@@ -138,6 +140,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
     if (ce_chunk_rows < -1)  // llama_opt_params.ce_chunk_rows: 0 automatic, -1 whole, > 0 rows
         raise_value("loss_chunk_tokens must be None (automatic), 0 (whole) or > 0; got " +
                     std::to_string(ce_chunk_rows));
+    if (!grad_reduce.is_none() && !PyCallable_Check(grad_reduce.ptr()))
+        raise_type("grad_reduce must be callable or None");
     if (grad_accum < 1 || grad_accum > 65536)
         raise_value("grad_accum (windows per optimizer step) must be in [1, 65536]; got " + std::to_string(grad_accum));
     auto st = std::make_shared<TrainState>();
@@ -201,6 +205,12 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
         p.build_loss_ud = st->pref.get();
         p.reuse_loss = pref_reuse_loss;  // the graphs kept while the rows repeat, the references an input
         p.set_loss_inputs = pref_set_inputs;
+    }
+    if (!grad_reduce.is_none()) {  // patch 0102: the step follows the reduction of the period's gradients
+        st->reduce = std::make_unique<GradReduce>();
+        st->reduce->fn = grad_reduce;
+        p.grad_reduce = grad_reduce_host;
+        p.grad_reduce_ud = st->reduce.get();
     }
     std::string failed;  // e.g. the training graph's reservation (out of memory)
     {
@@ -357,6 +367,7 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
             tl_pref = st.pref.get();
             ggml_opt_epoch_callback cb = st.pref ? pref_after_eval : nullptr;
             llama_opt_epoch(ctx, ds, st.result_step, st.result_step, train ? 1 : 0, cb, cb);
+            if (st.reduce) ggml_opt_apply_step(llama_opt_get_context(ctx));  // the period's step, if it ended
         } catch (const std::exception & err) {
             failed = err.what();
         }
@@ -364,6 +375,8 @@ static void opt_step(Context & c, Windows windows, bool train, std::optional<Win
     tl_pref = nullptr;
     ggml_opt_dataset_free(ds);
     if (!failed.empty()) throw LlamaError(failed);
+    if (st.reduce && !st.reduce->error.empty())
+        throw std::runtime_error("the gradients' reduction (grad_reduce) failed; no step taken: " + st.reduce->error);
     c.has_logits = false;
     int64_t rows = 0;
     double loss = NAN, acc = NAN;
@@ -525,23 +538,27 @@ static void opt_set_lr(Context & c, float lr) {
 }
 
 void register_train(nb::module_ & m) {
-    m.def("opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
-          nb::arg("params") = "model", nb::arg("grad_accum") = 1, nb::arg("embeddings") = true,
-          nb::arg("precision") = "f32", nb::arg("loss") = "cross_entropy", nb::arg("beta") = 0.1f,
-          nb::arg("recompute") = false, nb::arg("max_grad_norm") = 0.0f, nb::arg("ce_chunk_rows") = 0,
-          "llama_opt_init on a training context, ggml-opt's AdamW or SGD. params 'model': every F32 weight "
-          "(llama_opt_param_filter_all; token_embd unless embeddings is false, patch 0033); 'lora': only the A/B "
-          "tensors of the adapters applied to the context. grad_accum: opt_steps per optimizer step (their "
-          "gradients averaged; llama_opt_params.n_grad_accum, patch 0025). precision 'bf16': products of F32 "
-          "tensors in BF16 with F32 accumulation where the backend has them (llama_opt_params.prec_products, "
-          "patch 0052); 'f32': F32. loss 'dpo' or 'orpo' (beta: DPO's beta, ORPO's lambda): a preference loss over "
-          "windows that alternate chosen, rejected (llama_opt_params.build_loss, patch 0054); 'grpo' (beta: the "
-          "sampling temperature T): sum over labelled positions of refs[r] x log softmax(logits / T)[label]. "
-          "recompute: keep only the layers' outputs for the backward pass, recompute the rest "
-          "(llama_opt_params.recompute_activations, patch 0066). max_grad_norm > 0: the gradients clipped to that "
-          "global L2 norm before each optimizer step (llama_opt_params.max_grad_norm, patch 0094); 0: none. "
-          "ce_chunk_rows: the cross-entropy in chunks of this many logits rows, each recomputed for the backward "
-          "pass (llama_opt_params.ce_chunk_rows, patch 0098); 0 automatic, -1 whole.");
+    m.def(
+        "opt_init", &opt_init, nb::arg("context"), nb::arg("optimizer"), nb::arg("lr"), nb::arg("weight_decay"),
+        nb::arg("params") = "model", nb::arg("grad_accum") = 1, nb::arg("embeddings") = true,
+        nb::arg("precision") = "f32", nb::arg("loss") = "cross_entropy", nb::arg("beta") = 0.1f,
+        nb::arg("recompute") = false, nb::arg("max_grad_norm") = 0.0f, nb::arg("ce_chunk_rows") = 0,
+        nb::arg("grad_reduce") = nb::none(),
+        "llama_opt_init on a training context, ggml-opt's AdamW or SGD. params 'model': every F32 weight "
+        "(llama_opt_param_filter_all; token_embd unless embeddings is false, patch 0033); 'lora': only the A/B "
+        "tensors of the adapters applied to the context. grad_accum: opt_steps per optimizer step (their "
+        "gradients averaged; llama_opt_params.n_grad_accum, patch 0025). precision 'bf16': products of F32 "
+        "tensors in BF16 with F32 accumulation where the backend has them (llama_opt_params.prec_products, "
+        "patch 0052); 'f32': F32. loss 'dpo' or 'orpo' (beta: DPO's beta, ORPO's lambda): a preference loss over "
+        "windows that alternate chosen, rejected (llama_opt_params.build_loss, patch 0054); 'grpo' (beta: the "
+        "sampling temperature T): sum over labelled positions of refs[r] x log softmax(logits / T)[label]. "
+        "recompute: keep only the layers' outputs for the backward pass, recompute the rest "
+        "(llama_opt_params.recompute_activations, patch 0066). max_grad_norm > 0: the gradients clipped to that "
+        "global L2 norm before each optimizer step (llama_opt_params.max_grad_norm, patch 0094); 0: none. "
+        "ce_chunk_rows: the cross-entropy in chunks of this many logits rows, each recomputed for the backward "
+        "pass (llama_opt_params.ce_chunk_rows, patch 0098); 0 automatic, -1 whole. grad_reduce(grads): called "
+        "before each optimizer step with float32 (n,) every trained tensor's gradient, to change in place (an "
+        "all-reduce; llama_opt_params.grad_reduce, patch 0102); what it raises is raised by opt_step, no step taken.");
     m.def("opt_forward_as_training", &opt_forward_as_training, nb::arg("context"), nb::arg("on"),
           "ggml_opt_set_forward_as_training: forward-only opt_steps (train=False) between optimizer steps evaluate the "
           "training graph (its backward pass computed and dropped), so that a backend computes their forward nodes as "

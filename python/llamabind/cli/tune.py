@@ -8,6 +8,7 @@ import sys
 
 from .. import models
 from .common import HelpFormatter, add_ctx_size, add_hf, add_lora, add_model, add_ngl, add_threads, lora_specs
+from .ddp import add_ddp_options, device_kw, main_rank, spawn
 from .grpo import add_grpo_options, prepare_grpo, run_grpo
 from .run import _busy_note
 
@@ -147,7 +148,7 @@ def _training_args(args, ckpt_dir):
         min_lr=args.min_lr, steps_per_eval=args.steps_per_eval, steps_per_report=args.steps_per_report, log=args.log,
         checkpoint_dir=ckpt_dir, save_every=args.save_every, precision=precision, flash_attn=flash,
         gradient_checkpointing=args.gradient_checkpointing, max_grad_norm=args.max_grad_norm, pack=args.pack,
-        loss_chunk_tokens=args.loss_chunk_tokens,
+        loss_chunk_tokens=args.loss_chunk_tokens, ddp_backend=args.ddp_backend,
     )  # fmt: skip
 
 
@@ -158,7 +159,13 @@ def _finetune(args) -> int:
 
     from .. import train
     from ..api import Model
+    from ..train.distributed import launched
 
+    if (args.nproc not in (None, 1) or launched()) and args.method != "sft":
+        raise ValueError("data-parallel training (--nproc, torchrun) runs --method sft for now")
+    rc = spawn(args)  # --nproc N: torchrun runs this command line N times
+    if rc is not None:
+        return rc
     _check_inputs({"--data": args.data, "--valid": args.valid, "--test": args.test},
                   {"--chat-template-file": args.chat_template_file})  # fmt: skip
     template = Path(args.chat_template_file).read_text(encoding="utf-8") if args.chat_template_file else None
@@ -190,6 +197,7 @@ def _finetune(args) -> int:
             train.to_f32(src, os.path.join(tmp, "f32.gguf"), n_threads=args.threads)
             src = Path(tmp) / "f32.gguf"
         kw = dict(use_mmap=lora, repack=False, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
+        kw = device_kw(kw, args.n_gpu_layers)
         with Model(src, progress=args.progress and sys.stderr.isatty(), **kw) as m:
             if args.method != "sft":
                 res = (
@@ -210,6 +218,8 @@ def _finetune(args) -> int:
             if not isinstance(data, str):
                 print(f"{len(data)} examples from {args.data}", file=sys.stderr)
             res = train.finetune(m, data, settings, valid=valid, resume=resume)
+            if not main_rank():  # rank 0 of a data-parallel run reports and writes the output
+                return 0
             _print_sft_result(res, args)
             if res.interrupted:
                 print(f"interrupted after {res.steps} steps; saving what was trained", file=sys.stderr)
@@ -376,6 +386,7 @@ def _finetune_parser(sub) -> None:
     )
     _add_memory_and_step_options(f)
     add_grpo_options(f)
+    add_ddp_options(f)
     add_threads(f)
     add_ngl(f)
     f.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._validate import as_float, as_int, expect, one_of
+from .distributed import BACKENDS
 from .schedule import check_schedule
 
 __all__ = ["PRECISIONS", "TrainingArgs"]
@@ -112,6 +113,15 @@ class TrainingArgs:
         save_every: write a checkpoint every N steps (and at the end, and on Ctrl-C); needs checkpoint_dir.
         n_threads: CPU threads (None: the default).
         progress: a tqdm bar with the loss and tokens/s.
+        ddp_backend: under a data-parallel launch (torchrun: WORLD_SIZE > 1, RANK, LOCAL_RANK, MASTER_ADDR,
+            MASTER_PORT set; :mod:`llamabind.train.distributed`), torch.distributed's backend for the gradients'
+            all-reduce before each step, ``"gloo"`` or ``"nccl"`` (transformers' ``ddp_backend``); None (default):
+            "nccl" where the model's output layer runs on a CUDA GPU, "gloo" otherwise. In such a launch
+            ``batch_size`` is per rank (TRL's ``per_device_train_batch_size``): a step takes batch_size x
+            WORLD_SIZE windows, the ones a single process with that batch_size would take, split over the ranks.
+            Not used outside a launch.
+        ddp_timeout: seconds a collective waits for the other ranks before the run fails with an error
+            (transformers' ``ddp_timeout``).
     """
 
     ctx_size: int = 256
@@ -145,6 +155,8 @@ class TrainingArgs:
     save_every: int | None = None
     n_threads: int | None = None
     progress: bool = True
+    ddp_backend: str | None = None
+    ddp_timeout: int = 1800
 
     @classmethod
     def of(cls, args: TrainingArgs | None = None, **settings: Any) -> TrainingArgs:
@@ -239,4 +251,6 @@ class TrainingArgs:
             save_every=save_every,
             n_threads=_opt_int(self.n_threads, "n_threads", 1),
             progress=_bool(self.progress, "progress"),
+            ddp_backend=None if self.ddp_backend is None else one_of(self.ddp_backend, "ddp_backend", BACKENDS),
+            ddp_timeout=as_int(self.ddp_timeout, "ddp_timeout", 1),
         )

@@ -26,6 +26,7 @@ from ..model import LoraAdapter, Model
 from ..sampling import SamplingParams
 from .args import TrainingArgs
 from .checkpoint import restore_optimizer, save_checkpoint
+from .distributed import refuse_launch
 from .grpo_math import LOSS_TYPES, group_advantages, token_loss
 from .loop import _new_adapter, _resumable, iterate_batches
 from .rollout import (
@@ -403,6 +404,7 @@ def grpo(
     thing (nothing trains on that step); FloatingPointError naming the step if the loss becomes NaN/inf."""
     c, funcs, weights = _check_config(config, reward_funcs)
     a = TrainingArgs.of(args, **settings)
+    refuse_launch("train.grpo")
     check_model(model, a.lora)
     G = c.num_generations
     expect(a.batch_size % G == 0, f"batch_size ({a.batch_size} completions a step) must be a multiple of "

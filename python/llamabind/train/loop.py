@@ -20,6 +20,7 @@ from ..model import LoraAdapter, Model
 from .args import TrainingArgs
 from .checkpoint import check_matches, load_state, restore_optimizer, save_checkpoint
 from .data import Example, example_windows, from_dataset, is_dataset, is_stream, packed_windows, windows
+from .distributed import ProcessGroup, process_group
 from .lora import lora_init
 from .schedule import lr_at
 from .trainer import MAX_DOCS, Trainer, check_model
@@ -119,21 +120,23 @@ def finetune(
     check_model(model, a.lora)
     train_set, val_set = _split(model, data, valid, a)
     n_train = len(train_set[0])
-    if a.batch_size > n_train:  # as mlx-lm: each step would repeat the windows to fill the batch
+    group = process_group(a.ddp_backend, a.ddp_timeout, gpu=bool(model.output_offloaded))
+    batch = a.batch_size * (group.world_size if group else 1)  # the global batch: batch_size a rank
+    if batch > n_train:  # as mlx-lm: each step would repeat the windows to fill the batch
         raise ValueError(
-            f"batch_size {a.batch_size} is larger than the {n_train} training window(s): give more data or a "
-            "smaller batch_size"
+            f"batch_size {a.batch_size}{f' x {group.world_size} ranks' if group else ''} is larger than the {n_train} "
+            "training window(s): give more data or a smaller batch_size"
         )
     if a.steps_per_eval is not None and not len(val_set[0]):
         raise ValueError(
             "steps_per_eval needs validation windows: give valid= or a val_split that holds some back "
             f"(val_split={a.val_split} left none of {n_train})"
         )
-    n_batches = -(-n_train // a.batch_size)
+    n_batches = -(-n_train // batch)
     epochs = a.epochs if a.iters is None else -(-a.iters // n_batches)
     total = a.iters if a.iters is not None else epochs * n_batches
     run_id = dict(
-        kind="lora" if a.lora else "full", ctx_size=a.ctx_size, n_train=n_train, batch_size=a.batch_size,
+        kind="lora" if a.lora else "full", ctx_size=a.ctx_size, n_train=n_train, batch_size=batch,
         seed=a.seed, shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
         **({"pack": True} if a.pack else {}),
         lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
@@ -142,17 +145,17 @@ def finetune(
     result = TrainResult()
     if a.lora:
         result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
-    trainer = Trainer(model, a, params="lora" if a.lora else "model", adapter=result.adapter)
+    trainer = Trainer(model, a, params="lora" if a.lora else "model", adapter=result.adapter, group=group)
     run = _Run(
         trainer=trainer, train=train_set, val=val_set, total=total, epochs=epochs, progress=a.progress,
         on_step=on_step, lr=lambda step: lr_at(step, total, a.lr, a.lr_schedule, a.warmup, a.min_lr),
         eval_every=a.steps_per_eval, report_every=a.steps_per_report, save_every=a.save_every, result=result,
-        checkpoint_dir=a.checkpoint_dir, run_id=run_id,
+        checkpoint_dir=a.checkpoint_dir, run_id=run_id, group=group,
     )  # fmt: skip
     try:
-        if a.log is not None:
+        if a.log is not None and run.main:
             run.log = open(a.log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
-        result.val_loss_before = _loss_before(trainer, val_set, a.progress)
+        result.val_loss_before = _loss_before(run, a.progress)
         if resumed is not None:
             if not len(val_set[0]):  # ggml-opt allocates AdamW's moments with its first graph
                 trainer.evaluate(*_take(train_set, [0]))
@@ -161,7 +164,7 @@ def finetune(
             result.losses = [float(x) for x in resumed[1]["losses"]]
         run.t_start = time.perf_counter()  # tokens/s and the ETA count this run's training steps from here
         run.first_step = result.steps
-        for epoch, batches in iterate_batches(n_train, a.batch_size, epochs, a.seed, a.shuffle, result.steps, a.iters):
+        for epoch, batches in iterate_batches(n_train, batch, epochs, a.seed, a.shuffle, result.steps, a.iters):
             stats = _epoch(run, batches, epoch)
             if stats is not None:
                 result.epochs.append(stats)
@@ -249,11 +252,38 @@ class _Run:
     result: TrainResult
     checkpoint_dir: str | os.PathLike | None
     run_id: dict
+    group: ProcessGroup | None = None  # a data-parallel run's: rank 0 logs, reports and writes checkpoints
     log: IO[str] | None = None
     saved: int = -1
     t_start: float = field(default_factory=time.perf_counter)
     first_step: int = 0
     n_tok: int = 0
+
+    @property
+    def main(self) -> bool:
+        """Whether this process reports (the only one, or rank 0 of a data-parallel run)."""
+        return self.group is None or self.group.is_main
+
+    def step(self, batch: np.ndarray) -> tuple[float, float]:
+        """One optimizer step over the train windows ``batch`` (this rank's share of them in a data-parallel run):
+        (loss, accuracy) over all of them, token-weighted."""
+        rows = batch if self.group is None else self.group.shard(batch)
+        return self._mean(*self.trainer.step(*_take(self.train, rows)))[:2]
+
+    def _mean(self, loss: float, acc: float, n: int) -> tuple[float, float, int]:
+        """A rank's (loss, accuracy, tokens) as the token-weighted mean over the ranks."""
+        if self.group is None:
+            return loss, acc, n
+        s = self.group.all_reduce_sum([loss * n if n else 0.0, acc * n if n else 0.0, n])
+        return (s[0] / s[2], s[1] / s[2], int(s[2])) if s[2] else (math.nan, math.nan, 0)
+
+    def evaluate(self) -> tuple[float, float]:
+        """(loss, accuracy) on the validation windows (each rank its share in a data-parallel run, the sums over
+        all); NaN if there are none."""
+        val = self.val
+        if self.group is not None:
+            val = _take(val, slice(self.group.rank, None, self.group.world_size))
+        return self._mean(*self.trainer.evaluate(*val))[:2]
 
     def write(self, **row: Any) -> None:
         if self.log is not None:
@@ -263,7 +293,7 @@ class _Run:
     def checkpoint(self) -> None:
         """Write a checkpoint of the steps taken (none twice for one step, none before a step)."""
         r = self.result
-        if self.checkpoint_dir is None or r.steps in (0, self.saved):
+        if self.checkpoint_dir is None or r.steps in (0, self.saved) or not self.main:
             return
         state = dict(self.run_id, step=r.steps, total=self.total, losses=r.losses)
         weights = self.trainer.context.model if r.adapter is None else r.adapter
@@ -281,7 +311,7 @@ class _Run:
             step=steps, epoch=epoch + 1, loss=loss, lr=lr, tokens=self.n_tok, tokens_per_s=tok_s, seconds=elapsed,
             **norm,
         )  # fmt: skip
-        if self.report_every and steps % self.report_every == 0:
+        if self.report_every and steps % self.report_every == 0 and self.main:
             eta = elapsed / (steps - self.first_step) * (self.total - steps)
             line = f"step {steps}/{self.total}: loss {loss:.4f}, lr {lr:.3g}, {tok_s:.1f} tokens/s"
             print(f"{line}, ETA {eta:.0f} s", file=sys.stderr, flush=True)
@@ -289,19 +319,19 @@ class _Run:
 
     def validate(self) -> tuple[float, float]:
         """(loss, accuracy) on the validation windows, written to the log; NaN if there are none."""
-        loss, acc, _ = self.trainer.evaluate(*self.val)
+        loss, acc = self.evaluate()
         if len(self.val[0]):
             self.write(step=self.result.steps, val_loss=loss, val_accuracy=acc)
         return loss, acc
 
 
-def _loss_before(trainer: Trainer, val_set: Windows, progress: bool) -> float:
+def _loss_before(run: _Run, progress: bool) -> float:
     """The validation loss before the first step (NaN without windows); with ``progress``, what the pass is and its
     loss on stderr (it takes a while before the first step's bar appears)."""
-    say = progress and len(val_set[0]) > 0
+    say = progress and len(run.val[0]) > 0 and run.main
     if say:
-        print(f"validation before training: {len(val_set[0])} window(s) ...", end="", file=sys.stderr, flush=True)
-    loss = trainer.evaluate(*val_set)[0]
+        print(f"validation before training: {len(run.val[0])} window(s) ...", end="", file=sys.stderr, flush=True)
+    loss = run.evaluate()[0]
     if say:
         print(f" loss {loss:.4f}", file=sys.stderr, flush=True)
     return loss
@@ -311,7 +341,7 @@ def _epoch(run: _Run, batches: np.ndarray, epoch: int) -> EpochStats | None:
     """One pass over ``batches`` (rows of train window indices, one optimizer step each)."""
     result = run.result
     bar = None
-    if run.progress:
+    if run.progress and run.main:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(batches), desc=f"epoch {epoch + 1}/{run.epochs}", unit="step", leave=False)
@@ -320,7 +350,7 @@ def _epoch(run: _Run, batches: np.ndarray, epoch: int) -> EpochStats | None:
         for batch in batches:
             lr = run.lr(result.steps)
             run.trainer.set_lr(lr)
-            loss, acc, _ = run.trainer.step(*_take(run.train, batch))
+            loss, acc = run.step(batch)
             result.steps += 1
             if not math.isfinite(loss):
                 raise FloatingPointError(f"the training loss is {loss} at step {result.steps} (epoch {epoch + 1})")

@@ -28,6 +28,7 @@ from ..build import devices
 from ..model import LoraAdapter, Model
 from .args import TrainingArgs, _bool
 from .checkpoint import restore_optimizer, save_checkpoint
+from .distributed import refuse_launch
 from .loop import _new_adapter, _resumable, iterate_batches
 from .pairs import PreferenceMetrics, PreferencePair, preference_metrics, read_pairs
 from .schedule import lr_at
@@ -336,6 +337,7 @@ def preference(
     beta = as_float(beta, "beta")
     expect(beta > 0 and math.isfinite(beta), f"beta must be a finite number > 0; got {beta}")
     a = TrainingArgs.of(args, **settings)
+    refuse_launch("train.preference")
     check_model(model, a.lora)
     prompt_loss = method == "orpo" and _bool(prompt_loss, "prompt_loss")
     train_pairs, val_pairs = _split(model, data, valid, a, method)

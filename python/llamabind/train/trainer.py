@@ -15,6 +15,7 @@ from ..context import Context
 from ..model import LoraAdapter, Model
 from ..optimizer import Optimizer
 from .args import TrainingArgs
+from .distributed import ProcessGroup
 
 __all__ = ["Trainer"]
 
@@ -100,6 +101,9 @@ class Trainer:
             windows that alternate a pair's chosen and rejected answer, which :func:`preference`
             drives through :attr:`optimizer` (patch 0054).
         beta: DPO's beta or ORPO's lambda (> 0) of a preference loss.
+        group: a data-parallel run's :class:`~llamabind.train.distributed.ProcessGroup`: each optimizer step's
+            gradients are averaged over its ranks before the step (patch 0102); :meth:`step` then takes this
+            rank's windows and returns this rank's loss.
 
     Raises TypeError/ValueError for bad arguments (naming them) and for a model training cannot use
     (:func:`check_model`: LoRA over a repacked quantized model, a full fine-tune without F32 weights
@@ -117,6 +121,7 @@ class Trainer:
         profile: bool = False,
         loss: str = "cross_entropy",
         beta: float = 0.1,
+        group: ProcessGroup | None = None,
         **settings: Any,
     ):
         a = self.args = TrainingArgs.of(args, **settings)
@@ -143,6 +148,7 @@ class Trainer:
                 self.optimizer = Optimizer(
                     self.context, a.optimizer, a.lr, a.weight_decay, params, self.grad_accum, a.train_embeddings,
                     precision, loss, beta, a.gradient_checkpointing, a.max_grad_norm, a.loss_chunk_tokens,
+                    None if group is None else group.all_reduce_mean_,
                 )  # fmt: skip
         except BaseException:
             self.context.close()

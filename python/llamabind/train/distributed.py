@@ -1,0 +1,134 @@
+"""Data-parallel fine-tuning (issue 87) with torchrun's conventions: one process per device, launched by
+``torchrun --nproc-per-node N -m llamabind finetune ...`` (or anything that sets the same environment),
+each holding the model and training on its shard of every global batch; before each optimizer step the
+trained gradients are averaged over the ranks by torch.distributed's all-reduce (gloo on the CPU, NCCL on
+NVIDIA GPUs: maintained collectives, not one of ours), between ggml-opt's backward pass and its step
+(``ggml_opt_params.grad_reduce``, patch 0102), so the step is the same on every rank.
+
+torch is needed only here, and only under a launch: ``pip install torch`` where you train on several
+processes (its CPU wheel does for gloo)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._validate import expect
+
+__all__ = ["ProcessGroup", "process_group"]
+
+BACKENDS = ("gloo", "nccl")
+"""torch.distributed backends the all-reduce runs on (:attr:`~llamabind.train.TrainingArgs.ddp_backend`)."""
+
+_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _torch_distributed() -> Any:
+    try:
+        return importlib.import_module("torch.distributed")
+    except ImportError as e:
+        raise ImportError(
+            "data-parallel training (a torchrun launch: WORLD_SIZE is set) averages the gradients with "
+            "torch.distributed's all-reduce: install torch (pip install torch; its CPU wheel does for gloo)"
+        ) from e
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """This process's place in a data-parallel run: ``rank`` in [0, ``world_size``), ``local_rank`` on its
+    host (the device it trains on), and torch.distributed's ``backend`` (``"gloo"`` or ``"nccl"``)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0, the one that logs, reports and writes checkpoints."""
+        return self.rank == 0
+
+    def shard(self, rows: np.ndarray) -> np.ndarray:
+        """This rank's rows of a global batch, ``rows[rank::world_size]`` (torch's DistributedSampler's
+        interleaving); ValueError unless world_size divides their count."""
+        expect(
+            len(rows) % self.world_size == 0,
+            f"a global batch of {len(rows)} windows does not split over {self.world_size} ranks",
+        )
+        return rows[self.rank :: self.world_size]
+
+    def all_reduce_mean_(self, grads: np.ndarray) -> None:
+        """Replace float32 ``grads`` (n,) in place by their mean over the ranks (torch.distributed.all_reduce,
+        SUM, then / world_size; over NCCL through a copy on this rank's GPU). What the collective raises (a rank
+        gone: its timeout) propagates: the training step then takes no step and raises."""
+        torch = importlib.import_module("torch")
+        dist = _torch_distributed()
+        t = torch.from_numpy(grads)
+        if self.backend == "nccl":
+            dev = t.to(f"cuda:{self.local_rank}")
+            dist.all_reduce(dev)
+            t.copy_(dev.cpu())
+        else:
+            dist.all_reduce(t)
+        t /= self.world_size
+
+    def all_reduce_sum(self, values: Sequence[float]) -> np.ndarray:
+        """float64 (len(values),): each value summed over the ranks (a loss's token-weighted sums)."""
+        torch = importlib.import_module("torch")
+        t = torch.tensor(np.asarray(values, dtype=np.float64))
+        if self.backend == "nccl":
+            t = t.to(f"cuda:{self.local_rank}")
+        _torch_distributed().all_reduce(t)
+        return t.cpu().numpy()
+
+    def barrier(self) -> None:
+        """Wait for every rank (torch.distributed.barrier)."""
+        _torch_distributed().barrier()
+
+
+def launched() -> bool:
+    """Whether this process runs under a launch of several ranks (torchrun's WORLD_SIZE > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or "1") > 1
+
+
+def refuse_launch(what: str) -> None:
+    """ValueError under a data-parallel launch, for ``what`` that runs in one process only so far."""
+    expect(
+        not launched(),
+        f"{what} runs in one process; under a data-parallel launch (WORLD_SIZE > 1) only train.finetune trains so far",
+    )
+
+
+def process_group(backend: str | None = None, timeout: float = 1800.0, *, gpu: bool = False) -> ProcessGroup | None:
+    """The process group of a torchrun launch, joined (torch.distributed.init_process_group over env://, once
+    per process), or None outside one (WORLD_SIZE unset or 1). ``backend``: ``"gloo"`` or ``"nccl"``; None:
+    "nccl" where ``gpu`` (the model's output layer on a CUDA GPU), else "gloo". ``timeout``: seconds a
+    collective waits for the other ranks (transformers' ddp_timeout). Raises ImportError without torch,
+    ValueError for a launch environment that is incomplete or inconsistent (naming the variable)."""
+    if not launched():
+        return None
+    missing = [k for k in _ENV if not os.environ.get(k)]
+    expect(not missing, f"a data-parallel launch sets {', '.join(_ENV)}; missing: {', '.join(missing)} (use torchrun)")
+    ints = {}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        try:
+            ints[k] = int(os.environ[k])
+        except ValueError:
+            raise ValueError(f"{k} must be an integer; got {os.environ[k]!r}") from None
+    rank, world, local = ints["RANK"], ints["WORLD_SIZE"], ints["LOCAL_RANK"]
+    expect(0 <= rank < world, f"RANK must be in [0, WORLD_SIZE = {world}); got {rank}")
+    expect(0 <= local < world, f"LOCAL_RANK must be in [0, WORLD_SIZE = {world}); got {local}")
+    name = backend or ("nccl" if gpu else "gloo")
+    expect(name in BACKENDS, f"ddp_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    dist = _torch_distributed()
+    if not dist.is_initialized():
+        dist.init_process_group(backend=name, timeout=datetime.timedelta(seconds=timeout))
+    else:
+        expect(dist.get_world_size() == world, "the process group already joined has another world size")
+    return ProcessGroup(rank, world, local, name)

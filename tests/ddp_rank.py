@@ -1,0 +1,43 @@
+"""One process of tests/test_train_ddp.py's runs: train.finetune (full, SGD, one thread) of a job's model on its
+token ids, as one process or as a rank of a torchrun-style launch (the environment says which); writes the result
+(losses, validation losses, steps) to OUT/result-RANK.json and, on rank 0, the trained model to OUT/model.gguf.
+A job's "die": [rank, step] ends that rank after that step. Run with the project's Python and PYTHONPATH naming a
+site-packages with torch (the reference venv's)."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import llamabind
+from llamabind import train
+
+
+def main(job_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    out = Path(job["out"])
+    rank = int(os.environ.get("RANK", "0"))
+    tokens = np.asarray(job["tokens"], dtype=np.int32)
+    with llamabind.Model(job["model"], use_mmap=False, n_threads=1) as m:
+
+        def on_step(step: int, loss: float) -> None:
+            if job.get("die") == [rank, step]:  # a rank that dies after a step: the others must not hang
+                os._exit(3)
+
+        res = train.finetune(m, tokens, train.TrainingArgs(**job["args"]), on_step=on_step)
+        if rank == 0:
+            m.save(out / "model.gguf")
+    row = dict(
+        losses=res.losses,
+        val_before=res.val_loss_before,
+        val=[e.val_loss for e in res.epochs],
+        steps=res.steps,
+        checkpoints=len(res.checkpoints),
+    )
+    (out / f"result-{rank}.json").write_text(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,221 @@
+"""Data-parallel fine-tuning (issue 87): the gradients of each step reduced between ggml-opt's backward pass and
+its step (patch 0102: ggml_opt_params.grad_reduce, ``Optimizer(grad_reduce=)``), and finetune as ranks of a
+torchrun-style launch averaging them over gloo (torch.distributed from the reference venv: llamabind needs torch
+only under a launch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+import llamabind
+from llamabind.context import Context
+from llamabind.optimizer import Optimizer
+
+gguf = pytest.importorskip("gguf")
+
+
+def _weights(path: Path) -> dict[str, np.ndarray]:
+    r = gguf.GGUFReader(str(path))
+    return {t.name: np.array(t.data, dtype=np.float64).reshape(-1) for t in r.tensors}
+
+
+def _sgd_steps(tiny_f32, out: Path, windows, grad_reduce=None, lr=1e-2, steps=2) -> dict[str, np.ndarray]:
+    """Weights after ``steps`` SGD steps over ``windows`` (a micro-batch of 2), one thread (saved to ``out``)."""
+    with llamabind.Model(tiny_f32, use_mmap=False, n_threads=1) as m:
+        ctx = Context(m, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=2, n_threads=1, training=True)
+        try:
+            opt = Optimizer(ctx, "sgd", lr, 0.0, grad_reduce=grad_reduce)
+            for _ in range(steps):
+                opt.eval(windows, True)
+        finally:
+            ctx.close()
+        m.save(out)
+    return _weights(out)
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return np.random.default_rng(0).integers(0, 49152, (2, 257)).astype(np.int32)
+
+
+def test_grad_reduce_changes_the_step(tiny_f32, windows, tmp_path):
+    """What grad_reduce leaves in the gradients is what the step takes: left as they are, the steps of the split
+    graphs (the gradient graph, then the step's own) equal ggml-opt's one graph bit for bit; doubled, SGD's steps
+    of twice the learning rate (bit for bit: x2 is exact); zeroed, no step at all. It sees every trained tensor's
+    gradient once per step, float32 (n,), n the trained parameters' count."""
+    seen = []
+
+    def double(g):
+        seen.append((g.dtype, g.shape))
+        g *= 2
+
+    twice = _sgd_steps(tiny_f32, tmp_path / "a.gguf", windows, double)
+    lr2 = _sgd_steps(tiny_f32, tmp_path / "b.gguf", windows, lr=2e-2)
+    start = _weights(tiny_f32)
+    assert lr2.keys() == twice.keys() == start.keys()
+    same = _sgd_steps(tiny_f32, tmp_path / "d.gguf", windows, lambda g: None, lr=2e-2)
+    for name, w in lr2.items():
+        assert np.array_equal(w, twice[name]), name
+        assert np.array_equal(w, same[name]), name
+        assert not np.array_equal(w, start[name]), name  # every weight trained
+    with llamabind.Model(tiny_f32, use_mmap=False) as m:
+        n_params = m.n_params
+    assert len(seen) == 2 and seen[0] == seen[1] == (np.float32, (n_params,))
+    for name, w in _sgd_steps(tiny_f32, tmp_path / "c.gguf", windows, lambda g: g.fill(0)).items():
+        assert np.array_equal(w, start[name]), name
+
+
+def test_a_reduction_that_fails_takes_no_step(tiny_f32, windows, tmp_path):
+    """A grad_reduce that raises: the eval raises RuntimeError with its message, no step is taken (the weights and
+    ggml-opt's step counter unchanged), and every later step refuses too (the ranks would have parted)."""
+
+    def broken(g):
+        raise ConnectionError("rank 1 is gone")
+
+    with llamabind.Model(tiny_f32, use_mmap=False, n_threads=1) as m:
+        ctx = Context(m, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=2, n_threads=1, training=True)
+        try:
+            opt = Optimizer(ctx, "adamw", 1e-3, 0.0, grad_reduce=broken)
+            for _ in range(2):
+                with pytest.raises(RuntimeError, match="grad_reduce.*rank 1 is gone"):
+                    opt.eval(windows, True)
+            assert opt.state()[0] == 1  # AdamW's iter: no step taken
+        finally:
+            ctx.close()
+        m.save(tmp_path / "after.gguf")
+    before = _weights(tiny_f32)
+    for name, w in _weights(tmp_path / "after.gguf").items():
+        assert np.array_equal(w, before[name]), name
+    with llamabind.Model(tiny_f32, use_mmap=False) as m:
+        ctx = Context(m, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=2, training=True)
+        try:
+            with pytest.raises(TypeError, match="grad_reduce must be callable"):
+                Optimizer(ctx, "sgd", 1e-3, 0.0, grad_reduce=3)
+        finally:
+            ctx.close()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torch_path(reference_python: Path) -> str:
+    """The reference venv's site-packages (torch for torch.distributed's gloo), for PYTHONPATH."""
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return subprocess.run(
+        [str(reference_python), "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _launch(
+    job: dict, work: Path, world: int, torch_path: str, timeout: float = 600
+) -> list[subprocess.CompletedProcess]:
+    """job run by tests/ddp_rank.py as ``world`` ranks (torchrun's environment), or as one process (world 0)."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "job.json").write_text(json.dumps(dict(job, out=str(work))))
+    env = dict(os.environ, PYTHONPATH=torch_path, OMP_NUM_THREADS="1")
+    port = _port()
+    procs = []
+    for rank in range(max(world, 1)):
+        e = dict(env)
+        if world:
+            e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port))  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "ddp_rank.py"), str(work / "job.json")],
+                                      env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout), *p.communicate()) for p in procs]
+
+
+def test_two_ranks_train_as_one_with_the_global_batch(tiny_f32, reference_python, tmp_path):
+    """2 ranks x batch_size 2 (gloo) against 1 process x batch_size 4 in two micro-batches (grad_accum 2): the
+    same windows each step (rank r takes the global batch's rows r::2, as DistributedSampler), the same loss
+    curve, validation losses (each rank half of the 3 held-out windows, the sums all-reduced) and weights after 3
+    SGD steps. The two differ only in the order of F32 sums (a micro-batch's windows, then the mean over 2
+    micro-batches scaled before or after adding): losses within 1e-6 relative; each weight within 2 F32 ulps of
+    its own value (a gradient a rounding apart moves the F32 sum w - lr g to the neighbouring float: measured 1 ulp,
+    3.7e-9 at 0.03) plus 1e-5 of the largest step's size (the gradients' roundings, ~1e-7 relative, over 3
+    steps). Every rank returns the global numbers; rank 0 alone writes the log and the checkpoint."""
+    tokens = np.random.default_rng(1).integers(0, 49152, 128 * 16 + 1).tolist()
+    args = dict(ctx_size=256, iters=3, lr=1e-2, optimizer="sgd", val_split=0.2, n_threads=1, progress=False, seed=3)
+    job = dict(model=str(tiny_f32), tokens=tokens)
+    torch_path = _torch_path(reference_python)
+    one = _launch(dict(job, args=dict(args, batch_size=4, grad_accum=2)), tmp_path / "one", 0, torch_path)
+    ckpt = dict(checkpoint_dir=str(tmp_path / "two" / "ckpt"), save_every=3, log=str(tmp_path / "two" / "log.jsonl"))
+    two = _launch(dict(job, args=dict(args, batch_size=2, **ckpt)), tmp_path / "two", 2, torch_path)
+    for p in one + two:
+        assert p.returncode == 0, p.stderr[-3000:]
+    r1 = json.loads((tmp_path / "one" / "result-0.json").read_text())
+    r2 = [json.loads((tmp_path / "two" / f"result-{k}.json").read_text()) for k in (0, 1)]
+    assert r2[0]["checkpoints"] == 1 and r2[1]["checkpoints"] == 0  # rank 0 writes the checkpoint and the log
+    assert len((tmp_path / "two" / "log.jsonl").read_text().splitlines()) == 3 + 1  # the steps, the last validation
+    assert {k: v for k, v in r2[0].items() if k != "checkpoints"} == {
+        k: v for k, v in r2[1].items() if k != "checkpoints"
+    }
+    assert r1["steps"] == r2[0]["steps"] == 3
+    np.testing.assert_allclose(r2[0]["losses"], r1["losses"], rtol=1e-6)
+    np.testing.assert_allclose([r2[0]["val_before"], *r2[0]["val"]], [r1["val_before"], *r1["val"]], rtol=1e-6)
+    w0, w1, w2 = (
+        _weights(tiny_f32),
+        _weights(tmp_path / "one" / "model.gguf"),
+        _weights(tmp_path / "two" / "model.gguf"),
+    )
+    for name in w1:
+        step = np.abs(w1[name] - w0[name]).max()
+        ulp = np.spacing(np.abs(w1[name]).astype(np.float32)).astype(np.float64)
+        assert (np.abs(w2[name] - w1[name]) <= 2 * ulp + 1e-5 * step).all(), name
+
+
+def test_a_rank_that_dies_ends_the_run_on_the_others(tiny_f32, reference_python, tmp_path):
+    """Rank 1 exits after the first step: rank 0's next all-reduce fails (gloo: the peer closed the connection)
+    and its finetune raises RuntimeError naming the reduction, no step taken, well within ddp_timeout; nothing
+    hangs (the launch's wait has a limit)."""
+    tokens = np.random.default_rng(2).integers(0, 49152, 128 * 10 + 1).tolist()
+    args = dict(ctx_size=256, iters=3, batch_size=1, val_split=0.0, n_threads=1, progress=False, ddp_timeout=120)
+    job = dict(model=str(tiny_f32), tokens=tokens, args=args, die=[1, 1])
+    r0, r1 = _launch(job, tmp_path, 2, _torch_path(reference_python), timeout=240)
+    assert r1.returncode == 3
+    assert r0.returncode != 0 and "grad_reduce" in r0.stderr and "RuntimeError" in r0.stderr, r0.stderr[-3000:]
+
+
+def test_torchrun_and_nproc_launch_the_cli(tiny_q8, reference_python, tmp_path):
+    """``torchrun --nproc-per-node 2 -m llamabind finetune`` (torch.distributed.run, the module torchrun runs) and
+    ``python -m llamabind finetune --nproc 2`` (which runs it): a QLoRA run over the Q8_0 model as it is on Python's
+    own documentation text, 2 ranks x --batch 1; rank 0 alone prints the result and writes the adapter, and the two
+    launches print the same losses (the same data, seed and reduction). --method dpo under a launch is refused."""
+    import pydoc_data.topics
+
+    text = tmp_path / "docs.txt"
+    text.write_text("\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)[:6]))
+    env = dict(os.environ, PYTHONPATH=_torch_path(reference_python), OMP_NUM_THREADS="1")
+    args = ["finetune", "-m", str(tiny_q8), "--data", str(text), "--lora-rank", "4", "--lr", "1e-3", "--iters", "2"]
+    args += ["--batch", "1", "-c", "256", "--threads", "1", "--no-progress", "--val-split", "0.2"]
+    runs = {}
+    for name, launch in (
+        ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "llamabind"]),
+        ("nproc", [sys.executable, "-m", "llamabind"]),
+    ):
+        out = tmp_path / f"{name}.gguf"
+        extra = ["--nproc", "2"] if name == "nproc" else []
+        p = subprocess.run([*launch, *args, *extra, "-o", str(out)], capture_output=True, text=True, env=env,
+                           timeout=600)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert p.stdout.count("optimizer steps") == 1 and p.stdout.count(f"wrote {out}") == 1, p.stdout
+        with llamabind.Model(tiny_q8, repack=False) as m:
+            assert m.load_lora(out) is not None
+        runs[name] = re.findall(r"loss [\d.]+", p.stdout)
+    assert runs["torchrun"] == runs["nproc"] and runs["nproc"]
+    p = subprocess.run([sys.executable, "-m", "llamabind", *args, "--nproc", "2", "--method", "dpo", "-o",
+                        str(tmp_path / "x.gguf")], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert p.returncode != 0 and "--method sft" in p.stderr, p.stderr[-2000:]
