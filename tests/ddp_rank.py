@@ -20,7 +20,10 @@ def main(job_file: str) -> None:
     out = Path(job["out"])
     rank = int(os.environ.get("RANK", "0"))
     tokens = np.asarray(job["tokens"], dtype=np.int32)
-    with llamabind.Model(job["model"], use_mmap=False, n_threads=1) as m:
+    kw = {}
+    if job.get("gpu") and "LOCAL_RANK" in os.environ:  # a rank's GPU, as the CLI's (cli/ddp.py)
+        kw = dict(split_mode="none", main_gpu=int(os.environ["LOCAL_RANK"]))
+    with llamabind.Model(job["model"], use_mmap=False, n_threads=1, **kw) as m:
 
         def on_step(step: int, loss: float) -> None:
             if job.get("die") == [rank, step]:  # a rank that dies after a step: the others must not hang

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import GPU_BUILD, ROOT
 
 import llamabind
 from llamabind.context import Context
@@ -138,6 +138,20 @@ def _launch(
     return [subprocess.CompletedProcess(p.args, p.wait(timeout), *p.communicate()) for p in procs]
 
 
+def _same_run(one: Path, two: Path, w0: dict) -> None:
+    """The results and weights of two runs that took the same steps (see the test below for the tolerances)."""
+    r1 = json.loads((one / "result-0.json").read_text())
+    r2 = json.loads((two / "result-0.json").read_text())
+    assert r1["steps"] == r2["steps"] == 3
+    np.testing.assert_allclose(r2["losses"], r1["losses"], rtol=1e-6)
+    np.testing.assert_allclose([r2["val_before"], *r2["val"]], [r1["val_before"], *r1["val"]], rtol=1e-6)
+    w1, w2 = _weights(one / "model.gguf"), _weights(two / "model.gguf")
+    for name in w1:
+        step = np.abs(w1[name] - w0[name]).max()
+        ulp = np.spacing(np.abs(w1[name]).astype(np.float32)).astype(np.float64)
+        assert (np.abs(w2[name] - w1[name]) <= 2 * ulp + 1e-5 * step).all(), name
+
+
 def test_two_ranks_train_as_one_with_the_global_batch(tiny_f32, reference_python, tmp_path):
     """2 ranks x batch_size 2 (gloo) against 1 process x batch_size 4 in two micro-batches (grad_accum 2): the
     same windows each step (rank r takes the global batch's rows r::2, as DistributedSampler), the same loss
@@ -156,25 +170,37 @@ def test_two_ranks_train_as_one_with_the_global_batch(tiny_f32, reference_python
     two = _launch(dict(job, args=dict(args, batch_size=2, **ckpt)), tmp_path / "two", 2, torch_path)
     for p in one + two:
         assert p.returncode == 0, p.stderr[-3000:]
-    r1 = json.loads((tmp_path / "one" / "result-0.json").read_text())
     r2 = [json.loads((tmp_path / "two" / f"result-{k}.json").read_text()) for k in (0, 1)]
     assert r2[0]["checkpoints"] == 1 and r2[1]["checkpoints"] == 0  # rank 0 writes the checkpoint and the log
     assert len((tmp_path / "two" / "log.jsonl").read_text().splitlines()) == 3 + 1  # the steps, the last validation
     assert {k: v for k, v in r2[0].items() if k != "checkpoints"} == {
         k: v for k, v in r2[1].items() if k != "checkpoints"
     }
-    assert r1["steps"] == r2[0]["steps"] == 3
-    np.testing.assert_allclose(r2[0]["losses"], r1["losses"], rtol=1e-6)
-    np.testing.assert_allclose([r2[0]["val_before"], *r2[0]["val"]], [r1["val_before"], *r1["val"]], rtol=1e-6)
-    w0, w1, w2 = (
-        _weights(tiny_f32),
-        _weights(tmp_path / "one" / "model.gguf"),
-        _weights(tmp_path / "two" / "model.gguf"),
-    )
-    for name in w1:
-        step = np.abs(w1[name] - w0[name]).max()
-        ulp = np.spacing(np.abs(w1[name]).astype(np.float32)).astype(np.float64)
-        assert (np.abs(w2[name] - w1[name]) <= 2 * ulp + 1e-5 * step).all(), name
+    _same_run(tmp_path / "one", tmp_path / "two", _weights(tiny_f32))
+
+
+@pytest.mark.skipif(not GPU_BUILD, reason="needs a GPU backend device (1 or more) in this build")
+def test_ranks_over_nccl_train_as_one(tiny_f32, reference_python, tmp_path):
+    """On GPUs, NCCL through torch.distributed (tests/device/cuda_run.sh ddp87): with one GPU, a launch of one rank
+    (the reduction over one rank, the step as a graph of its own: patch 0102 on CUDA) against the same run without
+    a launch; with two or more, 2 ranks x batch_size 2, each on its GPU, against 1 process x batch_size 4 in two
+    micro-batches; the tolerances of the CPU test (each micro-batch's products are the same kernels on the same
+    shapes on both sides)."""
+    torch_path = _torch_path(reference_python)
+    code = "import torch; print(torch.cuda.device_count())"
+    env = dict(os.environ, PYTHONPATH=torch_path)
+    n_gpu = int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout or 0)
+    if not n_gpu:
+        pytest.skip("the reference Python's torch sees no CUDA device (NCCL needs one)")
+    world = 2 if n_gpu >= 2 else 1
+    tokens = np.random.default_rng(1).integers(0, 49152, 128 * 16 + 1).tolist()
+    args = dict(ctx_size=256, iters=3, lr=1e-2, optimizer="sgd", val_split=0.2, progress=False, seed=3)
+    job = dict(model=str(tiny_f32), tokens=tokens, gpu=True)
+    one = _launch(dict(job, args=dict(args, batch_size=2 * world, grad_accum=world)), tmp_path / "one", 0, torch_path)
+    two = _launch(dict(job, args=dict(args, batch_size=2, ddp_backend="nccl")), tmp_path / "two", world, torch_path)
+    for p in one + two:
+        assert p.returncode == 0, p.stderr[-3000:]
+    _same_run(tmp_path / "one", tmp_path / "two", _weights(tiny_f32))
 
 
 def test_a_rank_that_dies_ends_the_run_on_the_others(tiny_f32, reference_python, tmp_path):

@@ -81,7 +81,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: amx, grpo85, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: amx, ddp87, grpo85, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -185,6 +185,14 @@ pref83b)
     | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/pref83b-tests.log" | tail -15
   [ "${LB_PREF:-x}" = " " ] || { start_1b_f32; wait; }
   pref_bench "${LB_PREF:-1b:512:8 1b:2048:4}" "${LB_PREF_RUNNERS:-lora,lora-pack,full,full-pack}"
+  ;;
+ddp87)
+  # issue 87 (carry .device/llama.cpp.tar.xz, .device/whl; LB_NO_TOOLS=1): the build, then tests/test_train_ddp.py:
+  # the gloo tests on this machine's CPU and, with CUDA, test_ranks_over_nccl_train_as_one (a one-rank launch over
+  # NCCL against the plain run on one GPU; 2 ranks, each its GPU, against one process with the global batch on 2+)
+  [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REFERENCE_PYTHON=python3 LLAMABIND_REQUIRE_GPU=1 \
+    timeout ${LB_TEST_TIMEOUT:-400} python3 -m pytest tests/test_train_ddp.py $PYTEST_ARGS -s 2>&1 \
+    | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/ddp87-tests.log" | tail -15
   ;;
 grpo85)
   # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf, .device-s and .device-t: TRL 1.16, datasets,

@@ -1,6 +1,6 @@
 """``finetune`` on several processes (issue 87): ``--nproc N`` launches torchrun (torch.distributed.run) with this
-command line, one process per device; under such a launch (torchrun's WORLD_SIZE > 1, or ``torchrun -m llamabind
-finetune`` itself) each rank takes its device, and only rank 0 reports and writes the output."""
+command line, one process per device; under such a launch (torchrun's RANK and WORLD_SIZE set, or ``torchrun -m
+llamabind finetune`` itself) each rank takes its device, and only rank 0 reports and writes the output."""
 
 from __future__ import annotations
 

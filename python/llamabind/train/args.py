@@ -113,7 +113,7 @@ class TrainingArgs:
         save_every: write a checkpoint every N steps (and at the end, and on Ctrl-C); needs checkpoint_dir.
         n_threads: CPU threads (None: the default).
         progress: a tqdm bar with the loss and tokens/s.
-        ddp_backend: under a data-parallel launch (torchrun: WORLD_SIZE > 1, RANK, LOCAL_RANK, MASTER_ADDR,
+        ddp_backend: under a data-parallel launch (torchrun: WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR,
             MASTER_PORT set; :mod:`llamabind.train.distributed`), torch.distributed's backend for the gradients'
             all-reduce before each step, ``"gloo"`` or ``"nccl"`` (transformers' ``ddp_backend``); None (default):
             "nccl" where the model's output layer runs on a CUDA GPU, "gloo" otherwise. In such a launch

@@ -93,21 +93,22 @@ class ProcessGroup:
 
 
 def launched() -> bool:
-    """Whether this process runs under a launch of several ranks (torchrun's WORLD_SIZE > 1)."""
-    return int(os.environ.get("WORLD_SIZE", "1") or "1") > 1
+    """Whether this process is a rank of a launch (torchrun's RANK and WORLD_SIZE set; a world of 1 too, which runs
+    the same path: the reduction over one rank)."""
+    return bool(os.environ.get("WORLD_SIZE")) and bool(os.environ.get("RANK"))
 
 
 def refuse_launch(what: str) -> None:
     """ValueError under a data-parallel launch, for ``what`` that runs in one process only so far."""
     expect(
         not launched(),
-        f"{what} runs in one process; under a data-parallel launch (WORLD_SIZE > 1) only train.finetune trains so far",
+        f"{what} runs in one process; under a data-parallel launch (torchrun) only train.finetune trains so far",
     )
 
 
 def process_group(backend: str | None = None, timeout: float = 1800.0, *, gpu: bool = False) -> ProcessGroup | None:
     """The process group of a torchrun launch, joined (torch.distributed.init_process_group over env://, once
-    per process), or None outside one (WORLD_SIZE unset or 1). ``backend``: ``"gloo"`` or ``"nccl"``; None:
+    per process), or None outside one (RANK or WORLD_SIZE unset). ``backend``: ``"gloo"`` or ``"nccl"``; None:
     "nccl" where ``gpu`` (the model's output layer on a CUDA GPU), else "gloo". ``timeout``: seconds a
     collective waits for the other ranks (transformers' ddp_timeout). Raises ImportError without torch,
     ValueError for a launch environment that is incomplete or inconsistent (naming the variable)."""
@@ -122,6 +123,7 @@ def process_group(backend: str | None = None, timeout: float = 1800.0, *, gpu: b
         except ValueError:
             raise ValueError(f"{k} must be an integer; got {os.environ[k]!r}") from None
     rank, world, local = ints["RANK"], ints["WORLD_SIZE"], ints["LOCAL_RANK"]
+    expect(world >= 1, f"WORLD_SIZE must be >= 1; got {world}")
     expect(0 <= rank < world, f"RANK must be in [0, WORLD_SIZE = {world}); got {rank}")
     expect(0 <= local < world, f"LOCAL_RANK must be in [0, WORLD_SIZE = {world}); got {local}")
     name = backend or ("nccl" if gpu else "gloo")
