@@ -121,12 +121,7 @@ def finetune(
     train_set, val_set = _split(model, data, valid, a)
     n_train = len(train_set[0])
     group = process_group(a.ddp_backend, a.ddp_timeout, gpu=bool(model.output_offloaded))
-    batch = a.batch_size * (group.world_size if group else 1)  # the global batch: batch_size a rank
-    if batch > n_train:  # as mlx-lm: each step would repeat the windows to fill the batch
-        raise ValueError(
-            f"batch_size {a.batch_size}{f' x {group.world_size} ranks' if group else ''} is larger than the {n_train} "
-            "training window(s): give more data or a smaller batch_size"
-        )
+    batch = _global_batch(a.batch_size, group, n_train)
     if a.steps_per_eval is not None and not len(val_set[0]):
         raise ValueError(
             "steps_per_eval needs validation windows: give valid= or a val_split that holds some back "
@@ -176,6 +171,18 @@ def finetune(
         if run.log is not None:
             run.log.close()
     return result
+
+
+def _global_batch(batch_size: int, group: ProcessGroup | None, n_train: int) -> int:
+    """The windows a step takes: batch_size, times the ranks of a data-parallel run; ValueError over ``n_train`` (as
+    mlx-lm: each step would repeat windows to fill the batch)."""
+    batch = batch_size * (group.world_size if group else 1)
+    if batch > n_train:
+        raise ValueError(
+            f"batch_size {batch_size}{f' x {group.world_size} ranks' if group else ''} is larger than the {n_train} "
+            "training window(s): give more data or a smaller batch_size"
+        )
+    return batch
 
 
 def _resumable(resume, run_id: dict, total: int, model: Model, a: TrainingArgs) -> tuple[Path, dict]:
