@@ -121,12 +121,7 @@ def finetune(
     train_set, val_set = _split(model, data, valid, a)
     n_train = len(train_set[0])
     group = process_group(a.ddp_backend, a.ddp_timeout, gpu=bool(model.output_offloaded))
-    batch = _global_batch(a.batch_size, group, n_train)
-    if a.steps_per_eval is not None and not len(val_set[0]):
-        raise ValueError(
-            "steps_per_eval needs validation windows: give valid= or a val_split that holds some back "
-            f"(val_split={a.val_split} left none of {n_train})"
-        )
+    batch = _global_batch(a, group, n_train, len(val_set[0]))
     n_batches = -(-n_train // batch)
     epochs = a.epochs if a.iters is None else -(-a.iters // n_batches)
     total = a.iters if a.iters is not None else epochs * n_batches
@@ -173,14 +168,19 @@ def finetune(
     return result
 
 
-def _global_batch(batch_size: int, group: ProcessGroup | None, n_train: int) -> int:
-    """The windows a step takes: batch_size, times the ranks of a data-parallel run; ValueError over ``n_train`` (as
-    mlx-lm: each step would repeat windows to fill the batch)."""
-    batch = batch_size * (group.world_size if group else 1)
+def _global_batch(a: TrainingArgs, group: ProcessGroup | None, n_train: int, n_val: int) -> int:
+    """The windows a step takes: batch_size, times the ranks of a data-parallel run. ValueError over ``n_train`` (as
+    mlx-lm: each step would repeat windows to fill the batch), and for steps_per_eval without validation windows."""
+    batch = a.batch_size * (group.world_size if group else 1)
     if batch > n_train:
         raise ValueError(
-            f"batch_size {batch_size}{f' x {group.world_size} ranks' if group else ''} is larger than the {n_train} "
+            f"batch_size {a.batch_size}{f' x {group.world_size} ranks' if group else ''} is larger than the {n_train} "
             "training window(s): give more data or a smaller batch_size"
+        )
+    if a.steps_per_eval is not None and not n_val:
+        raise ValueError(
+            "steps_per_eval needs validation windows: give valid= or a val_split that holds some back "
+            f"(val_split={a.val_split} left none of {n_train})"
         )
     return batch
 
