@@ -193,6 +193,15 @@ ddp87)
   [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REFERENCE_PYTHON=python3 LLAMABIND_REQUIRE_GPU=1 \
     timeout ${LB_TEST_TIMEOUT:-400} python3 -m pytest tests/test_train_ddp.py $PYTEST_ARGS -s 2>&1 \
     | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/ddp87-tests.log" | tail -15
+  [ -n "${LB_NO_BENCH:-}" ] && exit 0
+  # bench/ddp.py: the 1B shape's full fine-tune at 2048 x 4 a GPU on 1..N GPUs (LB_DDP_N, default every power of two
+  # up to the GPUs here) beside PyTorch DDP (bf16 autocast, SDPA)
+  start_1b_f32; wait
+  n_gpu=$(nvidia-smi -L | wc -l); counts=1; k=2
+  while [ $k -le $n_gpu ]; do counts=$counts,$k; k=$((2 * k)); done
+  python3 bench/ddp.py --model $MODELS/llama-1b-q4_0.gguf --ctx 2048 --batch 4 --nproc ${LB_DDP_N:-$counts} \
+    --runners ${LB_DDP_RUNNERS:-full} --steps 8 --threads 4 --torch python3 --out "$OUT/ddp-1b.json" 2>&1 \
+    | grep -vE "^(llama|load|print_info|common|main|ggml|init)" | tail -14 | tee -a "$OUT/bench-ddp.txt"
   ;;
 grpo85)
   # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf, .device-s and .device-t: TRL 1.16, datasets,
