@@ -6,7 +6,8 @@ or the GPU, in one run, on the same windows of the same text, for every --ctx x 
 
     python bench/train.py [--threads 2] [--ctx 256[,2048]] [--chars 12000] [-ngl 0] [--batch 1,4]
         [--model smollm2-135m-instruct | --size 1b] [--runners full,lora,lora-f16,lora-bf16,qlora,finetune]
-        [--torch PYTHON] [--torch-device cpu|cuda] [--torch-runs f32,tf32,bf16,lora,lora-tf32]
+        [--torch PYTHON] [--torch-device cpu|cuda] [--torch-runs f32,tf32,bf16,lora,lora-tf32,lora-bf16,qlora-nf4]
+        [--torch-init gguf|random] [--lora-rank 8] [--lora-targets qv|all] [--loss-chunk-tokens N]
         [--steps N] [--peak TFLOPS] [--out FILE.json]
 
 Data: the pinned tree's docs/build.md (its first --chars characters, repeated for more), cut as
@@ -29,6 +30,11 @@ fine-tune, 4 N + 8 L T d for LoRA (no weight gradients; the adapters' own produc
 parameters in matrix products, L layers, T ctx, d n_embd; MFU against --peak (default the H100 SXM's
 dense BF16, 989.5: the products' precision on a GPU by default and under PyTorch's bf16 autocast; 494.7 for
 its TF32; the CPU rows' MFU is meaningless).
+PyTorch (bench/_torch_train_worker.py): --torch-init gguf (default) loads the F32 GGUF through transformers (the
+same weights as ours); --torch-init random draws the GGUF's shape with transformers' own init on the GPU, bf16
+weights for the bf16 runs (torch_dtype=bfloat16, as users load an 8B; the val loss then means nothing): what the 8B
+and 70B shapes need. qlora-nf4: peft LoRA over bitsandbytes' NF4 weights with double quantization and bf16
+compute (the QLoRA paper's BitsAndBytesConfig), under bf16 autocast.
 llama-finetune's row (full fine-tune, its whole-second timings: give it a long text on a GPU) is
 the native reference. Prints a table and writes bench/results/train-<host>-<date>.json (--out).
 """
@@ -68,9 +74,10 @@ def worker_llamabind(args) -> dict:
         flash = {"auto": None, "on": True, "off": False}[args.worker_flash]
         r = train.finetune(
             m, text, ctx_size=args.ctx, lr=LR_LORA if lora else LR_FULL, val_split=0.1, progress=False,
-            n_threads=args.threads, lora_rank=RANK if lora else None, shuffle=False, batch_size=args.batch,
+            n_threads=args.threads, lora_rank=args.lora_rank if lora else None, shuffle=False, batch_size=args.batch,
             iters=args.steps, on_step=lambda step, loss: times.append(time.perf_counter()),
             precision=args.worker_precision, flash_attn=flash, gradient_checkpointing=args.worker_gc,
+            lora_targets=lora_targets(args.lora_targets), loss_chunk_tokens=args.loss_chunk_tokens,
         )  # fmt: skip
     e = r.epochs[-1]
     tok_per_step = args.batch * args.ctx
@@ -81,9 +88,18 @@ def worker_llamabind(args) -> dict:
     )  # fmt: skip
 
 
-def base_models(size: str | None, model: str, tmpd: Path) -> tuple[Path, Path]:
+def lora_targets(spec: str) -> tuple[str, ...]:
+    """--lora-targets: "qv" (attn_q, attn_v), "all" (every linear layer of a block: train.LORA_TARGETS) or GGUF
+    names joined by commas."""
+    from llamabind import train
+
+    return {"qv": ("attn_q", "attn_v"), "all": train.LORA_TARGETS}.get(spec) or tuple(spec.split(","))
+
+
+def base_models(size: str | None, model: str, tmpd: Path, f32: bool = True) -> tuple[Path, Path]:
     """(the quantized GGUF, its F32 copy in tmpd): a random-weight llama of bench/make_model.py's ``size`` shape
-    in Q4_0, or the named or given ``model``."""
+    in Q4_0, or the named or given ``model``. ``f32=False``: no copy is written (an 8B's is 32 GB, a 70B's would
+    not fit the disk) and the quantized GGUF's path is returned twice."""
     from llamabind import models, train
 
     if size:
@@ -92,9 +108,11 @@ def base_models(size: str | None, model: str, tmpd: Path) -> tuple[Path, Path]:
                         "-o", str(quant)], check=True)  # fmt: skip
     else:
         quant = Path(models.resolve(model))
-    f32 = tmpd / "f32.gguf"
-    train.to_f32(quant, f32)
-    return quant, f32
+    if not f32:
+        return quant, quant
+    copy = tmpd / "f32.gguf"
+    train.to_f32(quant, copy)
+    return quant, copy
 
 
 def flops_per_token(path: Path, ctx: int, lora: bool) -> float:
@@ -121,49 +139,10 @@ def _steady(times: list[float], tok_per_step: int) -> float:
     return (len(times) - 1) * tok_per_step / (times[-1] - times[0])
 
 
-TORCH_WORKER = r"""
-import json, resource, sys, time
-import torch, torch.nn.functional as F
-from transformers import AutoModelForCausalLM
-from pathlib import Path
-cfg = json.loads(Path(sys.argv[1]).read_text())
-torch.set_num_threads(cfg["threads"])
-dev = torch.device(cfg["device"])
-prec = cfg["precision"]
-torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
-torch.backends.cudnn.allow_tf32 = prec == "tf32"
-p = Path(cfg["model"])
-m = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).to(dev).train()
-if cfg.get("gc"):  # each decoder layer's activations recomputed in the backward pass
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-if cfg["lora"]:
-    from peft import LoraConfig, get_peft_model
-    m = get_peft_model(m, LoraConfig(r=cfg["rank"], lora_alpha=2 * cfg["rank"], lora_dropout=0.0,
-                                     target_modules=["q_proj", "v_proj"]))
-opt = torch.optim.AdamW([q for q in m.parameters() if q.requires_grad], lr=cfg["lr"], weight_decay=0.0)
-wins = torch.tensor(cfg["windows"], device=dev)
-B, n_train, steps = cfg["batch"], cfg["n_train"], cfg["steps"]
-times, losses = [], []
-for s in range(steps):
-    idx = [(s * B + j) % n_train for j in range(B)]
-    w = wins[idx]
-    opt.zero_grad(set_to_none=True)
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=prec == "bf16"):
-        logits = m(w[:, :-1]).logits
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
-    loss.backward()
-    opt.step()
-    losses.append(loss.item())  # synchronizes
-    times.append(time.perf_counter())
-with torch.no_grad():
-    val = [F.cross_entropy(m(w[None, :-1]).logits[0].float(), w[1:]).item() for w in wins[n_train:]]
-T = wins.shape[1] - 1
-tps = (len(times) - 1) * B * T / (times[-1] - times[0]) if len(times) > 1 else float("nan")
-print(json.dumps(dict(steps=steps, batch=B, train_tok_s=tps, train_loss=sum(losses) / len(losses),
-      val_loss=sum(val) / max(1, len(val)), step_times=[round(b - a, 5) for a, b in zip(times, times[1:])],
-      peak_alloc_mb=torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else None,
-      peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
-"""
+TORCH_WORKER = HERE / "_torch_train_worker.py"  # the PyTorch runner: one process, one row
+# GGUF tensor names -> transformers module names, for the LoRA targets
+HF_TARGETS = dict(attn_q="q_proj", attn_k="k_proj", attn_v="v_proj", attn_output="o_proj", ffn_gate="gate_proj",
+                  ffn_up="up_proj", ffn_down="down_proj")  # fmt: skip
 
 
 class GpuPeak:
@@ -217,6 +196,28 @@ def run_llama_finetune(exe: Path, model: Path, data: Path, args, out: Path) -> d
     )  # fmt: skip
 
 
+def torch_job(args, run: str, f32: Path, win, n_train: int, batch: int, gc: bool) -> dict:
+    """The PyTorch runner's job (bench/_torch_train_worker.py) for a --torch-runs entry: f32, tf32, bf16 (full),
+    lora, lora-tf32, lora-bf16 (peft), qlora-nf4 (peft over bitsandbytes NF4, bf16 compute, bf16 autocast)."""
+    lora = run.startswith(("lora", "qlora"))
+    precision = "bf16" if run == "qlora-nf4" else (run[5:] or "f32") if lora else run
+    random_bf16 = args.torch_init == "random" and precision == "bf16"
+    weights = "nf4" if run == "qlora-nf4" else "bf16" if random_bf16 else "f32"
+    return dict(
+        model=str(f32), init=args.torch_init, weights=weights, threads=args.threads, lr=LR_LORA if lora else LR_FULL,
+        lora=lora, rank=args.lora_rank, targets=[HF_TARGETS[t] for t in lora_targets(args.lora_targets)],
+        windows=win.tolist(), n_train=n_train, batch=batch, steps=args.steps or -(-n_train // batch),
+        device=args.torch_device, precision=precision, gc=gc, max_val=2 if args.torch_init == "random" else 1 << 30,
+    )  # fmt: skip
+
+
+def torch_row_name(args, run: str, cfg: dict) -> str:
+    rk = f"r{args.lora_rank}" + ("" if args.lora_targets == "qv" else f" {args.lora_targets}")
+    what = {"nf4": "NF4 base", "bf16": "bf16 weights", "f32": ""}[cfg["weights"]]
+    prec = ", ".join(x for x in (cfg["precision"], what) if x)
+    return f"LoRA {rk} (peft, {prec})" if cfg["lora"] else f"full {run}" + (f" ({what})" if what else "")
+
+
 def median_tok_s(row: dict) -> float:
     """Tokens/s of a row's median step (step_times in seconds, batch windows of ctx tokens each)."""
     return row["batch"] * row["ctx"] / statistics.median(row["step_times"])
@@ -246,9 +247,20 @@ def main() -> int:
         "--torch-runs",
         default="f32",
         help="f32, tf32, bf16 (full fine-tunes; bf16: autocast, SDPA's flash attention), lora (peft, f32), "
-        "lora-tf32, lora-bf16 (peft under bf16 autocast); a -gc suffix (bf16-gc, lora-bf16-gc): transformers' "
+        "lora-tf32, lora-bf16 (peft under bf16 autocast), qlora-nf4 (peft over bitsandbytes NF4); a -gc suffix "
+        "(bf16-gc, lora-bf16-gc): transformers' "
         "gradient checkpointing",
     )
+    ap.add_argument(
+        "--torch-init",
+        choices=["gguf", "random"],
+        default="gguf",
+        help="PyTorch's weights: the F32 "
+        "GGUF's (transformers loads it) or the shape's, drawn by transformers' init (8B/70B shapes)",
+    )
+    ap.add_argument("--lora-rank", type=int, default=RANK, help="LoRA rank, both sides (alpha 2 x rank)")
+    ap.add_argument("--lora-targets", default="qv", help="qv, all (every linear layer) or GGUF names, both sides")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=None, help="llamabind's chunked cross-entropy")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=["full", "lora"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-ctx", type=int, default=256, help=argparse.SUPPRESS)
@@ -273,7 +285,9 @@ def main() -> int:
     runners = args.runners.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         tmpd = Path(tmp)
-        quant, f32 = base_models(args.size, args.model, tmpd)
+        plain = {r.removesuffix("-gc").removesuffix("-f32") for r in runners}
+        need_f32 = bool(plain & {"full", "lora", "lora-f16", "lora-bf16", "finetune"})
+        quant, f32 = base_models(args.size, args.model, tmpd, need_f32 or (args.torch and args.torch_init == "gguf"))
         half = {}
         for r, ftype in (("lora-f16", "F16"), ("lora-bf16", "BF16")):
             if r in runners:
@@ -292,6 +306,8 @@ def main() -> int:
                 cmd += ["--worker-precision", "f32", "--worker-flash", "off"]
             cmd += ["--worker-gc"] if gc else []
             cmd += ["--threads", str(args.threads), "--worker-ctx", str(ctx), "-ngl", str(args.ngl)]
+            cmd += ["--lora-rank", str(args.lora_rank), "--lora-targets", args.lora_targets]
+            cmd += ["--loss-chunk-tokens", str(args.loss_chunk_tokens)] if args.loss_chunk_tokens else []
             cmd += ["--worker-batch", str(batch)] + (["--steps", str(args.steps)] if args.steps else [])
             try:
                 out, _, gpu_mb = run_process(cmd)
@@ -315,10 +331,11 @@ def main() -> int:
                 name = f"llama-finetune full, ctx {ctx}, batch 1"
                 rows[name] = {**run_llama_finetune(exe, f32, data, args, tmpd / "out.gguf"), "fpt": fpt[False]}
             for b in batches:
-                base = {"full": ("full", f32, "full"), "lora": ("lora", f32, f"LoRA r{RANK} (F32 base)")}
-                base["lora-f16"] = ("lora", half.get("lora-f16"), f"LoRA r{RANK} (F16 base)")
-                base["lora-bf16"] = ("lora", half.get("lora-bf16"), f"LoRA r{RANK} (BF16 base)")
-                base["qlora"] = ("lora", quant, f"QLoRA r{RANK} ({qtype} base)")
+                rk = f"r{args.lora_rank}" + ("" if args.lora_targets == "qv" else f" {args.lora_targets}")
+                base = {"full": ("full", f32, "full"), "lora": ("lora", f32, f"LoRA {rk} (F32 base)")}
+                base["lora-f16"] = ("lora", half.get("lora-f16"), f"LoRA {rk} (F16 base)")
+                base["lora-bf16"] = ("lora", half.get("lora-bf16"), f"LoRA {rk} (BF16 base)")
+                base["qlora"] = ("lora", quant, f"QLoRA {rk} ({qtype} base)")
                 for r in runners:
                     gc_run = r.endswith("-gc")  # full-gc, lora-gc, qlora-gc: recomputed activations
                     r = r.removesuffix("-gc")
@@ -338,20 +355,14 @@ def main() -> int:
                     run = run_gc.removesuffix("-gc")
                     gc = run_gc != run  # bf16-gc, lora-bf16-gc: transformers' gradient checkpointing
                     for b in batches:
-                        lora = run.startswith("lora")
-                        steps = args.steps or -(-n_train // b)
-                        cfg = dict(model=str(f32), threads=args.threads, lr=LR_LORA if lora else LR_FULL, lora=lora,
-                                   rank=RANK, windows=win.tolist(), n_train=n_train, batch=b, steps=steps,
-                                   device=args.torch_device, precision=run[5:] or "f32" if lora else run,
-                                   gc=gc)  # fmt: skip
+                        cfg = torch_job(args, run, f32, win, n_train, b, gc)
                         job = tmpd / "torch-job.json"  # the windows: too long for a command line
                         job.write_text(json.dumps(cfg))
-                        name = f"PyTorch {args.torch_device} " + (
-                            f"LoRA r{RANK} (peft, {cfg['precision']})" if lora else f"full {run}"
-                        )
+                        name = f"PyTorch {args.torch_device} {torch_row_name(args, run, cfg)}"
                         name += (" gradient checkpointing" if gc else "") + f", ctx {ctx}, batch {b}"
+                        lora = cfg["lora"]
                         try:
-                            out, _, gpu_mb = run_process([args.torch, "-c", TORCH_WORKER, str(job)])
+                            out, _, gpu_mb = run_process([args.torch, str(TORCH_WORKER), str(job)])
                             rows[name] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
                         except RuntimeError as err:
                             oom = "out of memory" in str(err).lower()

@@ -34,7 +34,11 @@ def tiny_q8(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("tiny") / "tiny-q8_0.gguf"
     make = ROOT / "bench" / "make_model.py"
-    subprocess.run([sys.executable, str(make), "--size", "tiny", "--type", "q8_0", "-o", str(out)], check=True)
+    # LLAMABIND_TEST_TOKENIZER: a GGUF holding SmolLM2's tokenizer (the GPU machine's .device/tokenizer.gguf: SmolLM2
+    # itself is not there)
+    tok = os.environ.get("LLAMABIND_TEST_TOKENIZER")
+    cmd = [sys.executable, str(make), "--size", "tiny", "--type", "q8_0", "-o", str(out)]
+    subprocess.run(cmd + (["--tokenizer-from", tok] if tok else []), check=True)
     return out
 
 

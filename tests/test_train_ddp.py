@@ -112,11 +112,11 @@ def _port() -> int:
 
 
 def _torch_path(reference_python: Path) -> str:
-    """The reference venv's site-packages (torch for torch.distributed's gloo), for PYTHONPATH."""
+    """PYTHONPATH for a rank: the reference venv's site-packages (torch for torch.distributed's gloo) before this
+    process's PYTHONPATH (the GPU machine finds its llamabind build there)."""
     code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    return subprocess.run(
-        [str(reference_python), "-c", code], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    path = subprocess.run([str(reference_python), "-c", code], capture_output=True, text=True, check=True).stdout
+    return os.pathsep.join(p for p in (path.strip(), os.environ.get("PYTHONPATH")) if p)
 
 
 def _launch(

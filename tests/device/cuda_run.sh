@@ -81,7 +81,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: amx, ddp87, grpo85, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: amx, qlora88, ddp87, grpo85, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -112,6 +112,9 @@ join_model() {
 # kept in /tmp for the lease's later calls
 [ -f .device-s/smollm2-4l.gguf ] && cp .device-s/smollm2-4l.gguf /tmp/
 [ -f /tmp/smollm2-4l.gguf ] && export LLAMABIND_TEST_SMOLLM2_CUT=/tmp/smollm2-4l.gguf
+# SmolLM2's tokenizer alone (pack.sh's .device/tokenizer.gguf) for the tests' random-weight models (conftest's tiny_q8)
+[ -f .device/tokenizer.gguf ] && cp .device/tokenizer.gguf /tmp/
+[ -f /tmp/tokenizer.gguf ] && export LLAMABIND_TEST_TOKENIZER=/tmp/tokenizer.gguf
 # random-weight models for the bench calls, written in the background: micro (per-call cost) and
 # LB_BENCH_SIZES (default 1b) x LB_BENCH_TYPES (default q4_0 q8_0 f16), from SmolLM2's tokenizer
 start_models() {
@@ -203,12 +206,53 @@ ddp87)
     --runners ${LB_DDP_RUNNERS:-full} --steps 8 --threads 4 --torch python3 --out "$OUT/ddp-1b.json" 2>&1 \
     | grep -vE "^(llama|load|print_info|common|main|ggml|init)" | tail -14 | tee -a "$OUT/bench-ddp.txt"
   ;;
+qlora88)
+  # issue 88 (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf and .device-q: bitsandbytes 0.50.2 with
+  # its CUDA 13 library alone; LB_NO_TOOLS=1): the build; LB_88_PREP (default "8b:q4_0 8b:q4_k_m") random-weight GGUFs of
+  # the shape with Llama 3's 128,256-token vocabulary written in the background (setsid: a later call of the lease finds
+  # them, $MODELS/llama-SIZE-TYPE-v128k.gguf, .done when complete); the QLoRA per-type tests on CUDA0 (quantized OUT_PROD
+  # and gradients against float64: every type the CUDA backend dequantizes; LB_NO_TESTS=1: not); then (LB_NO_BENCH=1:
+  # not) bench/train.py rows for each LB_88 spec SIZE:CTX:BATCHES (default "8b:2048:4 8b:8192:1") and LB_88_TARGETS
+  # (default "all qv"), rank LB_88_RANK (16): llamabind LB_88_RUNNERS (default qlora) over each LB_88_TYPES (default
+  # "q4_0 q4_k_m") beside, with the first type, PyTorch LB_88_TORCH (default qlora-nf4,lora-bf16: peft over
+  # bitsandbytes NF4 and over bf16 weights, transformers' random init of the shape); LB_88_EXTRA: more arguments
+  [ -d .device-q ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-q/*.whl
+  cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
+  for st in ${LB_88_PREP-8b:q4_0 8b:q4_k_m}; do
+    f=$MODELS/llama-${st%%:*}-${st##*:}-v128k.gguf
+    [ -f $f.done ] || [ -f $f.started ] || { touch $f.started; setsid bash -c "python3 bench/make_model.py --size ${st%%:*} \
+      --type ${st##*:} --vocab 128256 -o $f --tokenizer-from /tmp/tokenizer.gguf > $f.log 2>&1 && touch $f.done" \
+      < /dev/null > /dev/null 2>&1 & }
+  done
+  [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_TEST_BACKEND=cuda LLAMABIND_REQUIRE_GPU=1 timeout ${LB_TEST_TIMEOUT:-300} \
+    python3 -m pytest tests/test_qlora.py $PYTEST_ARGS -k "not every_node" 2>&1 \
+    | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/qlora88-tests.log" | tail -15
+  [ -n "${LB_NO_BENCH:-}" ] && exit 0
+  for spec in ${LB_88:-8b:2048:4 8b:8192:1}; do
+    IFS=: read -r sz ctx batches <<< "$spec"
+    for targets in ${LB_88_TARGETS:-all qv}; do
+      first=1
+      for ty in ${LB_88_TYPES:-q4_0 q4_k_m}; do
+        f=$MODELS/llama-$sz-$ty-v128k.gguf
+        while [ ! -f $f.done ]; do [ -f $f.started ] || { echo "no $f"; break; }; sleep 5; done
+        torch=""
+        [ -n "$first" ] && [ "${LB_88_TORCH:-}" != none ] && torch="--torch python3 --torch-device cuda --torch-init random \
+          --torch-runs ${LB_88_TORCH:-qlora-nf4,lora-bf16}"
+        first=""
+        python3 bench/train.py -ngl 99 --threads 8 --model $f --chars ${LB_CHARS:-200000} --ctx $ctx --batch $batches \
+          --steps ${LB_STEPS:-6} --runners ${LB_88_RUNNERS:-qlora} --lora-rank ${LB_88_RANK:-16} --lora-targets $targets \
+          $torch ${LB_88_EXTRA:-} --out "$OUT/train88-$sz-$ty-ctx$ctx-b$batches-$targets.json" 2>&1 \
+          | tee -a "$OUT/bench88-raw.log" | grep -E "^\| (llama|PyTorch)|rror|^row done" | tee -a "$OUT/bench88.txt"
+      done
+    done
+  done
+  ;;
 grpo85)
   # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf, .device-s and .device-t: TRL 1.16, datasets,
   # dill, multiprocess wheels; LB_NO_TOOLS=1) issue 85: the build, GRPO's tests on CUDA0 (bad input, the CLI;
   # the TRL parity runs on the CPU in CI), then bench/grpo.py on the 1B shape beside TRL's GRPOTrainer (LB_GRPO_ARGS)
   [ -d .device-t ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-t/*.whl
-  start_1b_f32
+  [ -n "${LB_NO_BENCH:-}" ] || start_1b_f32
   [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_REQUIRE_GPU=1 timeout ${LB_TEST_TIMEOUT:-300} python3 -m pytest \
     tests/test_train_grpo.py $PYTEST_ARGS -s -k "${LB_GRPO_K:-refuses or cli}" 2>&1 \
     | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/grpo85-tests.log" | tail -15
