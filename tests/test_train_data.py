@@ -425,3 +425,16 @@ def test_cli_finetune_says_what_it_does_and_prints_no_nan(model_path, tmp_path):
     bar = subprocess.run([*ev, "--progress"], capture_output=True, text=True, timeout=300)
     assert bar.returncode == 0 and bar.stdout == p.stdout, bar.stderr[-2000:]
     assert re.search(r"evaluating:\s+\d+%.*\d+/30 ", bar.stderr), bar.stderr[-2000:]  # tqdm's state, as it last drew
+
+
+def test_all_linear_targets_every_matrix_of_a_block():
+    """lora_targets="all-linear" (peft's name, and finetune --lora-targets all-linear) is the seven matrices of a
+    block; another string is still refused (a str is a sequence of letters, not of names)."""
+    from llamabind.cli.tune import _targets
+
+    assert train.TrainingArgs(lora_rank=4, lora_targets="all-linear").checked().lora_targets == (
+        "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+    )  # fmt: skip
+    assert _targets("attn_q,ffn_down") == ("attn_q", "ffn_down")
+    with pytest.raises(TypeError, match="lora_targets must be a sequence"):
+        train.TrainingArgs(lora_rank=4, lora_targets="all").checked()

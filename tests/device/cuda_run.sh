@@ -229,6 +229,7 @@ qlora88)
     | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/qlora88-tests.log" | tail -15
   [ -n "${LB_NO_BENCH:-}" ] && exit 0
   for spec in ${LB_88:-8b:2048:4 8b:8192:1}; do
+    [ "$spec" = none ] && continue
     IFS=: read -r sz ctx batches <<< "$spec"
     for targets in ${LB_88_TARGETS:-all qv}; do
       first=1
@@ -245,7 +246,20 @@ qlora88)
           | tee -a "$OUT/bench88-raw.log" | grep -E "^\| (llama|PyTorch)|rror|^row done" | tee -a "$OUT/bench88.txt"
       done
     done
-  done
+  done  # LB_88_CLI=SIZE:TYPE: docs/finetune.md's example, the CLI's QLoRA (rank 16, all-linear, 2048 x 4, 20 steps) on that
+  # GGUF from a text file, its wall time, its output and the GPU's peak memory (nvidia-smi every 0.5 s)
+  if [ -n "${LB_88_CLI:-}" ]; then
+    f=$MODELS/llama-${LB_88_CLI%%:*}-${LB_88_CLI##*:}-v128k.gguf
+    for i in $(seq 16); do cat vendor/llama.cpp/docs/build.md; done > /tmp/notes.txt
+    (while sleep 0.5; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; done > /tmp/cli-mem.txt) &
+    poll=$!; t0=$SECONDS
+    python3 -m llamabind finetune -m $f --data /tmp/notes.txt -o /tmp/adapter.gguf --lora-rank 16 --lora-targets \
+      all-linear --ctx-size 2048 --batch 4 --iters 20 --no-progress 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" \
+      | tail -12 | tee "$OUT/cli88.txt"
+    echo "wall $((SECONDS - t0)) s; GPU peak $(sort -n /tmp/cli-mem.txt | tail -1) MiB; adapter $(du -h /tmp/adapter.gguf)" \
+      | tee -a "$OUT/cli88.txt"
+    kill $poll
+  fi
   ;;
 grpo85)
   # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf, .device-s and .device-t: TRL 1.16, datasets,

@@ -133,6 +133,11 @@ def _checkpoints(args, out):
     return None, None
 
 
+def _targets(spec: str):
+    """--lora-targets: "all-linear" as peft names it, or matrix names joined by commas."""
+    return spec if spec == "all-linear" else tuple(spec.split(","))
+
+
 def _training_args(args, ckpt_dir):
     """The command line's train.TrainingArgs, checked."""
     from .. import train
@@ -144,7 +149,7 @@ def _training_args(args, ckpt_dir):
         weight_decay=args.weight_decay, val_split=args.val_split, batch_size=args.batch, grad_accum=args.grad_accum,
         train_embeddings=not args.freeze_embeddings, seed=args.seed, n_threads=args.threads,
         progress=args.progress, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-        lora_targets=tuple(args.lora_targets.split(",")), lr_schedule=args.lr_schedule, warmup=args.warmup,
+        lora_targets=_targets(args.lora_targets), lr_schedule=args.lr_schedule, warmup=args.warmup,
         min_lr=args.min_lr, steps_per_eval=args.steps_per_eval, steps_per_report=args.steps_per_report, log=args.log,
         checkpoint_dir=ckpt_dir, save_every=args.save_every, precision=precision, flash_attn=flash,
         gradient_checkpointing=args.gradient_checkpointing, max_grad_norm=args.max_grad_norm, pack=args.pack,
@@ -340,7 +345,9 @@ def _finetune_parser(sub) -> None:
     f.add_argument("--lora-rank", type=int, default=None, help="train a LoRA adapter of this rank instead")
     f.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     f.add_argument(
-        "--lora-targets", default="attn_q,attn_v", help="comma-separated matrices (attn_q,attn_k,attn_v,...)"
+        "--lora-targets",
+        default="attn_q,attn_v",
+        help="comma-separated matrices (attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down), or all-linear",
     )
     f.add_argument("--epochs", "-epochs", type=int, default=1, help="passes over the training windows")
     f.add_argument("--iters", type=int, default=None, help="optimizer steps in all (instead of --epochs)")

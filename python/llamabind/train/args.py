@@ -70,7 +70,8 @@ class TrainingArgs:
             PyTorch; patch 0033); False freezes it.
         lora_rank: train a LoRA adapter of this rank over the frozen model (None: every weight).
         lora_alpha: LoRA alpha (default 2 x rank): the adapter's product is scaled by alpha / rank.
-        lora_targets: the matrices of every layer LoRA adapts (:data:`~llamabind.train.LORA_TARGETS`).
+        lora_targets: the matrices of every layer LoRA adapts (names from :data:`~llamabind.train.LORA_TARGETS`),
+            or ``"all-linear"`` (peft's name): all seven.
         precision: ``"bf16"``: products of F32 weights and activations in BF16 with F32
             accumulation, forward and backward, where the backend has them (CUDA from Ampere on,
             patches 0051-0052; CPUs with AVX512_BF16, patch 0055), the F32 weights and AdamW's
@@ -200,6 +201,10 @@ class TrainingArgs:
             alpha = as_float(2.0 * rank if self.lora_alpha is None else self.lora_alpha, "lora_alpha")
             expect(alpha > 0, f"lora_alpha must be > 0 (the adapter's scale is alpha / rank); got {alpha}")
         targets = self.lora_targets
+        if targets == "all-linear":  # peft's name: every matrix of a block
+            from .lora import LORA_TARGETS
+
+            targets = LORA_TARGETS
         if (
             isinstance(targets, str)
             or not isinstance(targets, Sequence)
