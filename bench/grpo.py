@@ -104,6 +104,12 @@ print(json.dumps(dict(step_times=[round(b - a, 4) for a, b in zip(times, times[1
 """
 
 
+def done(name: str, row: dict) -> None:
+    """One line a row as it ends (a run cut short keeps what it measured)."""
+    what = row.get("error", "")[-200:] or f"step_times {row.get('step_times')} GPU MiB {row.get('peak_gpu_mb')}"
+    print(f"row done: {name}: {what}", file=sys.stderr, flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a model name or a quantized GGUF")
@@ -143,6 +149,7 @@ def main() -> int:
                 rows[name] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
             except RuntimeError as err:
                 rows[name] = dict(error=str(err)[-600:])
+            done(name, rows[name])
         if args.trl:
             job = tmpd / "trl-job.json"
             job.write_text(json.dumps(dict(model=str(f32), prompts=args.prompts, G=args.num_generations,
@@ -154,6 +161,7 @@ def main() -> int:
                 rows[name] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
             except RuntimeError as err:
                 rows[name] = dict(error=str(err)[-600:])
+            done(name, rows[name])
     n = args.prompts * args.num_generations
     print(f"\n{desc}, GRPO: {args.prompts} prompts x G {args.num_generations} = {n} completions of up to "
           f"{args.completion} tokens a step")  # fmt: skip

@@ -273,8 +273,8 @@ grpo85)
   [ -n "${LB_NO_BENCH:-}" ] && exit 0
   wait
   python3 bench/grpo.py --model $MODELS/llama-1b-q4_0.gguf --trl python3 ${LB_GRPO_ARGS:-} \
-    --out "$OUT/grpo-1b.json" 2>&1 | grep -vE "^(llama|load|print_info|common|main|ggml|init)" | tail -14 \
-    | tee -a "$OUT/bench-grpo.txt"
+    --out "$OUT/grpo-1b.json" 2>&1 | grep -vE "^(llama|load|print_info|common|main|ggml|init)" | tee "$OUT/grpo-raw.log" \
+    | grep -E "^\||row done|TRL's speed|rror|^[0-9a-z.-]+ \(" | tee -a "$OUT/bench-grpo.txt"
   ;;
 qlora)
   # (carry .device-b after build) issue 27: quantized OUT_PROD on CUDA0 against float64 and the CPU,
