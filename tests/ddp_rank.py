@@ -1,8 +1,9 @@
 """One process of tests/test_train_ddp.py's runs: train.finetune (full, SGD, one thread) of a job's model on its
 token ids, as one process or as a rank of a torchrun-style launch (the environment says which); writes the result
-(losses, validation losses, steps) to OUT/result-RANK.json and, on rank 0, the trained model to OUT/model.gguf.
-A job's "die": [rank, step] ends that rank after that step. Run with the project's Python and PYTHONPATH naming a
-site-packages with torch (the reference venv's)."""
+(losses, validation losses, steps) to OUT/result-RANK.json and, on rank 0, the trained model to OUT/model.gguf
+(a LoRA run: its adapter, OUT/adapter.gguf). A job's "die": [rank, step] ends that rank after that step; "resume": a
+checkpoint to resume (every rank reads it). Run with the project's Python and PYTHONPATH naming a site-packages with
+torch (the reference venv's)."""
 
 import json
 import os
@@ -29,9 +30,9 @@ def main(job_file: str) -> None:
             if job.get("die") == [rank, step]:  # a rank that dies after a step: the others must not hang
                 os._exit(3)
 
-        res = train.finetune(m, tokens, train.TrainingArgs(**job["args"]), on_step=on_step)
+        res = train.finetune(m, tokens, train.TrainingArgs(**job["args"]), on_step=on_step, resume=job.get("resume"))
         if rank == 0:
-            m.save(out / "model.gguf")
+            (res.adapter or m).save(out / ("adapter.gguf" if res.adapter else "model.gguf"))
     row = dict(
         losses=res.losses,
         val_before=res.val_loss_before,

@@ -179,6 +179,35 @@ def test_two_ranks_train_as_one_with_the_global_batch(tiny_f32, reference_python
     _same_run(tmp_path / "one", tmp_path / "two", _weights(tiny_f32))
 
 
+def test_a_resumed_launch_continues_the_same_run(tiny_f32, reference_python, tmp_path):
+    """2 ranks (gloo), LoRA, AdamW, 4 steps with a checkpoint every 2 (rank 0 writes them); a second launch of 2
+    ranks resumes from step 2's checkpoint (every rank reads it: the adapter, AdamW's moments, the step, the
+    global batch in the run record): its steps 3-4 take the same windows, and its losses and adapter are the
+    uninterrupted run's bit for bit (the same ranks, the same reductions in the same order). A launch of another
+    world size resuming that checkpoint is refused naming the batch (its global batch would differ)."""
+    tokens = np.random.default_rng(4).integers(0, 49152, 128 * 16 + 1).tolist()
+    args = dict(ctx_size=256, iters=4, lr=1e-3, lora_rank=4, val_split=0.0, n_threads=1, progress=False, seed=5,
+                batch_size=2, save_every=2)  # fmt: skip
+    job = dict(model=str(tiny_f32), tokens=tokens)
+    torch_path = _torch_path(reference_python)
+    whole = _launch(dict(job, args=dict(args, checkpoint_dir=str(tmp_path / "ck"))), tmp_path / "whole", 2, torch_path)
+    ckpt = tmp_path / "ck" / "step-0000002"
+    resumed = _launch(
+        dict(job, args=dict(args, checkpoint_dir=str(tmp_path / "ck2")), resume=str(ckpt)),
+        tmp_path / "resumed", 2, torch_path,
+    )  # fmt: skip
+    for p in whole + resumed:
+        assert p.returncode == 0, p.stderr[-3000:]
+    r1 = json.loads((tmp_path / "whole" / "result-0.json").read_text())
+    r2 = json.loads((tmp_path / "resumed" / "result-0.json").read_text())
+    assert r1["steps"] == r2["steps"] == 4 and r2["losses"] == r1["losses"], (r1, r2)
+    a1, a2 = _weights(tmp_path / "whole" / "adapter.gguf"), _weights(tmp_path / "resumed" / "adapter.gguf")
+    assert a1.keys() == a2.keys() and all(np.array_equal(a1[k], a2[k]) for k in a1)
+    one = _launch(dict(job, args=dict(args, checkpoint_dir=str(tmp_path / "ck3")), resume=str(ckpt)),
+                  tmp_path / "one", 0, torch_path)  # fmt: skip
+    assert one[0].returncode != 0 and "batch_size" in one[0].stderr.splitlines()[-1], one[0].stderr[-2000:]
+
+
 @pytest.mark.skipif(not GPU_BUILD, reason="needs a GPU backend device (1 or more) in this build")
 def test_ranks_over_nccl_train_as_one(tiny_f32, reference_python, tmp_path):
     """On GPUs, NCCL through torch.distributed (tests/device/cuda_run.sh ddp87): with one GPU, a launch of one rank
