@@ -120,12 +120,13 @@ def _torch_path(reference_python: Path) -> str:
 
 
 def _launch(
-    job: dict, work: Path, world: int, torch_path: str, timeout: float = 600
+    job: dict, work: Path, world: int, torch_path: str, timeout: float = 600, env: dict | None = None
 ) -> list[subprocess.CompletedProcess]:
-    """job run by tests/ddp_rank.py as ``world`` ranks (torchrun's environment), or as one process (world 0)."""
+    """job run by tests/ddp_rank.py as ``world`` ranks (torchrun's environment), or as one process (world 0); ``env``:
+    more environment variables for every process."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "job.json").write_text(json.dumps(dict(job, out=str(work))))
-    env = dict(os.environ, PYTHONPATH=torch_path, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=torch_path, OMP_NUM_THREADS="1", **(env or {}))
     port = _port()
     procs = []
     for rank in range(max(world, 1)):
@@ -214,7 +215,10 @@ def test_ranks_over_nccl_train_as_one(tiny_f32, reference_python, tmp_path):
     (the reduction over one rank, the step as a graph of its own: patch 0102 on CUDA) against the same run without
     a launch; with two or more, 2 ranks x batch_size 2, each on its GPU, against 1 process x batch_size 4 in two
     micro-batches; the tolerances of the CPU test (each micro-batch's products are the same kernels on the same
-    shapes on both sides)."""
+    shapes on both sides). Flash attention's backward sums dQ with atomics by default (patch 0065), in an order
+    that changes from run to run: with it, the one-rank launch and the plain run parted at step 3 by 4.5e-6 of the
+    loss on an H100 (2026-12-05; steps 1-2 equal); GGML_CUDA_FA_BACK_DETERMINISTIC=1 sums it in a fixed order on
+    both sides (not yet run on a GPU with it)."""
     torch_path = _torch_path(reference_python)
     code = "import torch; print(torch.cuda.device_count())"
     env = dict(os.environ, PYTHONPATH=torch_path)
@@ -225,8 +229,11 @@ def test_ranks_over_nccl_train_as_one(tiny_f32, reference_python, tmp_path):
     tokens = np.random.default_rng(1).integers(0, 49152, 128 * 16 + 1).tolist()
     args = dict(ctx_size=256, iters=3, lr=1e-2, optimizer="sgd", val_split=0.2, progress=False, seed=3)
     job = dict(model=str(tiny_f32), tokens=tokens, gpu=True)
-    one = _launch(dict(job, args=dict(args, batch_size=2 * world, grad_accum=world)), tmp_path / "one", 0, torch_path)
-    two = _launch(dict(job, args=dict(args, batch_size=2, ddp_backend="nccl")), tmp_path / "two", world, torch_path)
+    det = dict(GGML_CUDA_FA_BACK_DETERMINISTIC="1")
+    one = _launch(dict(job, args=dict(args, batch_size=2 * world, grad_accum=world)), tmp_path / "one", 0, torch_path,
+                  env=det)  # fmt: skip
+    two = _launch(dict(job, args=dict(args, batch_size=2, ddp_backend="nccl")), tmp_path / "two", world, torch_path,
+                  env=det)  # fmt: skip
     for p in one + two:
         assert p.returncode == 0, p.stderr[-3000:]
     _same_run(tmp_path / "one", tmp_path / "two", _weights(tiny_f32))

@@ -208,25 +208,28 @@ ddp87)
   ;;
 qlora88)
   # issue 88 (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf and .device-q: bitsandbytes 0.50.2 with
-  # its CUDA 13 library alone; LB_NO_TOOLS=1): the build; LB_88_PREP (default "8b:q4_0 8b:q4_k_m") random-weight GGUFs of
-  # the shape with Llama 3's 128,256-token vocabulary written in the background (setsid: a later call of the lease finds
-  # them, $MODELS/llama-SIZE-TYPE-v128k.gguf, .done when complete); the QLoRA per-type tests on CUDA0 (quantized OUT_PROD
-  # and gradients against float64: every type the CUDA backend dequantizes; LB_NO_TESTS=1: not); then (LB_NO_BENCH=1:
+  # its CUDA 13 library alone; LB_NO_TOOLS=1): the build; LB_88_PREP (default "8b:q4_0 8b:q4_k_m", none: none) random-weight
+  # GGUFs of the shape with Llama 3's 128,256-token vocabulary ($MODELS/llama-SIZE-TYPE-v128k.gguf, .done when
+  # complete: a warm machine keeps them for the lease's later calls) written while the QLoRA per-type tests run on
+  # CUDA0 (quantized OUT_PROD and gradients against float64: every type ggml quantizes; LB_NO_TESTS=1: not); then (LB_NO_BENCH=1:
   # not) bench/train.py rows for each LB_88 spec SIZE:CTX:BATCHES (default "8b:2048:4 8b:8192:1") and LB_88_TARGETS
   # (default "all qv"), rank LB_88_RANK (16): llamabind LB_88_RUNNERS (default qlora) over each LB_88_TYPES (default
   # "q4_0 q4_k_m") beside, with the first type, PyTorch LB_88_TORCH (default qlora-nf4,lora-bf16: peft over
   # bitsandbytes NF4 and over bf16 weights, transformers' random init of the shape); LB_88_EXTRA: more arguments
   [ -d .device-q ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-q/*.whl
   cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
+  # written while the tests run, waited for before the bench (the device tool ends a call's processes with it, setsid
+  # ones too: a GGUF started in one call is not there in the next, 2026-12-05)
   for st in ${LB_88_PREP-8b:q4_0 8b:q4_k_m}; do
+    [ "$st" = none ] && continue
     f=$MODELS/llama-${st%%:*}-${st##*:}-v128k.gguf
-    [ -f $f.done ] || [ -f $f.started ] || { touch $f.started; setsid bash -c "python3 bench/make_model.py --size ${st%%:*} \
-      --type ${st##*:} --vocab 128256 -o $f --tokenizer-from /tmp/tokenizer.gguf > $f.log 2>&1 && touch $f.done" \
-      < /dev/null > /dev/null 2>&1 & }
+    [ -f $f.done ] || { python3 bench/make_model.py --size ${st%%:*} --type ${st##*:} --vocab 128256 -o $f \
+      --tokenizer-from /tmp/tokenizer.gguf > $f.log 2>&1 && touch $f.done; } &
   done
   [ -n "${LB_NO_TESTS:-}" ] || LLAMABIND_TEST_BACKEND=cuda LLAMABIND_REQUIRE_GPU=1 timeout ${LB_TEST_TIMEOUT:-300} \
     python3 -m pytest tests/test_qlora.py $PYTEST_ARGS -k "not every_node" 2>&1 \
     | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/qlora88-tests.log" | tail -15
+  wait
   [ -n "${LB_NO_BENCH:-}" ] && exit 0
   for spec in ${LB_88:-8b:2048:4 8b:8192:1}; do
     [ "$spec" = none ] && continue
@@ -235,7 +238,7 @@ qlora88)
       first=1
       for ty in ${LB_88_TYPES:-q4_0 q4_k_m}; do
         f=$MODELS/llama-$sz-$ty-v128k.gguf
-        while [ ! -f $f.done ]; do [ -f $f.started ] || { echo "no $f"; break; }; sleep 5; done
+        [ -f $f.done ] || { echo "no $f (LB_88_PREP writes it)"; continue; }
         torch=""
         [ -n "$first" ] && [ "${LB_88_TORCH:-}" != none ] && torch="--torch python3 --torch-device cuda --torch-init random \
           --torch-runs ${LB_88_TORCH:-qlora-nf4,lora-bf16}"
