@@ -371,3 +371,53 @@ def test_backend_sampling_by_default_for_greedy_decoding_on_a_gpu(model):
             else:
                 assert ctx.logits().shape == (model.n_vocab,)
             s.close()
+
+
+def test_sample_many_gives_each_chains_own_tokens(model):
+    """llamabind.sample_many over the sequences of one llama_decode (GRPO's rollouts): each chain's tokens are the
+    ones its own sample() gives called in turn, over 1 or 3 threads (each chain its own state and RNG), for seeded
+    chains of different settings, a greedy one with a logit bias (the argmax path) and one with a grammar (sampled
+    in the caller's thread); bad input is a ValueError before any chain samples (the next draws unchanged)."""
+    from llamabind.context import Context
+
+    ids = model.tokenize(PROMPT)
+    kinds = [
+        dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+        dict(temperature=0.8, top_k=40, top_p=0.9),
+        dict(temperature=0, logit_bias={ids[-1]: -5.0}),
+        dict(temperature=0.7, grammar="root ::= [a-z ]+"),
+    ]
+    n = 8
+
+    def run(threads):
+        with Context(model, n_ctx=1024, n_batch=256, n_ubatch=256, n_seq_max=n, kv_unified=True, n_threads=2) as ctx:
+            chains = [llamabind.SamplingParams(seed=11 + k, **kinds[k % 4]).build(model) for k in range(n)]
+            ctx.decode_sequence(ids[:-1], 0)
+            for k in range(1, n):
+                ctx.seq_copy(0, k)
+            toks, out = [ids[-1]] * n, []
+            for _ in range(12):
+                idx = ctx.decode_batch([(k, [t]) for k, t in enumerate(toks)])
+                if threads:
+                    toks = llamabind.sample_many(chains, ctx, idx, n_threads=threads)
+                else:
+                    toks = [c.sample(ctx, i) for c, i in zip(chains, idx)]
+                out.append(toks)
+            if threads == 3:
+                with pytest.raises(ValueError, match="one position a sampler"):
+                    llamabind.sample_many(chains, ctx, idx[:-1])
+                with pytest.raises(ValueError, match="given twice"):
+                    llamabind.sample_many([chains[0], chains[0]], ctx, idx[:2])
+                with pytest.raises(ValueError, match="position of the last batch"):
+                    llamabind.sample_many(chains, ctx, [*idx[:-1], n])
+                out.append(llamabind.sample_many(chains, ctx, idx))  # the draws the refusals left untouched
+            else:
+                out.append([c.sample(ctx, i) for c, i in zip(chains, idx)])
+            for c in chains:
+                c.close()
+            return out
+
+    want = run(0)
+    assert len({tuple(t) for t in want}) > 1  # the tokens move
+    assert run(1) == want
+    assert run(3) == want

@@ -27,7 +27,7 @@ from .chat import ChatResult
 from .generation import GenerationResult, Stream, Timings, TokenLogprob
 from .model import ChatTemplates, LoraAdapter, json_schema_to_grammar
 from .projector import MEDIA_MARKER, Projector
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, sample_many
 from .server import serve
 
 __version__ = _core.build_info()["version"]
@@ -40,6 +40,7 @@ __all__ = [
     "Timings",
     "SamplingParams",
     "Sampler",
+    "sample_many",
     "LlamaError",
     "TokenLogprob",
     "LoraAdapter",

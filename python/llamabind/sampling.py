@@ -159,6 +159,22 @@ class SamplingParams:
 SamplingParams.FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
+def sample_many(
+    samplers: Sequence[Sampler], ctx: Context, idxs: Sequence[int], n_threads: int | None = None
+) -> list[int]:
+    """The next token of each chain, chain k from batch position ``idxs[k]`` of ``ctx``'s last batch, accepted into
+    it: what ``samplers[k].sample(ctx, idxs[k])`` gives for each in turn, with the chains without a grammar sampled
+    over ``n_threads`` threads (default: ``ctx``'s n_threads) with the GIL released (the candidates of every token,
+    the chain, its token: common_sampler_sample's work, here for many sequences of one llama_decode at once).
+    Raises ValueError for lengths that differ, a sampler given twice, a position not in the last batch (checked
+    before any chain samples), a context without logits; LlamaError when a chain fails."""
+    if len(samplers) != len(idxs):
+        raise ValueError(f"sample_many: {len(samplers)} samplers and {len(idxs)} positions; one position a sampler")
+    threads = ctx.n_threads if n_threads is None else n_threads
+    natives = [s._llama_sampler for s in samplers]
+    return _core.sample_many(natives, ctx._llama_context, [int(i) for i in idxs], int(threads))
+
+
 class Sampler:
     """A sampler chain in use (:meth:`SamplingParams.build`): it keeps state (penalty history,
     grammar position, mirostat, the RNG), so use one per generation and :meth:`close` it after.

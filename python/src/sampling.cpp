@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <thread>
 
 namespace lb {
 
@@ -26,6 +27,7 @@ struct Sampler {
     bool argmax = false;   // the chain is logit bias + greedy: the token is the argmax of the biased logits
     std::vector<llama_logit_bias> bias;  // the user's and the model's suppressed tokens (argmax only)
     std::vector<float> scratch;          // biased logits (argmax only)
+    std::vector<llama_token_data> cand;  // the candidates of sample_many's path (common_sampler's set_logits)
     bool was_attached = false;           // llama_sampler_chain_backend_init may run once per chain
     Context * attached = nullptr;        // the context whose decode graph runs this chain (seq 0)
     ~Sampler() { close(); }
@@ -323,6 +325,99 @@ static int32_t sample(Sampler & self, Context & ctx, int32_t idx) {
     return t;
 }
 
+// One chain's token from a logits row, off the GIL and off the context (sample_many's threads): the argmax path as
+// sample(), else what common_sampler_sample does for a chain without grammar or reasoning budget (the candidates of
+// every token, the chain applied, its selected token), then common_sampler_accept. The same token as sample().
+static llama_token sample_row(Sampler & self, const float * l) {
+    if (self.argmax) {
+        if (!self.bias.empty()) {
+            self.scratch.assign(l, l + self.n_vocab);
+            for (const auto & b : self.bias) self.scratch[b.token] += b.bias;
+            l = self.scratch.data();
+        }
+        const llama_token t = first_argmax(l, self.n_vocab);
+        common_sampler_accept(self.chain, t, true);
+        return t;
+    }
+    self.cand.resize(self.n_vocab);
+    for (int32_t i = 0; i < self.n_vocab; ++i) self.cand[i] = llama_token_data{ i, l[i], 0.0f };
+    llama_token_data_array cur_p = { self.cand.data(), self.cand.size(), -1, false };
+    llama_sampler_apply(common_sampler_get(self.chain), &cur_p);
+    if (cur_p.selected < 0 || cur_p.selected >= (int64_t) cur_p.size) throw std::runtime_error("no token selected");
+    const llama_token t = cur_p.data[cur_p.selected].id;
+    common_sampler_accept(self.chain, t, true);
+    return t;
+}
+
+// sample() for several chains at once, chain k from batch position idxs[k] of ctx's last batch, the chains without
+// a grammar spread over n_threads threads (each chain is its own state: the tokens are those sample() would give
+// called on each in turn); chains with a grammar, or attached to ctx, take sample() in this thread.
+static std::vector<int32_t> sample_many(const std::vector<Sampler *> & samplers, Context & ctx,
+                                        const std::vector<int32_t> & idxs, int n_threads) {
+    const size_t n = samplers.size();
+    if (idxs.size() != n)
+        raise_value("sample_many: one batch position a sampler (got " + std::to_string(n) + " samplers and " +
+                    std::to_string(idxs.size()) + " positions)");
+    if (n_threads < 1 || n_threads > 512)
+        raise_value("n_threads must be in [1, 512]; got " + std::to_string(n_threads));
+    for (size_t k = 0; k < n; ++k) {
+        if (!samplers[k]) raise_type("sample_many: samplers must be Sampler objects, not None");
+        samplers[k]->get();
+        for (size_t j = 0; j < k; ++j) {
+            if (samplers[j] == samplers[k]) raise_value("sample_many: a sampler is given twice (its state is one)");
+        }
+    }
+    for (int32_t idx : idxs) {  // every position checked before any chain samples (and changes its state)
+        if (idx < -1 || (idx >= 0 && idx >= ctx.n_batch_last)) {
+            raise_value("idx must be -1 or a position of the last batch, in [0, " + std::to_string(ctx.n_batch_last) +
+                        "); got " + std::to_string(idx));
+        }
+    }
+    std::vector<int32_t> out(n, LLAMA_TOKEN_NULL);
+    std::vector<size_t> par;  // the chains sampled by the threads
+    for (size_t k = 0; k < n; ++k) {
+        Sampler & s = *samplers[k];
+        if (s.grammar || s.attached == &ctx) {
+            out[k] = sample(s, ctx, idxs[k]);
+        } else {
+            par.push_back(k);
+        }
+    }
+    if (par.empty()) return out;
+    if (!ctx.has_logits) raise_value("no logits to sample from: decode() first");
+    std::vector<const float *> rows(n, nullptr);
+    BusyGuard guard(ctx);
+    std::string err;
+    {
+        nb::gil_scoped_release release;
+        clear_recent_errors();
+        llama_synchronize(ctx.get());
+        for (size_t k : par) rows[k] = llama_get_logits_ith(ctx.get(), idxs[k]);  // in this thread: it synchronizes
+        const size_t n_thr = std::min<size_t>((size_t) n_threads, par.size());
+        std::vector<std::string> errs(n_thr);
+        auto work = [&](size_t w) {
+            for (size_t i = w; i < par.size(); i += n_thr) {
+                const size_t k = par[i];
+                try {
+                    if (!rows[k]) throw std::runtime_error("no logits at batch position " + std::to_string(idxs[k]));
+                    out[k] = sample_row(*samplers[k], rows[k]);
+                } catch (const std::exception & e) {
+                    if (errs[w].empty()) errs[w] = e.what();
+                }
+            }
+        };
+        std::vector<std::thread> threads;
+        for (size_t w = 1; w < n_thr; ++w) threads.emplace_back(work, w);
+        work(0);
+        for (auto & t : threads) t.join();
+        for (const auto & e : errs) {
+            if (err.empty() && !e.empty()) err = e;
+        }
+    }
+    if (!err.empty()) throw LlamaError("sampling failed: " + err + "\n" + take_recent_errors());
+    return out;
+}
+
 static void accept(Sampler & self, const std::vector<int64_t> & tokens, bool is_generated) {
     common_sampler * s = self.get();
     for (int64_t t : tokens) {
@@ -337,6 +432,9 @@ static void accept(Sampler & self, const std::vector<int64_t> & tokens, bool is_
 }
 
 void register_sampling(nb::module_ & m) {
+    m.def("sample_many", &sample_many, nb::arg("samplers"), nb::arg("context"), nb::arg("idxs"), nb::arg("n_threads"),
+          "sample() of each chain at its batch position of context's last batch, chains without a grammar over "
+          "n_threads threads; ValueError for unequal lengths, a chain given twice or a bad position.");
     nb::class_<Sampler>(m, "Sampler", "llama.cpp common's sampler chain (common_sampler_init).")
         .def("__init__", &sampler_init, nb::arg("model"), nb::arg("params"), nb::arg("chat").none() = nb::none(),
              nb::keep_alive<1, 2>(),

@@ -17,7 +17,7 @@ import numpy as np
 from .._validate import expect
 from ..context import Context
 from ..model import LoraAdapter, Model
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, sample_many
 from .pairs import _rows
 
 __all__ = ["GRPOPrompt", "Rollouts", "pack_completions", "read_prompts", "rollout", "score"]
@@ -110,7 +110,8 @@ def rollout(
     """``num_generations`` completions of each prompt (token ids), sampled with ``sampling`` (one sampler chain
     a completion, seeded ``seed + i`` for completion i when a seed is given), at most ``max_tokens`` tokens
     each; completion i is of prompt i // num_generations. Each prompt is decoded once, its KV cells copied to
-    its other sequences (llama_memory_seq_cp), then every unfinished completion gets a token per llama_decode."""
+    its other sequences (llama_memory_seq_cp), then every unfinished completion gets a token per llama_decode, the
+    completions' chains sampled together over the context's threads (:func:`~llamabind.sampling.sample_many`)."""
     t0 = time.perf_counter()
     model = ctx.model
     ctx.clear()
@@ -149,7 +150,7 @@ def rollout(
             active = step
             if active:
                 idx = ctx.decode_batch([(i, [out[i][-1]]) for i in active])
-                nxt = {i: samplers[i].sample(ctx, idx[k]) for k, i in enumerate(active)}
+                nxt = dict(zip(active, sample_many([samplers[i] for i in active], ctx, idx)))
     finally:
         for s in samplers:
             s.close()
