@@ -60,6 +60,7 @@ def worker_llamabind(args) -> dict:
     return dict(step_times=[round(b - a, 4) for a, b in zip(times, times[1:])],
                 rollout_tok_s=statistics.median(x["rollout_tokens_per_s"] for x in ms),
                 rollout_s=statistics.median(x["time/rollout_s"] for x in ms[1:] or ms),
+                sample_s=statistics.median(x["time/rollout_sample_s"] for x in ms[1:] or ms),
                 train_s=statistics.median(x["time/train_s"] for x in ms[1:] or ms),
                 completion_len=statistics.mean(x["completions/mean_length"] for x in ms))  # fmt: skip
 
@@ -165,8 +166,10 @@ def main() -> int:
     n = args.prompts * args.num_generations
     print(f"\n{desc}, GRPO: {args.prompts} prompts x G {args.num_generations} = {n} completions of up to "
           f"{args.completion} tokens a step")  # fmt: skip
-    print("| runner | s / step | rollout s | train s | rollout tok/s | completion tokens | peak GPU MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| runner | s / step | rollout s | of it sampling s | train s | rollout tok/s | completion tokens | GPU MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     ref = None
     for name, r in rows.items():
         if "error" in r:
@@ -175,6 +178,7 @@ def main() -> int:
         r["s_per_step"] = statistics.median(r["step_times"]) if r["step_times"] else float("nan")
         ref = r["s_per_step"] if name.startswith("TRL") else ref
         print(f"| {name} | {r['s_per_step']:.2f} | {r.get('rollout_s', float('nan')):.2f} | "
+              f"{r.get('sample_s', float('nan')):.2f} | "
               f"{r.get('train_s', float('nan')):.2f} | {r.get('rollout_tok_s', float('nan')):.0f} | "
               f"{r['completion_len']:.0f} | {r.get('peak_gpu_mb')} |")  # fmt: skip
     if ref:

@@ -239,7 +239,7 @@ class _GRPORun:
              "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
              "completions/clipped_ratio": float(r.truncated.mean()),
              "rollout_tokens_per_s": float(lengths.sum() / max(r.seconds, 1e-9)),
-             "time/rollout_s": float(r.seconds)}  # fmt: skip
+             "time/rollout_s": float(r.seconds), "time/rollout_sample_s": float(r.sample_seconds)}  # fmt: skip
         for j, f in enumerate(self.funcs):
             m[f"rewards/{reward_name(f)}/mean"] = float(np.nanmean(per_func[:, j]))
         return b, m

@@ -71,12 +71,14 @@ def read_prompts(data: Any, model: Model, name: str | None = None) -> list[GRPOP
 class Rollouts:
     """Completions of prompts: ``completions[i]`` the token ids of completion i (int32; with its end-of-sequence
     token when it ended), ``truncated[i]`` True where it reached max_completion_length without ending,
-    ``texts[i]`` its text (the end-of-sequence token left out), ``seconds`` the time the decoding took."""
+    ``texts[i]`` its text (the end-of-sequence token left out), ``seconds`` the time the decoding took, of it
+    ``sample_seconds`` in the sampler chains (the rest: llama_decode, the prompts included)."""
 
     completions: list[np.ndarray]
     truncated: np.ndarray
     texts: list[str]
     seconds: float
+    sample_seconds: float = 0.0
 
 
 class Roller:
@@ -136,6 +138,7 @@ def rollout(
         truncated = np.zeros(n, bool)
         nxt = first
         active = list(range(n))
+        t_sample = 0.0
         while active:
             step = []
             for i in active:
@@ -150,12 +153,14 @@ def rollout(
             active = step
             if active:
                 idx = ctx.decode_batch([(i, [out[i][-1]]) for i in active])
+                t1 = time.perf_counter()
                 nxt = dict(zip(active, sample_many([samplers[i] for i in active], ctx, idx)))
+                t_sample += time.perf_counter() - t1
     finally:
         for s in samplers:
             s.close()
     texts = [model.detokenize([t for t in c if not model.is_eog(t)]) for c in out]
-    return Rollouts([np.asarray(c, np.int32) for c in out], truncated, texts, time.perf_counter() - t0)
+    return Rollouts([np.asarray(c, np.int32) for c in out], truncated, texts, time.perf_counter() - t0, t_sample)
 
 
 RewardFunc = Callable[..., Sequence[float | None]]
