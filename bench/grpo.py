@@ -5,12 +5,13 @@ not on the GPU machine) in one run, on the same model shape, prompts, G, lengths
 process.
 
     python bench/grpo.py [--size 1b | --model smollm2-135m-instruct] [--prompts 4] [--num-generations 8]
-        [--completion 256] [--steps 5] [--runners lora,qlora] [--trl PYTHON] [--out FILE.json]
+        [--completion 256] [--steps 5] [--runners lora,qlora,lora-gc] [--trl PYTHON] [--out FILE.json]
 
 Prompts: the first 300 characters of Python's reference topics (pydoc_data.topics), as text (each side tokenizes
 them). Reward: the completion's length in characters / 1000 (cheap; a random-weight model never ends a completion,
-so every completion is max_completion_length tokens on both sides: the same work). Both: TRL's defaults otherwise
-(dapo loss, beta 0, temperature 1, no top_k/top_p), lr 1e-5, one optimizer step per generation batch of
+so every completion is max_completion_length tokens on both sides: the same work). TRL's GRPOConfig turns gradient
+checkpointing on by default: the -gc runners do so too, for memory compared like for like. Both: TRL's defaults
+otherwise (dapo loss, beta 0, temperature 1, no top_k/top_p), lr 1e-5, one optimizer step per generation batch of
 prompts x G completions. Seconds per step: the median after the first; rollout tokens/s: completion tokens over
 the time the rollouts took (llamabind's); peak GPU memory from nvidia-smi. Prints a table and writes
 bench/results/grpo-<host>-<date>.json (--out).
@@ -55,6 +56,7 @@ def worker_llamabind(args) -> dict:
             batch_size=args.prompts * args.num_generations, iters=args.steps, val_split=0.0, progress=False,
             config=train.GRPOConfig(num_generations=args.num_generations, max_completion_length=args.completion),
             on_step=lambda s, mt: times.append(time.perf_counter()),
+            gradient_checkpointing=args.worker.endswith("-gc"),
         )  # fmt: skip
     ms = r.metrics
     return dict(step_times=[round(b - a, 4) for a, b in zip(times, times[1:])],
@@ -119,7 +121,12 @@ def main() -> int:
     ap.add_argument("--num-generations", type=int, default=8)
     ap.add_argument("--completion", type=int, default=256, help="max_completion_length")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--runners", default="lora,qlora", help="llamabind's: lora (F32 base), qlora (Q4_0 base)")
+    ap.add_argument(
+        "--runners",
+        default="lora,qlora,lora-gc",
+        help="llamabind's: lora (F32 base), qlora (Q4_0 base); -gc: with gradient checkpointing (TRL's GRPOConfig "
+        "turns it on by default)",
+    )
     ap.add_argument("--trl", default=None, help="python with torch, transformers, peft, trl")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -143,8 +150,9 @@ def main() -> int:
         common = ["--prompts", str(args.prompts), "--num-generations", str(args.num_generations), "--completion",
                   str(args.completion), "--steps", str(args.steps), "--data", str(data)]  # fmt: skip
         for r in args.runners.split(","):
-            path = {"lora": f32, "qlora": quant}[r]
-            name = f"llamabind {'LoRA' if r == 'lora' else 'QLoRA (' + quant.name + ')'} r{RANK}"
+            path = {"lora": f32, "qlora": quant}[r.removesuffix("-gc")]
+            name = f"llamabind {'QLoRA (' + quant.name + ')' if r.startswith('qlora') else 'LoRA'} r{RANK}"
+            name += " gradient checkpointing" if r.endswith("-gc") else ""
             try:
                 out, _, gpu_mb = run_process([sys.executable, __file__, "--worker", r, "--model", str(path), *common])
                 rows[name] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
