@@ -397,3 +397,39 @@ def test_full_fine_tune_with_a_kl_to_the_gguf_loaded_again(smollm2_f32_cut):
     kl = [x["kl"] for x in r.metrics]
     print(f"kl per step {kl}")
     assert abs(kl[0]) < 1e-5 and kl[1] > max(abs(kl[0]), 1e-6)
+
+
+def test_rollouts_sampled_in_the_decode_graph(model_path):
+    """GRPO's rollouts with each completion's chain attached to its sequence (rollout(on_device=True), what a GPU
+    model gets: only the sampled tokens leave the device) against the chains on the CPU (sample_many), on the CPU
+    backend: greedy chains pick the same tokens for every completion of two prompts (a chain attached to the
+    wrong sequence would not); a seeded chain draws its own sequence's tokens (the first prompt's completions
+    alone = beside another prompt's); seeded chains give the same completions run after run and other ones for
+    another seed. (Seeded draws are not compared across the two paths: the graph's softmax rounds otherwise than
+    the CPU chain's, and a draw at a boundary parts them: 1 of 168 tokens on this VM; with top_k the graph's
+    candidates come in another order, so the same uniform draw picks another token.)"""
+    from llamabind.context import Context
+    from llamabind.train.rollout import rollout
+
+    with llamabind.Model(model_path, n_threads=2, n_gpu_layers=0) as m:
+        ctx = Context(m, n_ctx=2048, n_batch=512, n_ubatch=512, n_seq_max=8, kv_unified=True, n_threads=2)
+        ps = [p.ids for p in train.read_prompts([{"prompt": _chat(q)} for q in ("2+3?", "A color?")], m)]
+
+        def run(on_device: bool, **kw) -> list[list[int]]:
+            r = rollout(ctx, ps, 4, 16, llamabind.SamplingParams(**kw), on_device=on_device)
+            assert len(r.completions) == 8 and all(1 <= len(c) <= 16 for c in r.completions)
+            return [c.tolist() for c in r.completions]
+
+        greedy = run(False, temperature=0)
+        assert run(True, temperature=0) == greedy
+        assert greedy[0] != greedy[4]  # two prompts, two answers
+        # each completion's chain (seed + i) draws its own sequence's tokens: the first prompt's 4 completions are the
+        # same alone as beside a second prompt's (the CPU's products are the same per row at either batch size)
+        full = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+        alone = rollout(ctx, ps[:1], 4, 16, llamabind.SamplingParams(**full), on_device=True).completions
+        assert [c.tolist() for c in alone] == run(True, **full)[:4]
+        seeded = run(True, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+        assert run(True, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7) == seeded
+        assert run(True, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=8) != seeded
+        assert len({tuple(c) for c in seeded[:4]}) > 1  # a prompt's completions draw apart
+        ctx.close()

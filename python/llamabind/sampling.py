@@ -189,13 +189,14 @@ class Sampler:
         ValueError when ctx has no logits or idx is not a position of its last batch."""
         return self._llama_sampler.sample(ctx._llama_context, idx)
 
-    def attach(self, ctx: Context) -> bool:
-        """Run this chain inside ``ctx``'s decode graph for sequence 0 (llama_set_sampler): the
-        next decodes sample on the output device and :meth:`sample` reads the token. Returns False
+    def attach(self, ctx: Context, seq_id: int = 0) -> bool:
+        """Run this chain inside ``ctx``'s decode graph for sequence ``seq_id`` (llama_set_sampler): the
+        next decodes sample that sequence's outputs on the output device and :meth:`sample` reads the token
+        (a chain a sequence: G completions decoded together each sample on the device). Returns False
         when llama.cpp cannot offload the chain's first sampler (sampling stays on the CPU).
         Until :meth:`detach` (or :meth:`close`), ``ctx`` gives no logits (ValueError). Raises
-        ValueError for a chain with a grammar, or one attached before."""
-        return self._llama_sampler.attach(ctx._llama_context)
+        ValueError for a chain with a grammar, one attached before, or a seq_id outside [0, n_seq_max)."""
+        return self._llama_sampler.attach(ctx._llama_context, int(seq_id))
 
     def detach(self) -> None:
         """Take the chain out of the decode graph it was attached to (llama_set_sampler with no

@@ -324,7 +324,9 @@ static void release_view(void * p) noexcept {  // capsule destructors run with t
 // Logits of every token: float32 (n_tokens, n_vocab). copy=False returns a read-only view into
 // llama.cpp's output buffer when the tokens fit one batch (decode/close refuse while it lives).
 static void check_no_backend_sampler(const Context & self) {  // only the sampled token left the device
-    if (self.backend_sampler) raise_value("no logits while a sampler chain runs on the backend (backend_sampling)");
+    if (!self.backend_samplers.empty()) {
+        raise_value("no logits while a sampler chain runs on the backend (backend_sampling)");
+    }
 }
 
 static nb::object eval(nb::handle py_self, const std::vector<int64_t> & tokens, int64_t seq, bool copy) {

@@ -75,8 +75,8 @@ struct Context {
     std::vector<std::pair<Lora *, float>> loras;  // adapters applied (set_loras)
     std::shared_ptr<struct TrainState> train;     // llama_opt_* state once opt_init ran (train.cpp)
     bool packed = false;  // a training context of one window of packed documents (llama_opt_set_segments)
-    std::shared_ptr<struct OpProfile> profile;  // per-node times of a training_profile context (train.cpp)
-    Sampler * backend_sampler = nullptr;        // the chain llama_set_sampler attached to seq 0
+    std::shared_ptr<struct OpProfile> profile;           // per-node times of a training_profile context (train.cpp)
+    std::map<llama_seq_id, Sampler *> backend_samplers;  // the chains llama_set_sampler attached, by sequence
     BatchBuf batch;
     // Media whose tokens outnumber their positions, per sequence in position order: an M-RoPE image
     // puts n_tokens embeddings (a grid) on n_pos positions, every KV cell at position p0, so neither

@@ -29,12 +29,13 @@ struct Sampler {
     std::vector<float> scratch;          // biased logits (argmax only)
     std::vector<llama_token_data> cand;  // the candidates of sample_many's path (common_sampler's set_logits)
     bool was_attached = false;           // llama_sampler_chain_backend_init may run once per chain
-    Context * attached = nullptr;        // the context whose decode graph runs this chain (seq 0)
+    Context * attached = nullptr;        // the context whose decode graph runs this chain
+    llama_seq_id attached_seq = 0;       // for this sequence
     ~Sampler() { close(); }
     void detach() {
         if (!attached) return;
-        if (attached->ctx) llama_set_sampler(attached->ctx, 0, nullptr);
-        attached->backend_sampler = nullptr;
+        if (attached->ctx) llama_set_sampler(attached->ctx, attached_seq, nullptr);
+        attached->backend_samplers.erase(attached_seq);
         attached->has_logits = false;  // the last decode made no raw logits
         attached = nullptr;
     }
@@ -231,32 +232,36 @@ static void sampler_init(Sampler * self, Model & model, nb::dict params, const C
 }
 
 void forget_backend_sampler(Context & c) {
-    if (c.backend_sampler) {
-        c.backend_sampler->attached = nullptr;
-        c.backend_sampler = nullptr;
-    }
+    for (auto & [seq, s] : c.backend_samplers) s->attached = nullptr;
+    c.backend_samplers.clear();
 }
 
-// Attach the chain to ctx's sequence 0 (llama_set_sampler). False when llama.cpp cannot run its
+// Attach the chain to ctx's sequence seq_id (llama_set_sampler). False when llama.cpp cannot run its
 // first sampler on the output device (the chain then samples on the CPU, as before).
-static bool attach(Sampler & self, Context & ctx) {
+static bool attach(Sampler & self, Context & ctx, int32_t seq_id) {
     common_sampler * s = self.get();
     llama_context * c = ctx.get();
     if (self.grammar) raise_value("a sampler chain with a grammar cannot run on the backend");
     if (self.was_attached) raise_value("this sampler chain was attached once already: build a new one");
     if (ctx.encoder_only) raise_value("an encoder-only model has no logits to sample");
+    const int32_t n_seq = (int32_t) llama_n_seq_max(c);
+    if (seq_id < 0 || seq_id >= n_seq) {
+        raise_value("seq_id must be in [0, " + std::to_string(n_seq) + "); got " + std::to_string(seq_id));
+    }
     BusyGuard guard(ctx);
-    if (ctx.backend_sampler) ctx.backend_sampler->detach();  // an abandoned stream's chain: superseded
+    auto prev = ctx.backend_samplers.find(seq_id);
+    if (prev != ctx.backend_samplers.end()) prev->second->detach();  // an abandoned stream's chain: superseded
     self.was_attached = true;
     bool ok;
     {
         nb::gil_scoped_release release;
         clear_recent_errors();
-        ok = llama_set_sampler(c, 0, common_sampler_get(s));
+        ok = llama_set_sampler(c, seq_id, common_sampler_get(s));
     }
     if (!ok) return false;
     self.attached = &ctx;
-    ctx.backend_sampler = &self;
+    self.attached_seq = seq_id;
+    ctx.backend_samplers[seq_id] = &self;
     return true;
 }
 
@@ -445,11 +450,11 @@ void register_sampling(nb::module_ & m) {
              "(common_sampler_sample + common_sampler_accept).")
         .def("accept", &accept, nb::arg("tokens"), nb::arg("is_generated") = false,
              "Feed tokens to the chain's state (penalties; grammar only if is_generated).")
-        .def("attach", &attach, nb::arg("context"),
-             "Run the chain inside context's decode graph for sequence 0 (llama_set_sampler): sample() "
+        .def("attach", &attach, nb::arg("context"), nb::arg("seq_id") = 0,
+             "Run the chain inside context's decode graph for sequence seq_id (llama_set_sampler): sample() "
              "then reads the token sampled on the device. Returns False if llama.cpp cannot offload "
-             "the chain. Once per chain; ValueError with a grammar. A chain attached to the same context "
-             "before is detached. Until detach(), the context has no logits.")
+             "the chain. Once per chain; ValueError with a grammar or a seq_id out of range. A chain attached to the "
+             "same sequence before is detached. Until detach(), the context has no logits.")
         .def("detach", &detach, "Take the chain out of the context's decode graph (llama_set_sampler(nullptr)).")
         .def_prop_ro("attached", [](const Sampler & s) { return s.attached != nullptr; })
         .def("reset", [](Sampler & s) { common_sampler_reset(s.get()); })

@@ -107,38 +107,48 @@ class Roller:
 
 
 def rollout(
-    ctx: Context, prompts: Sequence[np.ndarray], num_generations: int, max_tokens: int, sampling: SamplingParams
+    ctx: Context,
+    prompts: Sequence[np.ndarray],
+    num_generations: int,
+    max_tokens: int,
+    sampling: SamplingParams,
+    on_device: bool | None = None,
 ) -> Rollouts:
     """``num_generations`` completions of each prompt (token ids), sampled with ``sampling`` (one sampler chain
     a completion, seeded ``seed + i`` for completion i when a seed is given), at most ``max_tokens`` tokens
     each; completion i is of prompt i // num_generations. Each prompt is decoded once, its KV cells copied to
-    its other sequences (llama_memory_seq_cp), then every unfinished completion gets a token per llama_decode, the
-    completions' chains sampled together over the context's threads (:func:`~llamabind.sampling.sample_many`)."""
+    its other sequences (llama_memory_seq_cp), then every unfinished completion gets a token per llama_decode.
+    ``on_device`` (default: where the model's output layer is on a GPU): each completion's chain runs in the decode
+    graph for its sequence (:meth:`~llamabind.sampling.Sampler.attach`), only the sampled tokens leave the device;
+    otherwise the chains sample the logits on the CPU together over the context's threads
+    (:func:`~llamabind.sampling.sample_many`)."""
     t0 = time.perf_counter()
     model = ctx.model
     ctx.clear()
-    n = len(prompts) * num_generations
+    G = num_generations
+    n = len(prompts) * G
     samplers = []
     try:
         for i in range(n):
             seed = None if sampling.seed is None else (sampling.seed + i) & 0xFFFFFFFF
             samplers.append(dataclasses.replace(sampling, seed=seed).build(model))
-        first = {}  # sequence -> its first sampled token
         for j, ids in enumerate(prompts):
-            s0 = j * num_generations
+            for g in range(G):
+                samplers[j * G + g].accept(ids.tolist())
             if len(ids) > 1:
-                ctx.decode_sequence(ids[:-1].tolist(), s0)
-                for g in range(1, num_generations):
-                    ctx.seq_copy(s0, s0 + g)
-            idx = ctx.decode_batch([(s0 + g, [int(ids[-1])]) for g in range(num_generations)])
-            for g in range(num_generations):
-                samplers[s0 + g].accept(ids.tolist())
-                first[s0 + g] = samplers[s0 + g].sample(ctx, idx[g])
+                ctx.decode_sequence(ids[:-1].tolist(), j * G)
+                for g in range(1, G):
+                    ctx.seq_copy(j * G, j * G + g)
+        if model.output_offloaded if on_device is None else on_device:
+            for i, smp in enumerate(samplers):
+                smp.attach(ctx, i)  # False: this chain samples on the CPU
+        idx = ctx.decode_batch([(j * G + g, [int(ids[-1])]) for j, ids in enumerate(prompts) for g in range(G)])
+        t1 = time.perf_counter()
+        nxt = dict(enumerate(sample_many(samplers, ctx, idx)))
+        t_sample = time.perf_counter() - t1
         out: list[list[int]] = [[] for _ in range(n)]
         truncated = np.zeros(n, bool)
-        nxt = first
         active = list(range(n))
-        t_sample = 0.0
         while active:
             step = []
             for i in active:
