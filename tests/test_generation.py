@@ -325,6 +325,9 @@ def test_a_sampler_attaches_once_and_never_with_a_grammar(model):
         with pytest.raises(ValueError, match="grammar"):
             g.attach(ctx)
         g.close()
+        for seq in (-1, ctx.n_seq_max):  # a chain a sequence: only the context's sequences
+            with llamabind.SamplingParams(temperature=0).build(model) as s2, pytest.raises(ValueError, match="seq_id"):
+                s2.attach(ctx, seq)
 
 
 def test_greedy_is_the_argmax_after_bias_and_penalties(model):
