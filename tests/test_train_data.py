@@ -423,7 +423,8 @@ def test_cli_finetune_says_what_it_does_and_prints_no_nan(model_path, tmp_path):
     assert re.search(r"^loss [\d.]+, perplexity", p.stdout, re.M), p.stdout
     assert "window/s" not in p.stderr and "windows/s" not in p.stderr  # no bar: stderr is no terminal here
     bar = subprocess.run([*ev, "--progress"], capture_output=True, text=True, timeout=300)
-    assert bar.returncode == 0 and bar.stdout == p.stdout, bar.stderr[-2000:]
+    # the result line alike (a line after it reports the cores kept busy, a measurement that varies run to run)
+    assert bar.returncode == 0 and bar.stdout.splitlines()[0] == p.stdout.splitlines()[0], bar.stderr[-2000:]
     assert re.search(r"evaluating:\s+\d+%.*\d+/30 ", bar.stderr), bar.stderr[-2000:]  # tqdm's state, as it last drew
 
 
