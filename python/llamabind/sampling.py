@@ -166,8 +166,14 @@ def sample_many(
     it: what ``samplers[k].sample(ctx, idxs[k])`` gives for each in turn, with the chains without a grammar sampled
     over ``n_threads`` threads (default: ``ctx``'s n_threads) with the GIL released (the candidates of every token,
     the chain, its token: common_sampler_sample's work, here for many sequences of one llama_decode at once).
+    Chains attached to ``ctx`` (:meth:`Sampler.attach`) read the token their sequence's decode sampled.
+
+    samplers: N chains, each once; idxs: N batch positions (ints, as :meth:`Context.decode_batch` returns them).
+    Returns N token ids (a list of int), in the samplers' order. Wraps llama_get_logits_ith, llama_sampler_apply
+    over common_sampler_get's chain and common_sampler_accept (common_sampler_sample for chains with a grammar).
     Raises ValueError for lengths that differ, a sampler given twice, a position not in the last batch (checked
-    before any chain samples), a context without logits; LlamaError when a chain fails."""
+    before any chain samples), a context without logits, n_threads outside [1, 512]; LlamaError when a chain
+    fails."""
     if len(samplers) != len(idxs):
         raise ValueError(f"sample_many: {len(samplers)} samplers and {len(idxs)} positions; one position a sampler")
     threads = ctx.n_threads if n_threads is None else n_threads

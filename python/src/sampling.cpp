@@ -290,6 +290,17 @@ static llama_token first_argmax(const float * l, int32_t n) {
     return 0;
 }
 
+// An argmax chain's token (logit bias + greedy): the first argmax of the logits row plus llama_sampler_logit_bias's
+// sums, in its order (the user's and the model's suppressed tokens).
+static llama_token biased_argmax(Sampler & self, const float * l) {
+    if (!self.bias.empty()) {
+        self.scratch.assign(l, l + self.n_vocab);
+        for (const auto & b : self.bias) self.scratch[b.token] += b.bias;
+        l = self.scratch.data();
+    }
+    return first_argmax(l, self.n_vocab);
+}
+
 // Sample the next token from the logits of batch position idx (-1: the last output), and accept
 // it into the chain's state (penalties, grammar, mirostat), as llama-cli does.
 static int32_t sample(Sampler & self, Context & ctx, int32_t idx) {
@@ -311,14 +322,7 @@ static int32_t sample(Sampler & self, Context & ctx, int32_t idx) {
             // which would copy the (absent) logits of the whole vocabulary first
             t = self.attached == &ctx ? llama_get_sampled_token_ith(c, idx) : LLAMA_TOKEN_NULL;
             if (t == LLAMA_TOKEN_NULL && self.argmax) {  // decode() synchronized already
-                if (const float * l = llama_get_logits_ith(c, idx)) {
-                    if (!self.bias.empty()) {  // llama_sampler_logit_bias's sums, in its order
-                        self.scratch.assign(l, l + self.n_vocab);
-                        for (const auto & b : self.bias) self.scratch[b.token] += b.bias;
-                        l = self.scratch.data();
-                    }
-                    t = first_argmax(l, self.n_vocab);
-                }
+                if (const float * l = llama_get_logits_ith(c, idx)) t = biased_argmax(self, l);
             }
             if (t == LLAMA_TOKEN_NULL) t = common_sampler_sample(s, c, idx);
             common_sampler_accept(s, t, true);
@@ -335,12 +339,7 @@ static int32_t sample(Sampler & self, Context & ctx, int32_t idx) {
 // every token, the chain applied, its selected token), then common_sampler_accept. The same token as sample().
 static llama_token sample_row(Sampler & self, const float * l) {
     if (self.argmax) {
-        if (!self.bias.empty()) {
-            self.scratch.assign(l, l + self.n_vocab);
-            for (const auto & b : self.bias) self.scratch[b.token] += b.bias;
-            l = self.scratch.data();
-        }
-        const llama_token t = first_argmax(l, self.n_vocab);
+        const llama_token t = biased_argmax(self, l);
         common_sampler_accept(self.chain, t, true);
         return t;
     }
