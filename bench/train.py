@@ -173,7 +173,9 @@ def run_process(cmd: list[str], timeout: float = 3600) -> tuple[str, str, float 
     gpu = GpuPeak(p)
     out, err = p.communicate(timeout=timeout)
     if p.returncode != 0:
-        raise RuntimeError(f"{cmd[:3]} failed:\n{err[-3000:]}")
+        # an abort's own message comes before its backtrace: keep the lines that say what failed, then the tail
+        said = [ln for ln in err.splitlines() if re.search(r"error|assert|abort|out of memory|failed", ln, re.I)]
+        raise RuntimeError(f"{cmd[:3]} failed:\n" + "\n".join(said[-12:]) + f"\n...\n{err[-1500:]}")
     return out, err, gpu.peak_mb
 
 
@@ -312,7 +314,7 @@ def main() -> int:
             try:
                 out, _, gpu_mb = run_process(cmd)
             except RuntimeError as err:
-                return dict(error=str(err)[-600:], batch=batch, ctx=ctx)
+                return dict(error=str(err)[:1200], batch=batch, ctx=ctx)
             return {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb, "ctx": ctx}
 
         def done(name: str, row: dict) -> None:  # one line a row as it ends: a run cut short keeps its rows
@@ -366,7 +368,7 @@ def main() -> int:
                             rows[name] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
                         except RuntimeError as err:
                             oom = "out of memory" in str(err).lower()
-                            rows[name] = dict(error="out of memory" if oom else str(err)[-600:], batch=b)
+                            rows[name] = dict(error="out of memory" if oom else str(err)[:1200], batch=b)
                         rows[name].update(ctx=ctx, fpt=fpt[lora])
                         done(name, rows[name])
 
