@@ -119,6 +119,25 @@ def test_load_error_carries_llama_cpp_reason(model_path, tmp_path):
     assert "llama.cpp:" in str(e.value)  # the logged reason, not only "failed"
 
 
+def test_an_abort_says_what_ggml_logged_before_it():
+    """ggml logs why before it aborts (ggml_cuda_error: "CUDA error: out of memory", the device, the call, then
+    GGML_ABORT("CUDA error")); with no logging configured those lines went to the NullHandler and the abort said
+    only "ggml-cuda.cu:110: CUDA error" (an 80 GB H100 running out of memory under a 70B fine-tune). The
+    abort callback prints the aborting thread's last warning/error lines first. The same calls ggml_cuda_error
+    makes (_core._test_abort: through the installed log callback, then ggml_abort) in a child interpreter
+    that then aborts; an INFO line is not printed."""
+    r = run_python("""
+import llamabind._core as core
+core._test_abort([(2, "an info line"), (4, "CUDA error: out of memory"),
+                  (4, "  current device: 0, in function alloc at ggml-cuda.cu:440")], "CUDA error")
+""")
+    assert r.returncode != 0
+    err = r.stderr
+    assert "CUDA error: out of memory" in err and "current device: 0" in err, err
+    assert err.index("out of memory") < err.index("ggml-cuda.cu:110: CUDA error"), err
+    assert "an info line" not in err, err
+
+
 def test_model_names_resolve_to_verified_files(model_path):
     assert models.resolve(models.DEFAULT) == model_path
     assert models.resolve(str(model_path)) == model_path

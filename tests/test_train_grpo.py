@@ -343,6 +343,38 @@ def test_packed_completions_train_as_their_windows(smollm2_f32_cut):
     print([(round(x["loss"], 7), round(y["loss"], 7)) for x, y in zip(out[True], out[False])])
 
 
+def test_split_micro_batches_train_the_same_steps(smollm2_f32_cut):
+    """GRPO splits a micro-batch whose loss's logits would be large into smaller ones (train.grpo's
+    loss_chunk_tokens; train.grpo.loss_splits): 2 completions of <= 6 tokens a micro-batch at loss_chunk_tokens=6
+    (4 micro-batches a step) against the whole batch of 8 (loss_chunk_tokens=0). The loss's coefficients are
+    scaled by the count as ggml-opt averages the micro-batches' gradients, so the same rollouts give the same
+    losses, KL and clip ratios (two steps on one generation batch, beta 0.04: the ratio, the reference and the
+    clipping in play) within 2e-5 on the CPU (F32 sums of other lengths; the second step's after the first's
+    update). SGD, whose step is proportional to the gradient: AdamW's is not, and hid a gradient 8x too small."""
+    from llamabind.train.grpo import loss_splits
+
+    assert loss_splits(32, 256, 49152, None) == 4  # 8 x 256 rows x 49,152 x 4 B = 402 MB <= 512 MiB
+    assert loss_splits(32, 256, 49152, 0) == 1 and loss_splits(6, 100, 10, 250) == 3 and loss_splits(5, 9, 9, 1) == 5
+    assert loss_splits(4, 64, 1000, None) == 1
+    prompts = ["The colour of the sky is", "Two plus two is", "My favourite animal is", "Water is"]
+
+    def reward(completions, **kw):
+        return [float(len(c)) / 10 for c in completions]
+
+    cfg = train.GRPOConfig(num_generations=2, max_completion_length=6, beta=0.04, num_iterations=2)
+    out = {}
+    for chunk in (0, 6):
+        with llamabind.Model(smollm2_f32_cut, n_threads=2, repack=False, n_gpu_layers=0) as m:
+            r = train.grpo(m, prompts, reward, config=cfg, loss_chunk_tokens=chunk, lora_rank=4, optimizer="sgd",
+                           lr=0.5, batch_size=8, iters=2, val_split=0.0, progress=False, n_threads=2)  # fmt: skip
+            out[chunk] = r.metrics
+    for a, b in zip(out[0], out[6]):
+        assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+        for k in ("loss", "kl", "clip_ratio/region_mean"):
+            assert a[k] == pytest.approx(b[k], abs=2e-5), (k, a[k], b[k])
+    print([(round(x["loss"], 7), round(y["loss"], 7)) for x, y in zip(out[0], out[6])])
+
+
 _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 600), st.floats(allow_nan=True, allow_infinity=True),
                     st.text(max_size=4), st.lists(st.floats(-2, 2), max_size=3))  # fmt: skip
 

@@ -8,10 +8,18 @@
 #include <llama.h>
 
 #include <Python.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <atomic>
+#include <cstdio>
 #include <deque>
+#include <utility>
+#include <vector>
 #include <mutex>
+
+extern "C" void ggml_print_backtrace(void);  // ggml-impl.h (not an installed header): ggml_abort's own default
 
 namespace lb {
 
@@ -123,8 +131,26 @@ void log_to_python(enum ggml_log_level level, const char * text, void *) {
     }
 }
 
+// ggml_abort's callback: ggml logs why before it aborts (ggml_cuda_error: "CUDA error: out of memory", the device,
+// the call; then GGML_ABORT("CUDA error")), and those lines went to the Python logger, where the default NullHandler
+// drops them: the abort said only "ggml-cuda.cu:110: CUDA error". The aborting thread's recent WARN/ERROR lines go
+// to stderr first, then the abort's message and ggml's backtrace, as ggml's own default. No GIL, no allocation
+// beyond what the lines already hold: the process is about to end.
+static void abort_with_recent_lines(const char * message) {
+    std::fflush(stdout);
+    if (!t_line.empty() && t_level >= GGML_LOG_LEVEL_WARN) t_recent.push_back(t_line);  // an unterminated record
+    if (!t_recent.empty()) {
+        std::fputs("llamabind: llama.cpp/ggml's last messages before it aborted:\n", stderr);
+        for (auto & l : t_recent) std::fprintf(stderr, "  %s\n", l.c_str());
+    }
+    std::fprintf(stderr, "%s\n", message);
+    std::fflush(stderr);
+    ggml_print_backtrace();
+}
+
 void install_log_callback() {
     llama_log_set(log_to_python, nullptr);
+    ggml_set_abort_callback(abort_with_recent_lines);
 }
 
 std::string take_recent_errors() {
@@ -153,6 +179,19 @@ void register_logging(nb::module_ & m) {
             flush_logs();
         },
         "Deliver the lines that threads unknown to Python logged since the last delivery.");
+    m.def(
+        "_test_abort",
+        [](const std::vector<std::pair<int, std::string>> & lines, const std::string & message) {
+            ggml_log_callback cb = nullptr;  // the installed callback, as ggml_log_internal calls it
+            void * ud = nullptr;
+            llama_log_get(&cb, &ud);
+            for (auto & [level, line] : lines)
+                if (cb) cb((ggml_log_level) level, (line + "\n").c_str(), ud);
+            ggml_abort("ggml-cuda.cu", 110, "%s", message.c_str());
+        },
+        nb::arg("lines"), nb::arg("message"),
+        "Tests only: log (ggml_log_level, text) lines, then ggml_abort(message), as ggml_cuda_error does. Ends the "
+        "process.");
     m.def(
         "set_log_handler",
         [](nb::object handler) {

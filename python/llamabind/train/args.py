@@ -95,7 +95,8 @@ class TrainingArgs:
             cross-entropy, as Liger-Kernel's; patch 0098): a window's [tokens, n_vocab] logits and their gradient
             never exist whole (6.4 GB each in F32 for 32,768 tokens of a 49,152-token vocabulary), for ~1% more
             compute. None (default): automatic, chunks of <= 512 MiB of logits where a window's exceed 2 GiB; 0:
-            whole, as before.
+            whole, as before. Under :func:`~llamabind.train.grpo`, whose loss is not a cross-entropy: the size
+            of its micro-batches instead (:func:`~llamabind.train.grpo.loss_splits`).
         pack: pack the examples (JSONL rows, a dataset's rows) into windows, several a window, instead of a
             window each padded to ctx_size (sequence packing, TRL's ``padding_free`` packing, mlx-lm's): each
             example attends only to itself and its positions start at 0, so it trains as alone in a window

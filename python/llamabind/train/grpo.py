@@ -179,15 +179,20 @@ class _GRPORun:
         self.G = c.num_generations
         self.eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
         self.pad = model.token_eos if model.token_eos is not None and model.token_eos >= 0 else 0
-        m = a.batch_size // a.grad_accum
+        # the micro-batches an optimizer step takes: grad_accum's, each split further where its loss's logits would
+        # be large (loss_chunk_tokens; the same gradient: the loss's coefficients are scaled by the count)
+        self.n_micro = a.grad_accum * loss_splits(
+            a.batch_size // a.grad_accum, c.max_completion_length, model.n_vocab, a.loss_chunk_tokens
+        )
+        m = a.batch_size // self.n_micro
         # packed (TrainingArgs.pack None or True): a micro-batch's completions back to back in one window sized for
         # the longest prompt and completion each, every completion its own document: no position of padding
         self.packed = a.pack is not False
         self.n_pack = -(-m * longest // 256) * 256
         targs = (
-            a.replace(ctx_size=self.n_pack, batch_size=a.grad_accum, pack=True, val_split=0.0)
+            a.replace(ctx_size=self.n_pack, batch_size=self.n_micro, grad_accum=self.n_micro, pack=True, val_split=0.0)
             if self.packed
-            else a.replace(ctx_size=self.W, pack=False, val_split=0.0)
+            else a.replace(ctx_size=self.W, grad_accum=self.n_micro, pack=False, val_split=0.0)
         )
         self.trainer = Trainer(
             model, targs, params="lora" if adapter else "model", adapter=adapter, loss="grpo",
@@ -248,12 +253,12 @@ class _GRPORun:
         """One optimizer step over the generation batch ``b``, micro-batch by micro-batch; ``old``: per
         micro-batch the sampling policy's log-probabilities (None: this step's own, the ratio 1), filled in
         where this step computes them (num_iterations > 1)."""
-        c, a, opt = self.c, self.a, self.trainer.optimizer
-        m = a.batch_size // a.grad_accum
+        c, n_micro, opt = self.c, self.n_micro, self.trainer.optimizer
+        m = self.a.batch_size // n_micro
         n_items = float(b.mask.sum())
         need_logp = c.beta > 0 or c.num_iterations > 1
         loss, kl, clipped, n_tok = 0.0, 0.0, np.zeros(3), 0.0
-        for k in range(a.grad_accum):
+        for k in range(n_micro):
             rows = slice(k * m, (k + 1) * m)
             win, lab, mask = b.windows[rows], b.labels[rows].copy(), b.mask[rows]
             sel = mask > 0
@@ -276,10 +281,10 @@ class _GRPORun:
                 logp, o, ref, b.advantages[rows], mask,
                 loss_type=c.loss_type, beta=c.beta, epsilon=c.epsilon, epsilon_high=self.eps_high,
                 bias_correction_kl=c.use_bias_correction_kl, max_completion_length=c.max_completion_length,
-                n_items=n_items, grad_accum=a.grad_accum,
+                n_items=n_items, grad_accum=n_micro,
             )  # fmt: skip
             # ggml-opt averages the micro-batches' gradients (patch 0025): TRL sums their losses
-            opt.eval(win, True, lab, (tl.coef * a.grad_accum)[sel], segments=seg)
+            opt.eval(win, True, lab, (tl.coef * n_micro)[sel], segments=seg)
             loss += tl.loss
             w = float(mask.sum())
             n_tok += w
@@ -308,7 +313,7 @@ class _GRPORun:
 
     def allocate(self) -> None:
         """A forward pass (a window of one labelled token): ggml-opt's graphs and AdamW's moments allocated."""
-        n, w = (1, self.n_pack) if self.packed else (self.a.batch_size // self.a.grad_accum, self.W)
+        n, w = (1, self.n_pack) if self.packed else (self.a.batch_size // self.n_micro, self.W)
         win = np.full((n, w + 1), self.pad, np.int32)
         lab = np.full((n, w), -1, np.int32)
         lab[0, 0] = self.pad
@@ -327,6 +332,20 @@ class _GRPORun:
         if self.log is not None:
             self.log.write(json.dumps(row) + "\n")
             self.log.flush()
+
+
+def loss_splits(m: int, max_completion_length: int, n_vocab: int, loss_chunk_tokens: int | None) -> int:
+    """Into how many micro-batches GRPO splits each of grad_accum's (``m`` completions each): GRPO's loss holds
+    several [tokens, n_vocab] F32 tensors of the labelled tokens at once (the logits, their softmax and, in the
+    backward pass, the gradients of both: 1.6 GB each for 32 completions of 256 tokens over a 49,152-token
+    vocabulary), so that its micro-batches are sized as TrainingArgs.loss_chunk_tokens sizes the cross-entropy's
+    chunks: ``None`` (automatic) at most 512 MiB of logits each where they exceed it, ``0`` unsplit, ``n`` > 0 at
+    most ``n`` completion tokens each (at least one completion). The smallest divisor of ``m`` that does it."""
+    if loss_chunk_tokens == 0:
+        return 1
+    rows = max(max_completion_length, 1)
+    per = (512 << 20) // (4 * max(n_vocab, 1)) if loss_chunk_tokens is None else loss_chunk_tokens
+    return next(s for s in range(1, m + 1) if m % s == 0 and (m // s == 1 or m // s * rows <= per))
 
 
 def _std(x: np.ndarray) -> float:
@@ -374,9 +393,10 @@ def grpo(
         args: a :class:`~llamabind.train.TrainingArgs` (or its fields as keyword arguments): ``batch_size``
             counts completions per optimizer step (TRL's per_device_train_batch_size x
             gradient_accumulation_steps), a multiple of num_generations: ``batch_size / num_generations`` prompts
-            a step; ``grad_accum`` micro-batches; ``iters`` optimizer steps (else ``epochs`` over the prompts,
-            times num_iterations); ``val_split`` / ``valid`` held-out prompts, whose mean reward is measured
-            before, every ``steps_per_eval`` and after; the schedule, LoRA, precision as
+            a step; ``grad_accum`` micro-batches, each split further where its loss's logits would be large
+            (``loss_chunk_tokens``: :func:`loss_splits`; the same step); ``iters`` optimizer steps (else
+            ``epochs`` over the prompts, times num_iterations); ``val_split`` / ``valid`` held-out prompts, whose
+            mean reward is measured before, every ``steps_per_eval`` and after; the schedule, LoRA, precision as
             :func:`~llamabind.train.finetune`. The training window is the longest prompt plus
             max_completion_length, a multiple of 256 (``ctx_size`` is not used).
         config: :class:`GRPOConfig` (None: TRL's defaults).
@@ -486,7 +506,7 @@ def _loop(run: _GRPORun, train_p, val_p, total: int, r: GRPOResult, on_step) -> 
         for _epoch, batches in iterate_batches(len(train_p), P, 1 << 30, a.seed, a.shuffle, first_gen, gens):
             for idx in batches:
                 batch, gm = run.generate([train_p[i] for i in idx], r.steps)
-                old: list[np.ndarray | None] = [None] * a.grad_accum
+                old: list[np.ndarray | None] = [None] * run.n_micro
                 for _ in range(min(c.num_iterations - done_iters, total - r.steps)):
                     lr = lr_at(r.steps, total, a.lr, a.lr_schedule, a.warmup, a.min_lr)
                     run.trainer.set_lr(lr)
