@@ -288,7 +288,8 @@ def _add_memory_and_step_options(f) -> None:
         default=None,
         metavar="N",
         help="compute the output layer and the loss in chunks of N tokens, the logits never whole (default: "
-        "automatic, where a window's logits exceed 2 GiB; 0: whole)",
+        "automatic, where a window's logits exceed 2 GiB; 0: whole); grpo: micro-batches of at most N completion "
+        "tokens (default: <= 512 MiB of logits each)",
     )
     f.add_argument(
         "--pack",
