@@ -1,10 +1,12 @@
 """One process of tests/test_train_ddp.py's runs: train.finetune (full, SGD, one thread) of a job's model on its
-token ids, as one process or as a rank of a torchrun-style launch (the environment says which); writes the result
+token ids (a job with "pairs": train.preference on those pairs of token ids, its "method"), as one process or
+as a rank of a torchrun-style launch (the environment says which); writes the result
 (losses, validation losses, steps) to OUT/result-RANK.json and, on rank 0, the trained model to OUT/model.gguf
 (a LoRA run: its adapter, OUT/adapter.gguf). A job's "die": [rank, step] ends that rank after that step; "resume": a
 checkpoint to resume (every rank reads it). Run with the project's Python and PYTHONPATH naming a site-packages with
 torch (the reference venv's)."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -30,16 +32,31 @@ def main(job_file: str) -> None:
             if job.get("die") == [rank, step]:  # a rank that dies after a step: the others must not hang
                 os._exit(3)
 
-        res = train.finetune(m, tokens, train.TrainingArgs(**job["args"]), on_step=on_step, resume=job.get("resume"))
+        args = train.TrainingArgs(**job["args"])
+        if "pairs" in job:  # train.preference on pairs of token ids (prompt, chosen, rejected)
+            pairs = [train.PreferencePair(*(np.asarray(x, np.int32) for x in p)) for p in job["pairs"]]
+            res = train.preference(m, pairs, args, method=job["method"], resume=job.get("resume"))
+        else:
+            res = train.finetune(m, tokens, args, on_step=on_step, resume=job.get("resume"))
         if rank == 0:
             (res.adapter or m).save(out / ("adapter.gguf" if res.adapter else "model.gguf"))
-    row = dict(
-        losses=res.losses,
-        val_before=res.val_loss_before,
-        val=[e.val_loss for e in res.epochs],
-        steps=res.steps,
-        checkpoints=len(res.checkpoints),
-    )
+    if "pairs" in job:
+        row = dict(
+            losses=res.losses,
+            metrics=[dataclasses.asdict(x) for x in res.metrics],
+            val_before=dataclasses.asdict(res.val_before) if res.val_before else None,
+            val=[dataclasses.asdict(x) for _, x in res.evals],
+            steps=res.steps,
+            checkpoints=len(res.checkpoints),
+        )
+    else:
+        row = dict(
+            losses=res.losses,
+            val_before=res.val_loss_before,
+            val=[e.val_loss for e in res.epochs],
+            steps=res.steps,
+            checkpoints=len(res.checkpoints),
+        )
     (out / f"result-{rank}.json").write_text(json.dumps(row))
 
 

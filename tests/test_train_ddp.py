@@ -180,6 +180,53 @@ def test_two_ranks_train_as_one_with_the_global_batch(tiny_f32, reference_python
     _same_run(tmp_path / "one", tmp_path / "two", _weights(tiny_f32))
 
 
+def test_two_ranks_preference_tune_as_one_with_the_global_batch(tiny_f32, reference_python, tmp_path):
+    """train.preference under a launch: DPO and ORPO, 2 ranks x batch_size 2 pairs (gloo) against 1 process x 4
+    pairs in two micro-batches (grad_accum 2): rank r takes the step's pairs r::2, the gradients are averaged over
+    the ranks, each step's metrics are those of all 4 pairs (the ranks' log-probabilities all-reduced), and the
+    held-out metrics, losses and weights after 3 SGD steps are the one process's (tolerances as the SFT test's:
+    F32 sums in another order; ORPO's pairs with chosen windows of one length, see below). Rank 0 alone writes the
+    checkpoint."""
+    rng = np.random.default_rng(5)
+
+    def ids(n):
+        return rng.integers(10, 49152, n).tolist()
+
+    torch_path = _torch_path(reference_python)
+    for method in ("dpo", "orpo"):
+        # ORPO's nll is the mean over a micro-batch's chosen tokens, pooled (TRL's too, per device): the same
+        # whichever pairs share a micro-batch only where every chosen prompt + answer has the same length
+        def n(lo, hi, fixed):
+            return fixed if method == "orpo" else int(rng.integers(lo, hi))
+
+        pairs = [[ids(n(4, 12, 8)), ids(n(3, 9, 6)), ids(n(3, 9, int(rng.integers(3, 9))))] for _ in range(10)]
+        args = dict(ctx_size=256, iters=3, lr=5e-2, optimizer="sgd", val_split=0.2, n_threads=1, progress=False,
+                    seed=3, pack=False)  # fmt: skip
+        job = dict(model=str(tiny_f32), tokens=[0], pairs=pairs, method=method)
+        one = _launch(dict(job, args=dict(args, batch_size=4, grad_accum=2)), tmp_path / method / "one", 0, torch_path)
+        ckpt = dict(checkpoint_dir=str(tmp_path / method / "two" / "ckpt"), save_every=3)
+        two = _launch(dict(job, args=dict(args, batch_size=2, **ckpt)), tmp_path / method / "two", 2, torch_path)
+        for p in one + two:
+            assert p.returncode == 0, p.stderr[-3000:]
+        r1 = json.loads((tmp_path / method / "one" / "result-0.json").read_text())
+        r2 = [json.loads((tmp_path / method / "two" / f"result-{k}.json").read_text()) for k in (0, 1)]
+        assert r2[0]["checkpoints"] == 1 and r2[1]["checkpoints"] == 0
+        assert r2[0]["losses"] == r2[1]["losses"] and r2[0]["metrics"] == r2[1]["metrics"]
+        assert r1["steps"] == r2[0]["steps"] == 3
+        np.testing.assert_allclose(r2[0]["losses"], r1["losses"], rtol=1e-6, err_msg=method)
+        r2m = [r2[0]["val_before"], *r2[0]["val"], *r2[0]["metrics"]]
+        for a, b in zip([r1["val_before"], *r1["val"], *r1["metrics"]], r2m):
+            for k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (method, k, a[k], b[k])
+        w0 = _weights(tiny_f32)
+        w1, w2 = _weights(tmp_path / method / "one" / "model.gguf"), _weights(tmp_path / method / "two" / "model.gguf")
+        assert any(np.abs(w1[n] - w0[n]).max() > 0 for n in w1), method  # the steps trained
+        for name in w1:
+            step = np.abs(w1[name] - w0[name]).max()
+            ulp = np.spacing(np.abs(w1[name]).astype(np.float32)).astype(np.float64)
+            assert (np.abs(w2[name] - w1[name]) <= 2 * ulp + 1e-5 * step).all(), (method, name)
+
+
 def test_a_resumed_launch_continues_the_same_run(tiny_f32, reference_python, tmp_path):
     """2 ranks (gloo), LoRA, AdamW, 4 steps with a checkpoint every 2 (rank 0 writes them); a second launch of 2
     ranks resumes from step 2's checkpoint (every rank reads it: the adapter, AdamW's moments, the step, the
@@ -255,7 +302,8 @@ def test_torchrun_and_nproc_launch_the_cli(tiny_q8, reference_python, tmp_path):
     """``torchrun --nproc-per-node 2 -m llamabind finetune`` (torch.distributed.run, the module torchrun runs) and
     ``python -m llamabind finetune --nproc 2`` (which runs it): a QLoRA run over the Q8_0 model as it is on Python's
     own documentation text, 2 ranks x --batch 1; rank 0 alone prints the result and writes the adapter, and the two
-    launches print the same losses (the same data, seed and reduction). --method dpo under a launch is refused."""
+    launches print the same losses (the same data, seed and reduction). --method dpo on 2 ranks prints and writes
+    once too; --method grpo under a launch is refused."""
     import pydoc_data.topics
 
     text = tmp_path / "docs.txt"
@@ -278,6 +326,16 @@ def test_torchrun_and_nproc_launch_the_cli(tiny_q8, reference_python, tmp_path):
             assert m.load_lora(out) is not None
         runs[name] = re.findall(r"loss [\d.]+", p.stdout)
     assert runs["torchrun"] == runs["nproc"] and runs["nproc"]
-    p = subprocess.run([sys.executable, "-m", "llamabind", *args, "--nproc", "2", "--method", "dpo", "-o",
+    pairs = tmp_path / "pairs.jsonl"
+    words = ["red", "green", "blue", "cyan", "pink", "gold", "grey", "teal"]
+    pairs.write_text("".join(json.dumps({"prompt": f"Name colour {i}:", "chosen": f" {w}.", "rejected": " no."}) + "\n"
+                             for i, w in enumerate(words)))  # fmt: skip
+    dpo = [a if a != str(text) else str(pairs) for a in args]
+    out = tmp_path / "dpo.gguf"
+    p = subprocess.run([sys.executable, "-m", "llamabind", *dpo, "--nproc", "2", "--method", "dpo", "-o", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("optimizer steps of 1 pair") == 1 and p.stdout.count(f"wrote {out}") == 1, p.stdout
+    p = subprocess.run([sys.executable, "-m", "llamabind", *args, "--nproc", "2", "--method", "grpo", "-o",
                         str(tmp_path / "x.gguf")], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
-    assert p.returncode != 0 and "--method sft" in p.stderr, p.stderr[-2000:]
+    assert p.returncode != 0 and "--method sft, dpo and orpo" in p.stderr, p.stderr[-2000:]

@@ -166,8 +166,8 @@ def _finetune(args) -> int:
     from ..api import Model
     from ..train.distributed import launched
 
-    if (args.nproc not in (None, 1) or launched()) and args.method != "sft":
-        raise ValueError("data-parallel training (--nproc, torchrun) runs --method sft for now")
+    if (args.nproc not in (None, 1) or launched()) and args.method == "grpo":
+        raise ValueError("data-parallel training (--nproc, torchrun) runs --method sft, dpo and orpo for now")
     rc = spawn(args)  # --nproc N: torchrun runs this command line N times
     if rc is not None:
         return rc
@@ -210,6 +210,8 @@ def _finetune(args) -> int:
                     if args.method == "grpo"
                     else _preference(args, m, settings, resume)
                 )
+                if not main_rank():  # rank 0 of a data-parallel run reports and writes the output
+                    return 0
                 (m if res.adapter is None else res.adapter).save(out)
                 print(f"wrote {out}" + (" (a LoRA adapter: load it with --lora / Model.load_lora)" if lora else ""))
                 return 0
@@ -246,9 +248,12 @@ def _preference(args, m, settings, resume):
     args.beta = 0.1 if args.beta is None else args.beta
     pairs = train.read_pairs(args.data, m, method=args.method)
     valid = train.read_pairs(args.valid, m, method=args.method) if args.valid else None
-    print(f"{len(pairs)} preference pairs from {args.data}", file=sys.stderr)
+    if main_rank():
+        print(f"{len(pairs)} preference pairs from {args.data}", file=sys.stderr)
     res = train.preference(m, pairs, settings, method=args.method, beta=args.beta, valid=valid, resume=resume,
                            prompt_loss=not args.no_prompt_loss)  # fmt: skip
+    if not main_rank():
+        return res
 
     def line(r):
         return (

@@ -78,7 +78,7 @@ class ProcessGroup:
             dist.all_reduce(t)
         t /= self.world_size
 
-    def all_reduce_sum(self, values: Sequence[float]) -> np.ndarray:
+    def all_reduce_sum(self, values: Sequence[float] | np.ndarray) -> np.ndarray:
         """float64 (len(values),): each value summed over the ranks (a loss's token-weighted sums)."""
         torch = importlib.import_module("torch")
         t = torch.tensor(np.asarray(values, dtype=np.float64))
@@ -102,7 +102,8 @@ def refuse_launch(what: str) -> None:
     """ValueError under a data-parallel launch, for ``what`` that runs in one process only so far."""
     expect(
         not launched(),
-        f"{what} runs in one process; under a data-parallel launch (torchrun) only train.finetune trains so far",
+        f"{what} runs in one process; under a data-parallel launch (torchrun) train.finetune and "
+        "train.preference train so far",
     )
 
 

@@ -28,7 +28,7 @@ from ..build import devices
 from ..model import LoraAdapter, Model
 from .args import TrainingArgs, _bool
 from .checkpoint import restore_optimizer, save_checkpoint
-from .distributed import refuse_launch
+from .distributed import ProcessGroup, process_group
 from .loop import _new_adapter, _resumable, iterate_batches
 from .pairs import PreferenceMetrics, PreferencePair, preference_metrics, read_pairs
 from .schedule import lr_at
@@ -239,6 +239,12 @@ class _PrefRun:
     log: Any = None
     saved: int = -1
     pack: int = 0  # pairs a micro-batch packed into one window (TrainingArgs.pack); 0: a window a sequence
+    group: ProcessGroup | None = None  # a data-parallel run's: rank 0 logs, reports and writes checkpoints
+
+    @property
+    def main(self) -> bool:
+        """Whether this process reports (the only one, or rank 0 of a data-parallel run)."""
+        return self.group is None or self.group.is_main
 
     def write(self, **row: Any) -> None:
         if self.log is not None:
@@ -254,14 +260,22 @@ class _PrefRun:
         return m
 
     def step(self, batch: np.ndarray, lr: float) -> PreferenceMetrics:
+        """One optimizer step over pairs ``batch`` (a data-parallel run: this rank's share, ``batch[rank::world]``,
+        its gradients averaged over the ranks before the step) and the metrics of all of them."""
         self.trainer.set_lr(lr)
-        refs = None if self.train.ref is None else self.train.ref[batch, 0] - self.train.ref[batch, 1]
-        logps = _logps(self.trainer, self.train, batch, True, refs, self.pack)
+        g = self.group
+        rows = batch if g is None else g.shard(batch)
+        refs = None if self.train.ref is None else self.train.ref[rows, 0] - self.train.ref[rows, 1]
+        logps = _logps(self.trainer, self.train, rows, True, refs, self.pack)
+        if g is not None:  # every rank's pairs' values in the batch's order, for the metrics of the whole batch
+            full = np.zeros((len(batch), logps.shape[1]))
+            full[g.rank :: g.world_size] = logps
+            logps = g.all_reduce_sum(full.reshape(-1)).reshape(full.shape)
         return _metrics(self.train, batch, logps, self.method, self.beta)
 
     def checkpoint(self) -> None:
         r = self.result
-        if self.a.checkpoint_dir is None or r.steps in (0, self.saved):
+        if self.a.checkpoint_dir is None or r.steps in (0, self.saved) or not self.main:
             return
         state = dict(self.run_id, step=r.steps, total=self.total, losses=r.losses)
         if self.train.ref is not None and self.val.ref is not None:  # the reference stays the run's first model
@@ -308,7 +322,9 @@ def preference(
             longer pair is cut: :func:`pair_windows`), ``val_split`` holds back the last pairs; ``pack``
             puts a micro-batch's pairs into one window with each prompt once (:func:`pack_pairs`: the same
             losses; None: where the output layer runs on a CUDA GPU with flash attention); the schedule, LoRA,
-            precision, flash attention, checkpoints and reports as :func:`finetune`.
+            precision, flash attention, checkpoints and reports as :func:`finetune`. Under a torchrun launch
+            (data-parallel, :mod:`~llamabind.train.distributed`): ``batch_size`` pairs a rank, each step's
+            gradients averaged over the ranks, its metrics over all its pairs; rank 0 logs and checkpoints.
         method: ``"dpo"`` (Rafailov et al. 2023, eq. 7: ``-log sigmoid(beta ((log pi(c) - log ref(c)) -
             (log pi(r) - log ref(r))))``, the log-probabilities summed over each answer's tokens, the mean over
             the pairs; TRL's DPOTrainer, ``loss_type="sigmoid"``) or ``"orpo"`` (Hong et al. 2024, eq. 6-7:
@@ -337,25 +353,27 @@ def preference(
     beta = as_float(beta, "beta")
     expect(beta > 0 and math.isfinite(beta), f"beta must be a finite number > 0; got {beta}")
     a = TrainingArgs.of(args, **settings)
-    refuse_launch("train.preference")
     check_model(model, a.lora)
     prompt_loss = method == "orpo" and _bool(prompt_loss, "prompt_loss")
     train_pairs, val_pairs = _split(model, data, valid, a, method)
     n_train = len(train_pairs)
-    expect(a.batch_size <= n_train, f"batch_size {a.batch_size} is larger than the {n_train} training pair(s)")
+    group = process_group(a.ddp_backend, a.ddp_timeout, gpu=bool(model.output_offloaded))
+    batch = a.batch_size * (group.world_size if group else 1)  # pairs a step: batch_size a rank
+    ranks = f" x {group.world_size} ranks" if group else ""
+    expect(batch <= n_train, f"batch_size {a.batch_size}{ranks} is larger than the {n_train} training pair(s)")
     sets, truncated = _pair_sets(model, train_pairs, val_pairs, a.ctx_size, prompt_loss)
     result = PreferenceResult(truncated=truncated)
-    n_batches = -(-n_train // a.batch_size)
+    n_batches = -(-n_train // batch)
     total = a.iters if a.iters is not None else a.epochs * n_batches
     epochs = a.epochs if a.iters is None else -(-a.iters // n_batches)
-    run_id = _run_id(a, n_train, method, beta, prompt_loss)
+    run_id = _run_id(a, n_train, method, beta, prompt_loss, batch)
     resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
     if a.lora:
         result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
-    trainer, pack = _trainer(model, a, sets, result.adapter, method, beta)
-    run = _PrefRun(trainer, sets[0], sets[1], method, beta, a, total, result, run_id, pack=pack)
+    trainer, pack = _trainer(model, a, sets, result.adapter, method, beta, group)
+    run = _PrefRun(trainer, sets[0], sets[1], method, beta, a, total, result, run_id, pack=pack, group=group)
     try:
-        if a.log is not None:
+        if a.log is not None and run.main:
             run.log = open(a.log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
         if method == "dpo":
             _set_reference(run, resumed)
@@ -377,7 +395,13 @@ def preference(
 
 
 def _trainer(
-    model: Model, a: TrainingArgs, sets: Sequence[_Pairs], adapter: LoraAdapter | None, method: str, beta: float
+    model: Model,
+    a: TrainingArgs,
+    sets: Sequence[_Pairs],
+    adapter: LoraAdapter | None,
+    method: str,
+    beta: float,
+    group: ProcessGroup | None,
 ) -> tuple[Trainer, int]:
     """The run's Trainer and how many pairs a micro-batch packs into its one window (0: a window a sequence)."""
     # pack: a micro-batch's pairs in one window, each prompt once (pack_pairs), the window fitted to the longest
@@ -390,7 +414,7 @@ def _trainer(
         else a.replace(batch_size=2 * a.batch_size, pack=False)
     )
     trainer = Trainer(
-        model, targs, params="lora" if a.lora else "model", adapter=adapter, loss=method, beta=beta
+        model, targs, params="lora" if a.lora else "model", adapter=adapter, loss=method, beta=beta, group=group
     )  # fmt: skip
     if method == "dpo" and model.output_offloaded:
         # DPO's reference log-probabilities and the validations from the training graph's forward pass, as the policy's
@@ -400,10 +424,11 @@ def _trainer(
     return trainer, pack
 
 
-def _run_id(a: TrainingArgs, n_train: int, method: str, beta: float, prompt_loss: bool) -> dict:
-    """What a checkpoint of the run records, for a resumed run to match."""
+def _run_id(a: TrainingArgs, n_train: int, method: str, beta: float, prompt_loss: bool, batch: int) -> dict:
+    """What a checkpoint of the run records, for a resumed run to match (``batch``: the pairs a step, over the
+    ranks of a data-parallel run)."""
     return dict(
-        kind="lora" if a.lora else "full", ctx_size=a.ctx_size, n_train=n_train, batch_size=a.batch_size,
+        kind="lora" if a.lora else "full", ctx_size=a.ctx_size, n_train=n_train, batch_size=batch,
         seed=a.seed, shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
         lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
         method=method, beta=beta, **({"prompt_loss": prompt_loss} if method == "orpo" else {}),
@@ -481,9 +506,8 @@ def _loop(run: _PrefRun, epochs: int, on_step: Callable[[int, PreferenceMetrics]
     a, r = run.a, run.result
     t0, first, n_tok = time.perf_counter(), r.steps, 0
     try:
-        for epoch, batches in iterate_batches(
-            len(run.train), a.batch_size, epochs, a.seed, a.shuffle, r.steps, a.iters
-        ):
+        batch_size = a.batch_size * (run.group.world_size if run.group else 1)
+        for epoch, batches in iterate_batches(len(run.train), batch_size, epochs, a.seed, a.shuffle, r.steps, a.iters):
             for batch in batches:
                 lr = lr_at(r.steps, run.total, a.lr, a.lr_schedule, a.warmup, a.min_lr)
                 m = run.step(batch, lr)
@@ -496,7 +520,7 @@ def _loop(run: _PrefRun, epochs: int, on_step: Callable[[int, PreferenceMetrics]
                 tok_s = n_tok / (time.perf_counter() - t0)
                 norm = {"grad_norm": run.trainer.optimizer.grad_norm()} if a.max_grad_norm else {}
                 run.write(step=r.steps, epoch=epoch + 1, lr=lr, tokens_per_s=tok_s, **_trl_names(m), **norm)
-                if a.steps_per_report and r.steps % a.steps_per_report == 0:
+                if a.steps_per_report and r.steps % a.steps_per_report == 0 and run.main:
                     print(
                         f"step {r.steps}/{run.total}: loss {m.loss:.4f}, margin {m.rewards_margins:.4f}, "
                         f"accuracy {m.rewards_accuracies:.2f}, lr {lr:.3g}, {tok_s:.1f} tokens/s",
