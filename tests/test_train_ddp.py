@@ -227,6 +227,41 @@ def test_two_ranks_preference_tune_as_one_with_the_global_batch(tiny_f32, refere
             assert (np.abs(w2[name] - w1[name]) <= 2 * ulp + 1e-5 * step).all(), (method, name)
 
 
+def test_two_ranks_grpo_as_one_with_the_global_batch(tiny_f32, reference_python, tmp_path):
+    """train.grpo under a launch: 2 ranks x 2 prompts x num_generations 2 (gloo) against 1 process x 4 prompts in
+    two micro-batches (grad_accum 2), two optimizer steps on each generation batch (num_iterations 2, beta 0.04:
+    the ratio, the reference's KL and the clipping in play), loss_type dapo (the sum over the step's tokens on
+    every rank: n_items all-reduced) and grpo with scale_rewards "batch" (the standard deviation of every rank's
+    rewards: the advantages come from all the step's rewards, gathered). Rank r rolls out prompts [2r, 2r + 2) of
+    each step with the seeds one process gives those completions, so the rewards are the same numbers; the losses,
+    KL and clip ratios are those of all the step's completions (all-reduced) within 1e-5 relative / 1e-6 absolute
+    (F32 sums in another order), and the held-out rewards (every rank all held-out prompts) are equal. Rank 0
+    alone writes the checkpoint."""
+    prompts = [f"Colour number {i} is" for i in range(10)]
+    torch_path = _torch_path(reference_python)
+    for loss_type, scale in (("dapo", "group"), ("grpo", "batch")):
+        grpo = dict(num_generations=2, max_completion_length=5, beta=0.04, num_iterations=2, seed=7,
+                    loss_type=loss_type, scale_rewards=scale)  # fmt: skip
+        args = dict(iters=4, lr=5e-2, optimizer="sgd", val_split=0.2, n_threads=1, progress=False, seed=3)
+        job = dict(model=str(tiny_f32), tokens=[0], prompts=prompts, grpo=grpo)
+        work = tmp_path / loss_type
+        one = _launch(dict(job, args=dict(args, batch_size=8, grad_accum=2)), work / "one", 0, torch_path)
+        ckpt = dict(checkpoint_dir=str(work / "two" / "ckpt"), save_every=4)
+        two = _launch(dict(job, args=dict(args, batch_size=4, **ckpt)), work / "two", 2, torch_path)
+        for p in one + two:
+            assert p.returncode == 0, p.stderr[-3000:]
+        r1 = json.loads((work / "one" / "result-0.json").read_text())
+        r2 = [json.loads((work / "two" / f"result-{k}.json").read_text()) for k in (0, 1)]
+        assert r2[0]["checkpoints"] == 1 and r2[1]["checkpoints"] == 0
+        assert r2[0]["metrics"] == r2[1]["metrics"] and r1["steps"] == r2[0]["steps"] == 4
+        assert any(abs(m["loss"]) > 1e-4 for m in r1["metrics"]), r1["metrics"]  # the steps trained on something
+        for a, b in zip(r1["metrics"], r2[0]["metrics"]):
+            assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+            for k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (loss_type, k, a[k], b[k])
+        assert [r2[0]["val_before"], *r2[0]["val"]] == pytest.approx([r1["val_before"], *r1["val"]], abs=1e-9)
+
+
 def test_a_resumed_launch_continues_the_same_run(tiny_f32, reference_python, tmp_path):
     """2 ranks (gloo), LoRA, AdamW, 4 steps with a checkpoint every 2 (rank 0 writes them); a second launch of 2
     ranks resumes from step 2's checkpoint (every rank reads it: the adapter, AdamW's moments, the step, the
@@ -303,7 +338,7 @@ def test_torchrun_and_nproc_launch_the_cli(tiny_q8, reference_python, tmp_path):
     ``python -m llamabind finetune --nproc 2`` (which runs it): a QLoRA run over the Q8_0 model as it is on Python's
     own documentation text, 2 ranks x --batch 1; rank 0 alone prints the result and writes the adapter, and the two
     launches print the same losses (the same data, seed and reduction). --method dpo on 2 ranks prints and writes
-    once too; --method grpo under a launch is refused."""
+    once too, and so does --method grpo (2 ranks x 1 prompt x 2 completions)."""
     import pydoc_data.topics
 
     text = tmp_path / "docs.txt"
@@ -336,6 +371,15 @@ def test_torchrun_and_nproc_launch_the_cli(tiny_q8, reference_python, tmp_path):
                        capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count("optimizer steps of 1 pair") == 1 and p.stdout.count(f"wrote {out}") == 1, p.stdout
-    p = subprocess.run([sys.executable, "-m", "llamabind", *args, "--nproc", "2", "--method", "grpo", "-o",
-                        str(tmp_path / "x.gguf")], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
-    assert p.returncode != 0 and "--method sft, dpo and orpo" in p.stderr, p.stderr[-2000:]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Name colour {i}:"}) + "\n" for i in range(8)))
+    reward = "def brief(completions, **kw):\n    return [-len(c) / 50 for c in completions]\n"
+    (tmp_path / "rewards.py").write_text(reward)
+    grpo = ["finetune", "-m", str(tiny_q8), "--data", str(prompts), "--lora-rank", "4", "--lr", "1e-3", "--iters", "2",
+            "--batch", "2", "--threads", "1", "--no-progress", "--val-split", "0.25"]  # fmt: skip
+    out = tmp_path / "grpo.gguf"
+    p = subprocess.run([sys.executable, "-m", "llamabind", *grpo, "--nproc", "2", "--method", "grpo", "--reward",
+                        f"{tmp_path / 'rewards.py'}:brief", "--num-generations", "2", "--max-completion-length", "4",
+                        "-o", str(out)], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("optimizer steps of 2 completion(s)") == 1 and p.stdout.count(f"wrote {out}") == 1, p.stdout

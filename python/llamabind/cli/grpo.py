@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .ddp import main_rank
+
 
 def add_grpo_options(f) -> None:
     """The GRPO options of finetune (TRL GRPOConfig's names as flags)."""
@@ -88,8 +90,11 @@ def run_grpo(args, m, settings, resume, prepared):
     config, funcs = prepared
     prompts = train.read_prompts(args.data, m)
     valid = train.read_prompts(args.valid, m) if args.valid else None
-    print(f"{len(prompts)} prompts from {args.data}", file=sys.stderr)
+    if main_rank():
+        print(f"{len(prompts)} prompts from {args.data}", file=sys.stderr)
     res = train.grpo(m, prompts, funcs, settings, config, valid=valid, resume=resume)
+    if not main_rank():  # rank 0 of a data-parallel run reports
+        return res
     if res.val_before is not None:
         print(f"held-out prompts before: mean reward {res.val_before:.4f}")
     G = config.num_generations

@@ -164,10 +164,7 @@ def _finetune(args) -> int:
 
     from .. import train
     from ..api import Model
-    from ..train.distributed import launched
 
-    if (args.nproc not in (None, 1) or launched()) and args.method == "grpo":
-        raise ValueError("data-parallel training (--nproc, torchrun) runs --method sft, dpo and orpo for now")
     rc = spawn(args)  # --nproc N: torchrun runs this command line N times
     if rc is not None:
         return rc
@@ -180,7 +177,7 @@ def _finetune(args) -> int:
         with open(out, "ab"):
             pass
         if not existed:
-            out.unlink()
+            out.unlink(missing_ok=True)  # the ranks of a launch each check it: another may have removed it
     except OSError as err:
         raise ValueError(f"-o: cannot write {out}: {err.strerror}") from None
     if args.method != "sft" and (args.test or args.train_on_prompt or args.chat_template_file):

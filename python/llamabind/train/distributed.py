@@ -87,6 +87,15 @@ class ProcessGroup:
         _torch_distributed().all_reduce(t)
         return t.cpu().numpy()
 
+    def gather_rows(self, rows: np.ndarray) -> np.ndarray:
+        """float64 (world_size x n, ...): every rank's ``rows`` (n, ...) of one shape, rank 0's first (an all-gather
+        of a contiguous shard, as an all-reduce with zeros elsewhere: a NaN stays in its own row)."""
+        rows = np.asarray(rows, np.float64)
+        n = len(rows)
+        full = np.zeros((self.world_size * n, *rows.shape[1:]))
+        full[self.rank * n : (self.rank + 1) * n] = rows
+        return self.all_reduce_sum(full.reshape(-1)).reshape(full.shape)
+
     def barrier(self) -> None:
         """Wait for every rank (torch.distributed.barrier)."""
         _torch_distributed().barrier()
@@ -96,15 +105,6 @@ def launched() -> bool:
     """Whether this process is a rank of a launch (torchrun's RANK and WORLD_SIZE set; a world of 1 too, which runs
     the same path: the reduction over one rank)."""
     return bool(os.environ.get("WORLD_SIZE")) and bool(os.environ.get("RANK"))
-
-
-def refuse_launch(what: str) -> None:
-    """ValueError under a data-parallel launch, for ``what`` that runs in one process only so far."""
-    expect(
-        not launched(),
-        f"{what} runs in one process; under a data-parallel launch (torchrun) train.finetune and "
-        "train.preference train so far",
-    )
 
 
 def process_group(backend: str | None = None, timeout: float = 1800.0, *, gpu: bool = False) -> ProcessGroup | None:

@@ -26,7 +26,7 @@ from ..model import LoraAdapter, Model
 from ..sampling import SamplingParams
 from .args import TrainingArgs
 from .checkpoint import restore_optimizer, save_checkpoint
-from .distributed import refuse_launch
+from .distributed import ProcessGroup, process_group
 from .grpo_math import LOSS_TYPES, group_advantages, token_loss
 from .loop import _new_adapter, _resumable, iterate_batches
 from .rollout import (
@@ -172,9 +172,12 @@ class _GRPORun:
     """What one :func:`grpo` call's steps share: the Trainer, the rollout context, the reference's."""
 
     def __init__(
-        self, model: Model, a: TrainingArgs, c: GRPOConfig, funcs, weights, longest: int, adapter, ref_model
-    ) -> None:
+        self, model: Model, a: TrainingArgs, c: GRPOConfig, funcs, weights, longest: int, adapter, ref_model,
+        group: ProcessGroup | None = None,
+    ) -> None:  # fmt: skip
         self.model, self.a, self.c, self.funcs, self.weights = model, a, c, funcs, weights
+        self.group = group  # a data-parallel run's: each rank its prompts of a step, rank 0 logs and checkpoints
+        self.world = group.world_size if group else 1
         self.W = -(-longest // 256) * 256  # a completion's window (unpacked)
         self.G = c.num_generations
         self.eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
@@ -196,7 +199,7 @@ class _GRPORun:
         )
         self.trainer = Trainer(
             model, targs, params="lora" if adapter else "model", adapter=adapter, loss="grpo",
-            beta=float(c.temperature),
+            beta=float(c.temperature), group=group,
         )  # fmt: skip
         self.roller: Roller | None = None
         self.ref_ctx: Context | None = None
@@ -227,22 +230,28 @@ class _GRPORun:
 
     def generate(self, prompts: Sequence[GRPOPrompt], step: int) -> tuple[Batch, dict[str, float]]:
         """A generation batch: rollouts, rewards, advantages, windows (and the reference's log-probabilities)."""
-        c, G = self.c, self.G
+        c, G, g = self.c, self.G, self.group
         ids = self.prompt_ids(prompts)
-        seed = None if c.seed is None else c.seed + step * 4096
+        # completion i of the step's (all ranks') seeded seed + i: rank r's prompts follow ranks < r's
+        seed = None if c.seed is None else c.seed + step * 4096 + (g.rank * len(ids) * G if g else 0)
         assert self.roller is not None
         r = self.roller(ids, G, c.max_completion_length, c.sampling(seed))
         per_func = score(self.funcs, prompts, r, G)
+        lengths = np.array([len(x) for x in r.completions], np.float64)
+        trunc = r.truncated.astype(np.float64)
+        n, at = len(lengths), 0
+        if g is not None:  # every rank's completions, in the step's order: advantages and metrics as one process's
+            cols = g.gather_rows(np.column_stack([lengths, trunc, per_func]))
+            lengths, trunc, per_func, at = cols[:, 0], cols[:, 1], cols[:, 2:], g.rank * n
         adv, rewards, std = group_advantages(per_func, self.weights, G, c.scale_rewards)
         b = batch_windows(ids, r, G, self.W, self.pad, c.mask_truncated_completions)
-        b.advantages = adv
+        b.advantages = adv[at : at + n]  # this rank's
         if self.ref_ctx is not None:
             b.ref = reference_logps(self.ref_ctx, ids, r, G, b.mask.shape[1], c.temperature)
-        lengths = np.array([len(x) for x in r.completions], np.float64)
         m = {"reward": float(np.nanmean(rewards)), "reward_std": float(_std(rewards)),
              "frac_reward_zero_std": float(np.isclose(np.nan_to_num(std, nan=0.0), 0.0).mean()),
              "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
-             "completions/clipped_ratio": float(r.truncated.mean()),
+             "completions/clipped_ratio": float(trunc.mean()),
              "rollout_tokens_per_s": float(lengths.sum() / max(r.seconds, 1e-9)),
              "time/rollout_s": float(r.seconds), "time/rollout_sample_s": float(r.sample_seconds)}  # fmt: skip
         for j, f in enumerate(self.funcs):
@@ -253,9 +262,10 @@ class _GRPORun:
         """One optimizer step over the generation batch ``b``, micro-batch by micro-batch; ``old``: per
         micro-batch the sampling policy's log-probabilities (None: this step's own, the ratio 1), filled in
         where this step computes them (num_iterations > 1)."""
-        c, n_micro, opt = self.c, self.n_micro, self.trainer.optimizer
+        c, n_micro, opt, g = self.c, self.n_micro, self.trainer.optimizer, self.group
         m = self.a.batch_size // n_micro
-        n_items = float(b.mask.sum())
+        n_items = float(b.mask.sum() if g is None else g.all_reduce_sum([b.mask.sum()])[0])
+        M = n_micro * self.world  # the step's micro-batches over the ranks, their gradients averaged
         need_logp = c.beta > 0 or c.num_iterations > 1
         loss, kl, clipped, n_tok = 0.0, 0.0, np.zeros(3), 0.0
         for k in range(n_micro):
@@ -281,15 +291,18 @@ class _GRPORun:
                 logp, o, ref, b.advantages[rows], mask,
                 loss_type=c.loss_type, beta=c.beta, epsilon=c.epsilon, epsilon_high=self.eps_high,
                 bias_correction_kl=c.use_bias_correction_kl, max_completion_length=c.max_completion_length,
-                n_items=n_items, grad_accum=n_micro,
+                n_items=n_items, grad_accum=M,
             )  # fmt: skip
-            # ggml-opt averages the micro-batches' gradients (patch 0025): TRL sums their losses
-            opt.eval(win, True, lab, (tl.coef * n_micro)[sel], segments=seg)
+            # ggml-opt averages the micro-batches' gradients (patch 0025), grad_reduce the ranks': TRL sums their losses
+            opt.eval(win, True, lab, (tl.coef * M)[sel], segments=seg)
             loss += tl.loss
             w = float(mask.sum())
             n_tok += w
             kl += (0.0 if math.isnan(tl.kl) else tl.kl) * w
             clipped += np.asarray(tl.clipped) * w
+        if g is not None:  # the sums over every rank's micro-batches
+            t = g.all_reduce_sum([loss, kl, *clipped, n_tok])
+            loss, kl, clipped, n_tok = float(t[0]), float(t[1]), t[2:5], float(t[5])
         out = {"loss": loss, "clip_ratio/low_mean": clipped[0] / max(n_tok, 1.0),
                "clip_ratio/high_mean": clipped[1] / max(n_tok, 1.0),
                "clip_ratio/region_mean": clipped[2] / max(n_tok, 1.0)}  # fmt: skip
@@ -321,7 +334,7 @@ class _GRPORun:
         self.trainer.optimizer.eval(win, False, lab, np.zeros(1), segments=seg)
 
     def checkpoint(self, r: GRPOResult) -> None:
-        if self.a.checkpoint_dir is None or r.steps in (0, self.saved):
+        if self.a.checkpoint_dir is None or r.steps in (0, self.saved) or not self.main:
             return
         state = dict(self.run_id, step=r.steps, total=self.total, losses=r.losses)
         weights = self.model if r.adapter is None else r.adapter
@@ -332,6 +345,11 @@ class _GRPORun:
         if self.log is not None:
             self.log.write(json.dumps(row) + "\n")
             self.log.flush()
+
+    @property
+    def main(self) -> bool:
+        """Whether this process reports (the only one, or rank 0 of a data-parallel run)."""
+        return self.group is None or self.group.is_main
 
 
 def loss_splits(m: int, max_completion_length: int, n_vocab: int, loss_chunk_tokens: int | None) -> int:
@@ -394,7 +412,9 @@ def grpo(
             counts completions per optimizer step (TRL's per_device_train_batch_size x
             gradient_accumulation_steps), a multiple of num_generations: ``batch_size / num_generations`` prompts
             a step; ``grad_accum`` micro-batches, each split further where its loss's logits would be large
-            (``loss_chunk_tokens``: :func:`loss_splits`; the same step); ``iters`` optimizer steps (else
+            (``loss_chunk_tokens``: :func:`loss_splits`; the same step); under a torchrun launch
+            (:mod:`~llamabind.train.distributed`) ``batch_size`` completions a rank, the advantages and metrics
+            from every rank's, the gradients averaged, rank 0 logging and checkpointing; ``iters`` optimizer steps (else
             ``epochs`` over the prompts, times num_iterations); ``val_split`` / ``valid`` held-out prompts, whose
             mean reward is measured before, every ``steps_per_eval`` and after; the schedule, LoRA, precision as
             :func:`~llamabind.train.finetune`. The training window is the longest prompt plus
@@ -424,26 +444,26 @@ def grpo(
     thing (nothing trains on that step); FloatingPointError naming the step if the loss becomes NaN/inf."""
     c, funcs, weights = _check_config(config, reward_funcs)
     a = TrainingArgs.of(args, **settings)
-    refuse_launch("train.grpo")
     check_model(model, a.lora)
     G = c.num_generations
     expect(a.batch_size % G == 0, f"batch_size ({a.batch_size} completions a step) must be a multiple of "
            f"num_generations ({G}): batch_size / num_generations prompts a step")  # fmt: skip
     expect((a.batch_size // a.grad_accum) * a.grad_accum == a.batch_size, "grad_accum must divide batch_size")
     train_p, val_p = _prompt_sets(model, prompts, valid, a.val_split)
-    P = a.batch_size // G
+    group = process_group(a.ddp_backend, a.ddp_timeout, gpu=bool(model.output_offloaded))
+    P = a.batch_size // G * (group.world_size if group else 1)  # prompts a step, over the ranks
     n_gen = -(-len(train_p) // P)
     total = a.iters if a.iters is not None else a.epochs * n_gen * c.num_iterations
     longest = _longest(train_p + val_p, c, model)
     result = GRPOResult()
-    run_id = _run_id(a, c, longest, len(train_p))
+    run_id = _run_id(a, c, longest, len(train_p), P * G)
     resumed = None if resume is None else _resumable(resume, run_id, total, model, a)
     if a.lora:
         result.adapter = _new_adapter(model, a) if resumed is None else model.load_lora(resumed[0] / "adapter.gguf")
-    run = _GRPORun(model, a, c, funcs, weights, longest, result.adapter, ref_model)
+    run = _GRPORun(model, a, c, funcs, weights, longest, result.adapter, ref_model, group)
     run.run_id, run.total = run_id, total
     try:
-        if a.log is not None:
+        if a.log is not None and run.main:
             run.log = open(a.log, "a", encoding="utf-8")  # noqa: SIM115 (closed in finally)
         result.val_before = run.evaluate(val_p) if val_p and resumed is None else None
         if resumed is not None:
@@ -478,10 +498,11 @@ def _prompt_sets(model: Model, prompts: Any, valid: Any, val_split: float) -> tu
     return train_p, val_p
 
 
-def _run_id(a: TrainingArgs, c: GRPOConfig, longest: int, n_train: int) -> dict:
-    """What a checkpoint of the run records, for a resumed run to match (checkpoint.MUST_MATCH)."""
+def _run_id(a: TrainingArgs, c: GRPOConfig, longest: int, n_train: int, batch: int) -> dict:
+    """What a checkpoint of the run records, for a resumed run to match (checkpoint.MUST_MATCH; ``batch``: the
+    completions a step over the ranks)."""
     return dict(
-        kind="lora" if a.lora else "full", ctx_size=longest, n_train=n_train, batch_size=a.batch_size, seed=a.seed,
+        kind="lora" if a.lora else "full", ctx_size=longest, n_train=n_train, batch_size=batch, seed=a.seed,
         shuffle=a.shuffle, optimizer=a.optimizer, embeddings=a.train_embeddings and not a.lora,
         lora=None if not a.lora else dict(rank=a.lora_rank, alpha=a.lora_alpha, targets=list(a.lora_targets)),
         method="grpo", beta=c.beta, grpo={k: v for k, v in asdict(c).items() if k != "reward_weights"},
@@ -498,14 +519,16 @@ def _report(step: int, total: int, m: dict[str, float], lr: float) -> None:
 
 def _loop(run: _GRPORun, train_p, val_p, total: int, r: GRPOResult, on_step) -> None:
     a, c = run.a, run.c
-    P = a.batch_size // run.G
+    P = a.batch_size // run.G  # this rank's prompts of each step's P x world
+    r0 = run.group.rank * P if run.group else 0
     gens = -(-total // c.num_iterations)
     t0, n_tok = time.perf_counter(), 0
     first_gen, done_iters = divmod(r.steps, c.num_iterations)  # a resumed run's position
     try:
-        for _epoch, batches in iterate_batches(len(train_p), P, 1 << 30, a.seed, a.shuffle, first_gen, gens):
+        step_prompts = P * run.world
+        for _epoch, batches in iterate_batches(len(train_p), step_prompts, 1 << 30, a.seed, a.shuffle, first_gen, gens):
             for idx in batches:
-                batch, gm = run.generate([train_p[i] for i in idx], r.steps)
+                batch, gm = run.generate([train_p[i] for i in idx[r0 : r0 + P]], r.steps)
                 old: list[np.ndarray | None] = [None] * run.n_micro
                 for _ in range(min(c.num_iterations - done_iters, total - r.steps)):
                     lr = lr_at(r.steps, total, a.lr, a.lr_schedule, a.warmup, a.min_lr)
@@ -520,7 +543,7 @@ def _loop(run: _GRPORun, train_p, val_p, total: int, r: GRPOResult, on_step) -> 
                     r.losses.append(m["loss"])
                     r.metrics.append(m)
                     run.write(step=r.steps, lr=lr, **m)
-                    if a.steps_per_report and r.steps % a.steps_per_report == 0:
+                    if a.steps_per_report and r.steps % a.steps_per_report == 0 and run.main:
                         _report(r.steps, total, m, lr)
                     if a.steps_per_eval and r.steps % a.steps_per_eval == 0 and val_p:
                         r.evals.append((r.steps, run.evaluate(val_p)))
