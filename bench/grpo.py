@@ -56,7 +56,8 @@ def worker_llamabind(args) -> dict:
             batch_size=args.prompts * args.num_generations, iters=args.steps, val_split=0.0, progress=False,
             config=train.GRPOConfig(num_generations=args.num_generations, max_completion_length=args.completion),
             on_step=lambda s, mt: times.append(time.perf_counter()),
-            gradient_checkpointing=args.worker.endswith("-gc"),
+            gradient_checkpointing="-gc" in args.worker,
+            loss_chunk_tokens=0 if args.worker.endswith("-whole") else None,
         )  # fmt: skip
     ms = r.metrics
     return dict(step_times=[round(b - a, 4) for a, b in zip(times, times[1:])],
@@ -125,7 +126,8 @@ def main() -> int:
         "--runners",
         default="lora,qlora,lora-gc",
         help="llamabind's: lora (F32 base), qlora (Q4_0 base); -gc: with gradient checkpointing (TRL's GRPOConfig "
-        "turns it on by default)",
+        "turns it on by default); -whole (last): each micro-batch's loss unsplit (loss_chunk_tokens=0), the memory "
+        "before train.grpo.loss_splits",
     )
     ap.add_argument("--trl", default=None, help="python with torch, transformers, peft, trl")
     ap.add_argument("--out", default=None)
@@ -150,9 +152,10 @@ def main() -> int:
         common = ["--prompts", str(args.prompts), "--num-generations", str(args.num_generations), "--completion",
                   str(args.completion), "--steps", str(args.steps), "--data", str(data)]  # fmt: skip
         for r in args.runners.split(","):
-            path = {"lora": f32, "qlora": quant}[r.removesuffix("-gc")]
+            path = {"lora": f32, "qlora": quant}[r.removesuffix("-whole").removesuffix("-gc")]
             name = f"llamabind {'QLoRA (' + quant.name + ')' if r.startswith('qlora') else 'LoRA'} r{RANK}"
-            name += " gradient checkpointing" if r.endswith("-gc") else ""
+            name += " gradient checkpointing" if "-gc" in r else ""
+            name += " loss unsplit" if r.endswith("-whole") else ""
             try:
                 out, _, gpu_mb = run_process([sys.executable, __file__, "--worker", r, "--model", str(path), *common])
                 rows[name] = {**json.loads(out.strip().splitlines()[-1]), "peak_gpu_mb": gpu_mb}
