@@ -345,8 +345,8 @@ def test_packed_completions_train_as_their_windows(smollm2_f32_cut):
 
 def test_split_micro_batches_train_the_same_steps(smollm2_f32_cut):
     """GRPO splits a micro-batch whose loss's logits would be large into smaller ones (train.grpo's
-    loss_chunk_tokens; train.grpo.loss_splits): 2 completions of <= 6 tokens a micro-batch at loss_chunk_tokens=6
-    (4 micro-batches a step) against the whole batch of 8 (loss_chunk_tokens=0). The loss's coefficients are
+    loss_chunk_tokens; train.grpo.loss_splits): 1 completion of <= 6 tokens a micro-batch at loss_chunk_tokens=6
+    (8 micro-batches a step), packed and a window each, against the whole batch of 8 (loss_chunk_tokens=0). The loss's coefficients are
     scaled by the count as ggml-opt averages the micro-batches' gradients, so the same rollouts give the same
     losses, KL and clip ratios (two steps on one generation batch, beta 0.04: the ratio, the reference and the
     clipping in play) within 2e-5 on the CPU (F32 sums of other lengths; the second step's after the first's
@@ -363,16 +363,18 @@ def test_split_micro_batches_train_the_same_steps(smollm2_f32_cut):
 
     cfg = train.GRPOConfig(num_generations=2, max_completion_length=6, beta=0.04, num_iterations=2)
     out = {}
-    for chunk in (0, 6):
+    for chunk, pack in ((0, True), (6, True), (6, False)):  # packed windows (the default) and a window each
         with llamabind.Model(smollm2_f32_cut, n_threads=2, repack=False, n_gpu_layers=0) as m:
             r = train.grpo(m, prompts, reward, config=cfg, loss_chunk_tokens=chunk, lora_rank=4, optimizer="sgd",
-                           lr=0.5, batch_size=8, iters=2, val_split=0.0, progress=False, n_threads=2)  # fmt: skip
-            out[chunk] = r.metrics
-    for a, b in zip(out[0], out[6]):
-        assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
-        for k in ("loss", "kl", "clip_ratio/region_mean"):
-            assert a[k] == pytest.approx(b[k], abs=2e-5), (k, a[k], b[k])
-    print([(round(x["loss"], 7), round(y["loss"], 7)) for x, y in zip(out[0], out[6])])
+                           lr=0.5, batch_size=8, iters=2, val_split=0.0, progress=False, n_threads=2,
+                           pack=pack)  # fmt: skip
+            out[chunk, pack] = r.metrics
+    for split in ((6, True), (6, False)):
+        for a, b in zip(out[0, True], out[split]):
+            assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+            for k in ("loss", "kl", "clip_ratio/region_mean"):
+                assert a[k] == pytest.approx(b[k], abs=2e-5), (split, k, a[k], b[k])
+    print({k: [round(x["loss"], 7) for x in v] for k, v in out.items()})
 
 
 _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 600), st.floats(allow_nan=True, allow_infinity=True),
