@@ -348,9 +348,10 @@ def test_split_micro_batches_train_the_same_steps(smollm2_f32_cut):
     loss_chunk_tokens; train.grpo.loss_splits): 1 completion of <= 6 tokens a micro-batch at loss_chunk_tokens=6
     (8 micro-batches a step), packed and a window each, against the whole batch of 8 (loss_chunk_tokens=0). The
     loss's coefficients are scaled by the count as ggml-opt averages the micro-batches' gradients, so the same
-    rollouts give the same losses, KL and clip ratios (two steps on one generation batch, beta 0.04: the ratio, the reference and the
-    clipping in play) within 2e-5 on the CPU (F32 sums of other lengths; the second step's after the first's
-    update). SGD, whose step is proportional to the gradient: AdamW's is not, and hid a gradient 8x too small."""
+    rollouts give the same losses, KL and clip ratios (two steps on one generation batch, beta 0.04: the ratio,
+    the reference and the clipping in play) within 2e-5 on the CPU (F32 sums of other lengths; the second step's
+    after the first's update). SGD, whose step is proportional to the gradient: AdamW's is not, and hid a
+    gradient 8x too small."""
     from llamabind.train.grpo import loss_splits
 
     assert loss_splits(32, 256, 49152, None) == 4  # 8 x 256 rows x 49,152 x 4 B = 402 MB <= 512 MiB
