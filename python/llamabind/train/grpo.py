@@ -409,15 +409,12 @@ def grpo(
             **columns) -> list[float | None]`` (keyword arguments; accept ``**kwargs``), weighted by
             ``config.reward_weights`` and summed (None: not scored by that function).
         args: a :class:`~llamabind.train.TrainingArgs` (or its fields as keyword arguments): ``batch_size``
-            counts completions per optimizer step (TRL's per_device_train_batch_size x
-            gradient_accumulation_steps), a multiple of num_generations: ``batch_size / num_generations`` prompts
-            a step; ``grad_accum`` micro-batches, each split further where its loss's logits would be large
-            (``loss_chunk_tokens``: :func:`loss_splits`; the same step); under a torchrun launch
-            (:mod:`~llamabind.train.distributed`) ``batch_size`` completions a rank, the advantages and metrics
-            from every rank's, the gradients averaged, rank 0 logging and checkpointing; ``iters`` optimizer steps (else
-            ``epochs`` over the prompts, times num_iterations); ``val_split`` / ``valid`` held-out prompts, whose
-            mean reward is measured before, every ``steps_per_eval`` and after; the schedule, LoRA, precision as
-            :func:`~llamabind.train.finetune`. The training window is the longest prompt plus
+            completions a step (TRL's per_device_train_batch_size x gradient_accumulation_steps; a rank's under
+            torchrun, the advantages and metrics from every rank's), a multiple of num_generations; ``grad_accum``
+            micro-batches, split further where the loss's logits would be large (:func:`loss_splits`); ``iters``
+            optimizer steps (else ``epochs`` over the prompts, times num_iterations); ``val_split`` / ``valid``
+            held-out prompts, their mean reward measured before, every ``steps_per_eval`` and after; the schedule,
+            LoRA, precision as :func:`~llamabind.train.finetune`. The training window is the longest prompt plus
             max_completion_length, a multiple of 256 (``ctx_size`` is not used).
         config: :class:`GRPOConfig` (None: TRL's defaults).
         valid: held-out prompts (as ``prompts``), instead of ``val_split``.
