@@ -87,18 +87,25 @@ class ProcessGroup:
         _torch_distributed().all_reduce(t)
         return t.cpu().numpy()
 
-    def gather_rows(self, rows: np.ndarray) -> np.ndarray:
-        """float64 (world_size x n, ...): every rank's ``rows`` (n, ...) of one shape, rank 0's first (an all-gather
-        of a contiguous shard, as an all-reduce with zeros elsewhere: a NaN stays in its own row)."""
+    def gather_rows(self, rows: np.ndarray, interleaved: bool = False) -> np.ndarray:
+        """float64 (world_size x n, ...): every rank's ``rows`` (n, ...) of one shape in the global order: rank r's
+        at [r n, (r + 1) n) (a contiguous shard), or with ``interleaved`` at r::world_size (:meth:`shard`'s). An
+        all-gather as an all-reduce with zeros elsewhere: a NaN stays in its own row."""
         rows = np.asarray(rows, np.float64)
         n = len(rows)
         full = np.zeros((self.world_size * n, *rows.shape[1:]))
-        full[self.rank * n : (self.rank + 1) * n] = rows
+        at = slice(self.rank, None, self.world_size) if interleaved else slice(self.rank * n, (self.rank + 1) * n)
+        full[at] = rows
         return self.all_reduce_sum(full.reshape(-1)).reshape(full.shape)
 
     def barrier(self) -> None:
         """Wait for every rank (torch.distributed.barrier)."""
         _torch_distributed().barrier()
+
+
+def reports(group: ProcessGroup | None) -> bool:
+    """Whether this process logs, reports and writes checkpoints: the only one, or rank 0 of a data-parallel run."""
+    return group is None or group.is_main
 
 
 def launched() -> bool:

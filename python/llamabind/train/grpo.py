@@ -26,7 +26,7 @@ from ..model import LoraAdapter, Model
 from ..sampling import SamplingParams
 from .args import TrainingArgs
 from .checkpoint import restore_optimizer, save_checkpoint
-from .distributed import ProcessGroup, process_group
+from .distributed import ProcessGroup, process_group, reports
 from .grpo_math import LOSS_TYPES, group_advantages, token_loss
 from .loop import _new_adapter, _resumable, iterate_batches
 from .rollout import (
@@ -348,8 +348,8 @@ class _GRPORun:
 
     @property
     def main(self) -> bool:
-        """Whether this process reports (the only one, or rank 0 of a data-parallel run)."""
-        return self.group is None or self.group.is_main
+        """Whether this process reports (:func:`~llamabind.train.distributed.reports`)."""
+        return reports(self.group)
 
 
 def loss_splits(m: int, max_completion_length: int, n_vocab: int, loss_chunk_tokens: int | None) -> int:

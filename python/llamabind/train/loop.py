@@ -20,7 +20,7 @@ from ..model import LoraAdapter, Model
 from .args import TrainingArgs
 from .checkpoint import check_matches, load_state, restore_optimizer, save_checkpoint
 from .data import Example, example_windows, from_dataset, is_dataset, is_stream, packed_windows, windows
-from .distributed import ProcessGroup, process_group
+from .distributed import ProcessGroup, process_group, reports
 from .lora import lora_init
 from .schedule import lr_at
 from .trainer import MAX_DOCS, Trainer, check_model
@@ -268,8 +268,8 @@ class _Run:
 
     @property
     def main(self) -> bool:
-        """Whether this process reports (the only one, or rank 0 of a data-parallel run)."""
-        return self.group is None or self.group.is_main
+        """Whether this process reports (:func:`~llamabind.train.distributed.reports`)."""
+        return reports(self.group)
 
     def step(self, batch: np.ndarray) -> tuple[float, float]:
         """One optimizer step over the train windows ``batch`` (this rank's share of them in a data-parallel run):

@@ -28,7 +28,7 @@ from ..build import devices
 from ..model import LoraAdapter, Model
 from .args import TrainingArgs, _bool
 from .checkpoint import restore_optimizer, save_checkpoint
-from .distributed import ProcessGroup, process_group
+from .distributed import ProcessGroup, process_group, reports
 from .loop import _new_adapter, _resumable, iterate_batches
 from .pairs import PreferenceMetrics, PreferencePair, preference_metrics, read_pairs
 from .schedule import lr_at
@@ -243,8 +243,8 @@ class _PrefRun:
 
     @property
     def main(self) -> bool:
-        """Whether this process reports (the only one, or rank 0 of a data-parallel run)."""
-        return self.group is None or self.group.is_main
+        """Whether this process reports (:func:`~llamabind.train.distributed.reports`)."""
+        return reports(self.group)
 
     def write(self, **row: Any) -> None:
         if self.log is not None:
@@ -268,9 +268,7 @@ class _PrefRun:
         refs = None if self.train.ref is None else self.train.ref[rows, 0] - self.train.ref[rows, 1]
         logps = _logps(self.trainer, self.train, rows, True, refs, self.pack)
         if g is not None:  # every rank's pairs' values in the batch's order, for the metrics of the whole batch
-            full = np.zeros((len(batch), logps.shape[1]))
-            full[g.rank :: g.world_size] = logps
-            logps = g.all_reduce_sum(full.reshape(-1)).reshape(full.shape)
+            logps = g.gather_rows(logps, interleaved=True)
         return _metrics(self.train, batch, logps, self.method, self.beta)
 
     def checkpoint(self) -> None:
