@@ -599,6 +599,36 @@ def test_label_classes_train_the_same_steps_as_one_hot_labels(f32_path):
     assert a["steps"][3][0] < a["steps"][2][0]  # it trains (the first AdamW step at lr 1e-3 overshoots)
 
 
+
+def test_training_frees_the_kv_cache_it_does_not_read(f32_path):
+    """Patch 0103: the training graph's attention reads the K/V of its ubatch (patch 0031), so llama_opt_init frees
+    the context's KV cache buffers, which llama.cpp allocated at creation ("KV buffer size = N MiB"), and says so at
+    INFO with the same size; LLAMA_OPT_KV_RELEASE=0 keeps them (no such line). The graphs are the same, so four full
+    fine-tuning steps (AdamW, two with masked labels) and a validation pass give the same losses and counts, bit
+    for bit on the CPU (within 1e-6 on a GPU); a graph that read the freed K/V would read no data (NULL) or, were
+    the buffers kept in another's place, other values."""
+    code = _CLASS_STEPS.replace("sys.argv[1]", repr(str(f32_path)))
+    out = _run_each_setting(code, "LLAMA_OPT_KV_RELEASE", ("default", "0"))
+    runs = {k: r for k, (r, _) in out.items()}
+
+    def mib(err, pattern):
+        return sum(float(x) for x in re.findall(pattern, err))
+
+    kv = {k: mib(err, r"KV buffer size = +([0-9.]+) MiB") for k, (_, err) in out.items()}
+    freed = {k: mib(err, r"the KV cache's buffers released \(([0-9.]+) MiB\)") for k, (_, err) in out.items()}
+    print(runs, kv, freed)
+    assert kv["default"] > 0 and kv["default"] == kv["0"]
+    assert freed == {"default": pytest.approx(kv["default"], abs=0.02), "0": 0}
+    a, b = runs["default"], runs["0"]
+    assert [s[1:] for s in a["steps"]] == [s[1:] for s in b["steps"]] and a["val"][1:] == b["val"][1:]
+    losses = lambda r: [s[0] for s in r["steps"]] + [r["val"][0]]  # noqa: E731
+    if GPU_BUILD:
+        np.testing.assert_allclose(losses(a), losses(b), rtol=1e-6)
+    else:
+        assert losses(a) == losses(b)
+    assert a["steps"][3][0] < a["steps"][2][0]
+
+
 def _chunked_run(path, chunk, **kw) -> tuple[list, list, dict, int]:
     """Three AdamW steps (lr 1e-3; the last two with 100 positions masked: 412 logits rows of 512) and a validation
     pass with loss_chunk_tokens=chunk: the steps, the validation, {(phase, op): nodes} of the profile, the compute
