@@ -139,18 +139,25 @@ def _launch(
     return [subprocess.CompletedProcess(p.args, p.wait(timeout), *p.communicate()) for p in procs]
 
 
-def _same_run(one: Path, two: Path, w0: dict) -> None:
-    """The results and weights of two runs that took the same steps (see the test below for the tolerances)."""
+def _same_run(one: Path, two: Path, w0: dict, rtol: float = 1e-6, of_step: float = 1e-5) -> None:
+    """The results and weights of two runs that took the same steps: losses within rtol, each weight within 2 F32
+    ulps plus of_step of the largest step's size (see the tests below for the tolerances)."""
     r1 = json.loads((one / "result-0.json").read_text())
     r2 = json.loads((two / "result-0.json").read_text())
     assert r1["steps"] == r2["steps"] == 3
-    np.testing.assert_allclose(r2["losses"], r1["losses"], rtol=1e-6)
-    np.testing.assert_allclose([r2["val_before"], *r2["val"]], [r1["val_before"], *r1["val"]], rtol=1e-6)
+    np.testing.assert_allclose(r2["losses"], r1["losses"], rtol=rtol)
+    np.testing.assert_allclose([r2["val_before"], *r2["val"]], [r1["val_before"], *r1["val"]], rtol=rtol)
     w1, w2 = _weights(one / "model.gguf"), _weights(two / "model.gguf")
     for name in w1:
         step = np.abs(w1[name] - w0[name]).max()
         ulp = np.spacing(np.abs(w1[name]).astype(np.float32)).astype(np.float64)
-        assert (np.abs(w2[name] - w1[name]) <= 2 * ulp + 1e-5 * step).all(), name
+        assert (np.abs(w2[name] - w1[name]) <= 2 * ulp + of_step * step).all(), name
+
+
+def _loss_gap(one: Path, two: Path) -> float:
+    """The largest relative difference of two runs' training losses."""
+    r1, r2 = (np.array(json.loads((d / "result-0.json").read_text())["losses"]) for d in (one, two))
+    return float(np.max(np.abs(r2 - r1) / np.abs(r1)))
 
 
 def test_two_ranks_train_as_one_with_the_global_batch(tiny_f32, reference_python, tmp_path):
@@ -296,11 +303,13 @@ def test_ranks_over_nccl_train_as_one(tiny_f32, reference_python, tmp_path):
     """On GPUs, NCCL through torch.distributed (tests/device/cuda_run.sh ddp87): with one GPU, a launch of one rank
     (the reduction over one rank, the step as a graph of its own: patch 0102 on CUDA) against the same run without
     a launch; with two or more, 2 ranks x batch_size 2, each on its GPU, against 1 process x batch_size 4 in two
-    micro-batches; the tolerances of the CPU test (each micro-batch's products are the same kernels on the same
-    shapes on both sides). Flash attention's backward sums dQ with atomics by default (patch 0065), in an order
-    that changes from run to run: with it, the one-rank launch and the plain run parted at step 3 by 4.5e-6 of the
-    loss on an H100 (2026-12-05; steps 1-2 equal); GGML_CUDA_FA_BACK_DETERMINISTIC=1 sums it in a fixed order on
-    both sides (not yet run on a GPU with it)."""
+    micro-batches. Within the issue's "bf16 tolerance on GPUs", not the CPU test's: two plain runs of the same job
+    on CUDA already differ, because token_embd's gradient (GET_ROWS_BACK) and flash attention's dQ (patch 0065) are
+    sums by atomics in an order that changes from run to run (GGML_CUDA_FA_BACK_DETERMINISTIC=1 fixes the second
+    only). On an H100 (2026-12-05) the one-rank launch and the plain run parted by 5.2e-6 of the loss at step 3
+    with it set (4.5e-6 without); the plain run against itself is measured beside them (printed). So: losses within
+    1e-4 relative, weights within 1e-3 of the largest step; a reduction that summed without averaging over two
+    ranks, or skipped a rank's gradients, moves the steps by half or double and fails both."""
     torch_path = _torch_path(reference_python)
     code = "import torch; print(torch.cuda.device_count())"
     env = dict(os.environ, PYTHONPATH=torch_path)
@@ -312,13 +321,18 @@ def test_ranks_over_nccl_train_as_one(tiny_f32, reference_python, tmp_path):
     args = dict(ctx_size=256, iters=3, lr=1e-2, optimizer="sgd", val_split=0.2, progress=False, seed=3)
     job = dict(model=str(tiny_f32), tokens=tokens, gpu=True)
     det = dict(GGML_CUDA_FA_BACK_DETERMINISTIC="1")
-    one = _launch(dict(job, args=dict(args, batch_size=2 * world, grad_accum=world)), tmp_path / "one", 0, torch_path,
-                  env=det)  # fmt: skip
+    plain = dict(job, args=dict(args, batch_size=2 * world, grad_accum=world))
+    one = _launch(plain, tmp_path / "one", 0, torch_path, env=det)
+    again = _launch(plain, tmp_path / "again", 0, torch_path, env=det)
     two = _launch(dict(job, args=dict(args, batch_size=2, ddp_backend="nccl")), tmp_path / "two", world, torch_path,
                   env=det)  # fmt: skip
-    for p in one + two:
+    for p in one + again + two:
         assert p.returncode == 0, p.stderr[-3000:]
-    _same_run(tmp_path / "one", tmp_path / "two", _weights(tiny_f32))
+    print(
+        f"loss gap: launch {_loss_gap(tmp_path / 'one', tmp_path / 'two'):.2e}, "
+        f"plain run again {_loss_gap(tmp_path / 'one', tmp_path / 'again'):.2e}"
+    )
+    _same_run(tmp_path / "one", tmp_path / "two", _weights(tiny_f32), rtol=1e-4, of_step=1e-3)
 
 
 def test_a_rank_that_dies_ends_the_run_on_the_others(tiny_f32, reference_python, tmp_path):

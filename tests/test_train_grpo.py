@@ -13,7 +13,7 @@ import sys
 import gguf
 import numpy as np
 import pytest
-from conftest import reference_job
+from conftest import GPU_BUILD, reference_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -350,8 +350,11 @@ def test_split_micro_batches_train_the_same_steps(smollm2_f32_cut):
     loss's coefficients are scaled by the count as ggml-opt averages the micro-batches' gradients, so the same
     rollouts give the same losses, KL and clip ratios (two steps on one generation batch, beta 0.04: the ratio,
     the reference and the clipping in play) within 2e-5 on the CPU (F32 sums of other lengths; the second step's
-    after the first's update). SGD, whose step is proportional to the gradient: AdamW's is not, and hid a
-    gradient 8x too small."""
+    after the first's update). In a GPU build the training context offloads the large products to the GPU (BF16
+    with F32 sums, kernels picked by the row count): within 1e-3 there (an H100 gave -0.020666 split against
+    -0.020817 whole, 2026-12-05). The first step's loss is 0 (ratio 1, advantages summing to 0), the second's
+    -0.0209 comes from the first update alone: a gradient 8x or 2x off moves it by 0.018 or 0.01. SGD, whose step
+    is proportional to the gradient: AdamW's is not, and hid a gradient 8x too small."""
     from llamabind.train.grpo import loss_splits
 
     assert loss_splits(32, 256, 49152, None) == 4  # 8 x 256 rows x 49,152 x 4 B = 402 MB <= 512 MiB
@@ -374,7 +377,7 @@ def test_split_micro_batches_train_the_same_steps(smollm2_f32_cut):
         for a, b in zip(out[0, True], out[split]):
             assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
             for k in ("loss", "kl", "clip_ratio/region_mean"):
-                assert a[k] == pytest.approx(b[k], abs=2e-5), (split, k, a[k], b[k])
+                assert a[k] == pytest.approx(b[k], abs=1e-3 if GPU_BUILD else 2e-5), (split, k, a[k], b[k])
     print({k: [round(x["loss"], 7) for x in v] for k, v in out.items()})
 
 
