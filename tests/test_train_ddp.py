@@ -310,10 +310,13 @@ def test_ranks_over_nccl_train_as_one(tiny_f32, reference_python, tmp_path):
     the one-rank launch against it 5.2e-6 of the loss at step 3 and weights up to 1.07% of the largest step
     (blk.1.attn_k). With one rank the reduction is the identity (a copy to the host and back, a sum of one), so
     the gap is CUDA's arithmetic in patch 0102's split graphs (the gradients into static accumulators, then the
-    step as a graph of its own) against the one graph of a step; which kernel rounds differently (a fusion or a
-    BF16 product taken in one graph and not the other) is not found yet; the CPU test shows none. So: losses
-    within 1e-4 relative, weights within 2% of the largest step (bf16's 2^-7 ~ 0.8% doubled); a reduction that
-    summed two ranks without averaging, or dropped one's gradients, moves the steps by 100% or 50% and fails."""
+    step as a graph of its own) against the one graph of a step. Likely (not yet checked with
+    GGML_CUDA_FUSE_GEMM_ADD=0): a weight's gradient added into its accumulator by cuBLAS (beta 1, ggml-cuda's
+    GEMM + ADD fusion) sums in another order than the same product written alone (beta 0), and the BF16 inputs of
+    the next steps' products turn such last-bit differences into BF16 roundings (2^-8); the CPU test shows none.
+    So: losses within 1e-4 relative, weights within 2% of the largest step (bf16's 2^-7 ~ 0.8% doubled); a
+    reduction that summed two ranks without averaging, or dropped one's gradients, moves the steps by 100% or 50%
+    and fails."""
     torch_path = _torch_path(reference_python)
     code = "import torch; print(torch.cuda.device_count())"
     env = dict(os.environ, PYTHONPATH=torch_path)
