@@ -599,7 +599,6 @@ def test_label_classes_train_the_same_steps_as_one_hot_labels(f32_path):
     assert a["steps"][3][0] < a["steps"][2][0]  # it trains (the first AdamW step at lr 1e-3 overshoots)
 
 
-
 def test_training_frees_the_kv_cache_it_does_not_read(f32_path):
     """Patch 0103: the training graph's attention reads the K/V of its ubatch (patch 0031), so llama_opt_init frees
     the context's KV cache buffers, which llama.cpp allocated at creation ("KV buffer size = N MiB"), and says so at
@@ -627,6 +626,27 @@ def test_training_frees_the_kv_cache_it_does_not_read(f32_path):
     else:
         assert losses(a) == losses(b)
     assert a["steps"][3][0] < a["steps"][2][0]
+
+
+def test_a_training_context_without_its_kv_data_refuses_state_io(f32_path, tmp_path):
+    """Patch 0103: once llama_opt_init has freed a training context's KV buffers, saving its state is a clear
+    error naming why (bytes: LlamaError; a file: ValueError; the cache's state_write throws, llama_state_* return
+    0 or false) and restoring one a ValueError, the cache cleared (a no-op on the empty buffers); the interpreter
+    does not abort, and the context still trains afterwards."""
+    w = np.array([np.arange(257) % 200 + 3, np.arange(257) % 100 + 7], np.int32)
+    with llamabind.Model(f32_path, use_mmap=False, n_threads=2) as m:
+        with train.Trainer(m, batch_size=2, optimizer="sgd", lr=1e-3, n_threads=2) as t:
+            first = t.step(w)[0]
+            with pytest.raises(llamabind.LlamaError, match="(?s)llama_state_get_data failed.*holds no K/V data"):
+                t.context.save_state()
+            with pytest.raises(ValueError, match="(?s)cannot save the state.*holds no K/V data"):
+                t.context.save_state_file(tmp_path / "state.bin")
+            with m.context(n_ctx=512, n_batch=512) as c:
+                c.decode(w[0, :8].tolist())
+                state = c.save_state()  # a real state of an inference context of the same model
+            with pytest.raises(ValueError, match="(?s)not a state of this context.*holds no K/V data"):
+                t.context.load_state(state)
+            assert np.isfinite(t.step(w)[0]) and first > 0
 
 
 def _chunked_run(path, chunk, **kw) -> tuple[list, list, dict, int]:
