@@ -75,8 +75,9 @@ static bool profile_node(ggml_tensor * t, bool ask, void * ud) {
 }
 
 void training_context_params(llama_context_params & p, Context & c, bool profile, bool packed) {
-    // upstream's finetune does the same: F32 K/V (OUT_PROD had no F16 kernel); flash attention only when asked
-    // for (flash_attn 'on': patch 0052 keeps it where every layer's device has its backward pass, patch 0050)
+    // F32 K/V as upstream's finetune (llama_opt_init frees them where the training graph does not read them: patch
+    // 0103); flash attention only when asked for (flash_attn 'on': patch 0052 keeps it where every layer's device
+    // has its backward pass, patch 0050)
     if (p.n_ubatch != p.n_ctx || p.n_batch != p.n_ctx)
         raise_value("a training context needs n_ctx == n_batch == n_ubatch (gradients do not flow through the KV "
                     "cache); got " +
