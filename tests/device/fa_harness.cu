@@ -204,6 +204,13 @@ static cudaError_t fah_dkdv_d(int variant, const void * Qb, const void * Kb, con
             fa_back_wgmma_dkdv<D><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk, S,
                 Sk, scale, hparts, rh_fd);
         }
+    } else if (variant == 4) { // variant 3 with dQ added by the TMA unit's bulk reductions (BULK_DQ)
+        constexpr size_t smem = fab_smem_dkdv_wgmma(D);
+        err = fah_smem(fa_back_wgmma_dkdv<D, true>, smem);
+        if (err == cudaSuccess) {
+            fa_back_wgmma_dkdv<D, true><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk,
+                S, Sk, scale, hparts, rh_fd);
+        }
     } else {
         return cudaErrorInvalidValue;
     }

@@ -3,7 +3,8 @@
 Builds tests/device/fa_harness.cu with nvcc against a patched ggml tree (--ggml, default vendor/llama.cpp/ggml),
 then on the GPU, with PyTorch:
   - each dK/dV kernel variant (fa_harness.cu's fah_dkdv: 0 = 64 keys a block, 1 = 128 keys a block / 32 a warp,
-    2 = no dQ, run with one block a K/V head) and the training forward against a float64 reference of
+    2 = no dQ, run with one block a K/V head; --backward's fah_dkdv_d: 0 = the mma.sync kernel, 3 = the wgmma one,
+    4 = the wgmma one with dQ by bulk reductions) and the training forward against a float64 reference of
     attention's forward and backward (autograd), by NMSE, on shapes that reach the kernels' edges (ragged
     blocks, GQA, no mask, block-diagonal and random masks with mixed tiles);
   - the variants' times at the 1B shape (4 x 32 heads, 8 K/V, 2048 x 64, causal) beside PyTorch's SDPA in bf16
