@@ -52,12 +52,15 @@ def test_grad_reduce_changes_the_step(tiny_f32, windows, tmp_path):
     """What grad_reduce leaves in the gradients is what the step takes: left as they are, the steps of the split
     graphs (the gradient graph, then the step's own) equal ggml-opt's one graph bit for bit; doubled, SGD's steps
     of twice the learning rate (bit for bit: x2 is exact); zeroed, no step at all. It sees every trained tensor's
-    gradient once per step, float32 (n,), n the trained parameters' count."""
+    gradient once per step: a list of float32 1-D DLPack arrays over the accumulators' own memory (numpy views of
+    it on the CPU: what they write is what the step reads), of the trained parameters' count in all."""
     seen = []
 
-    def double(g):
-        seen.append((g.dtype, g.shape))
-        g *= 2
+    def double(grads):
+        arrays = [np.from_dlpack(g) for g in grads]
+        seen.append([(a.dtype, a.ndim) for a in arrays] + [sum(a.size for a in arrays)])
+        for a in arrays:
+            a *= 2
 
     twice = _sgd_steps(tiny_f32, tmp_path / "a.gguf", windows, double)
     lr2 = _sgd_steps(tiny_f32, tmp_path / "b.gguf", windows, lr=2e-2)
@@ -70,8 +73,14 @@ def test_grad_reduce_changes_the_step(tiny_f32, windows, tmp_path):
         assert not np.array_equal(w, start[name]), name  # every weight trained
     with llamabind.Model(tiny_f32, use_mmap=False) as m:
         n_params = m.n_params
-    assert len(seen) == 2 and seen[0] == seen[1] == (np.float32, (n_params,))
-    for name, w in _sgd_steps(tiny_f32, tmp_path / "c.gguf", windows, lambda g: g.fill(0)).items():
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0][-1] == n_params and len(seen[0]) - 1 == len(start)
+    assert set(seen[0][:-1]) == {(np.dtype(np.float32), 1)}
+
+    def zero(grads):
+        for g in grads:
+            np.from_dlpack(g).fill(0)
+
+    for name, w in _sgd_steps(tiny_f32, tmp_path / "c.gguf", windows, zero).items():
         assert np.array_equal(w, start[name]), name
 
 

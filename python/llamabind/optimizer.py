@@ -37,9 +37,11 @@ class Optimizer:
     n_vocab] logits and their gradient never exist whole (a fused linear cross-entropy; llama_opt_params
     .ce_chunk_rows, patch 0098); None (default): automatic, chunks of <= 512 MiB of F32 logits where a window's
     exceed 2 GiB; 0: whole. ValueError for a negative value. ``grad_reduce``: called before each optimizer step as
-    ``grad_reduce(grads)``, ``grads`` float32 (n,) every trained tensor's gradient (a host copy, valid during the
-    call), to change in place: data parallelism's all-reduce (llama_opt_params.grad_reduce, patch 0102); what it
-    raises is raised by :meth:`eval` as a RuntimeError, no step taken then or after. TypeError if not callable."""
+    ``grad_reduce(grads)``, ``grads`` a list of float32 (n_i,) arrays, one per trained tensor, each its gradient in
+    its own memory by DLPack (``np.from_dlpack`` / ``torch.from_dlpack`` without a copy: host memory, or a CUDA
+    device's, the backends synchronized; a host copy on other devices), valid during the call, to change in place:
+    data parallelism's all-reduce (llama_opt_params.grad_reduce, patch 0102); what it raises is raised by
+    :meth:`eval` as a RuntimeError, no step taken then or after. TypeError if not callable."""
 
     def __init__(
         self,
@@ -56,7 +58,7 @@ class Optimizer:
         recompute: bool = False,
         max_grad_norm: float | None = None,
         loss_chunk_tokens: int | None = None,
-        grad_reduce: Callable[[np.ndarray], Any] | None = None,
+        grad_reduce: Callable[[list[Any]], Any] | None = None,
     ):
         self.context = context
         self._native = context._llama_context

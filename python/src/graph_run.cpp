@@ -370,18 +370,17 @@ static void device_buffer_download(DeviceBuffer & b, HostBytes dst) {
     if (b.size) ggml_backend_tensor_get(&t, dst.data(), 0, b.size);
 }
 
-// DLPack device of a backend device: (kDLCPU, 0) for host memory, (kDLCUDA, n) for CUDAn.
-static std::pair<int, int> dl_device(const SharedBackend & be) {
-    if (ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(be.dev))) return { nb::device::cpu::value, 0 };
-    const std::string reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(be.dev));
-    const std::string name = ggml_backend_dev_name(be.dev);
+std::pair<int, int> dlpack_device(ggml_backend_dev_t dev) {
+    if (ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev))) return { nb::device::cpu::value, 0 };
+    const std::string reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev));
+    const std::string name = ggml_backend_dev_name(dev);
     if (reg == "CUDA" && name.size() > 4) return { nb::device::cuda::value, std::stoi(name.substr(4)) };
     return { 0, 0 };
 }
 
 static nb::object device_buffer_dlpack(nb::handle self, std::vector<size_t> shape, int code, int bits) {
     DeviceBuffer & b = nb::cast<DeviceBuffer &>(self);
-    auto [type, id] = dl_device(*b.be);
+    auto [type, id] = dlpack_device(b.be->dev);
     if (!type) {
         raise_type(std::string("DLPack has no device type for ") + ggml_backend_dev_name(b.be->dev) +
                    " (CPU and CUDA arrays only): use .numpy()");

@@ -28,6 +28,24 @@ BACKENDS = ("gloo", "nccl")
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
+_BUCKET_BYTES = 256 << 20
+"""The most bytes of gradients one all-reduce takes (PyTorch DDP buckets by 25 MiB while the backward pass runs;
+here the reduction follows the whole backward pass, so fewer, larger calls, bounded for the bucket's copy)."""
+
+
+def _buckets(tensors: list[Any], limit: int) -> list[list[Any]]:
+    """``tensors`` in order, grouped by device into runs of at most ``limit`` bytes (a larger tensor alone)."""
+    out: list[list[Any]] = []
+    size = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if not out or size + n > limit or out[-1][0].device != t.device:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += n
+    return out
+
 
 def _torch_distributed() -> Any:
     try:
@@ -63,20 +81,29 @@ class ProcessGroup:
         )
         return rows[self.rank :: self.world_size]
 
-    def all_reduce_mean_(self, grads: np.ndarray) -> None:
-        """Replace float32 ``grads`` (n,) in place by their mean over the ranks (torch.distributed.all_reduce,
-        SUM, then / world_size; over NCCL through a copy on this rank's GPU). What the collective raises (a rank
-        gone: its timeout) propagates: the training step then takes no step and raises."""
+    def all_reduce_mean_(self, grads: Sequence[Any]) -> None:
+        """Replace the gradients in place by their mean over the ranks: ``grads`` the float32 DLPack arrays of
+        :class:`~llamabind.Optimizer`'s grad_reduce (each a trained tensor's gradient in its own memory, on the
+        host or a CUDA device), taken as torch tensors without a copy, packed into buckets of up to 256 MiB on
+        their device, each all-reduced (SUM) by torch.distributed and divided by world_size, and written back
+        (host memory under NCCL: through a copy on this rank's GPU); a CUDA device's stream is synchronized before
+        the step reads them. What the collective raises (a rank gone: its timeout) propagates: the training step
+        then takes no step and raises."""
         torch = importlib.import_module("torch")
         dist = _torch_distributed()
-        t = torch.from_numpy(grads)
-        if self.backend == "nccl":
-            dev = t.to(f"cuda:{self.local_rank}")
-            dist.all_reduce(dev)
-            t.copy_(dev.cpu())
-        else:
-            dist.all_reduce(t)
-        t /= self.world_size
+        tensors = [torch.from_dlpack(g) for g in grads]
+        for bucket in _buckets(tensors, _BUCKET_BYTES):
+            flat = torch.cat(bucket) if len(bucket) > 1 else bucket[0]  # one tensor: reduced where it is
+            on = flat.to(f"cuda:{self.local_rank}") if self.backend == "nccl" and not flat.is_cuda else flat
+            dist.all_reduce(on)
+            on /= self.world_size
+            if on is not flat:
+                flat.copy_(on.cpu())
+            if flat is not bucket[0]:
+                for t, part in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):
+                    t.copy_(part)
+            if flat.is_cuda:
+                torch.cuda.current_stream(flat.device).synchronize()
 
     def all_reduce_sum(self, values: Sequence[float] | np.ndarray) -> np.ndarray:
         """float64 (len(values),): each value summed over the ranks (a loss's token-weighted sums)."""
