@@ -317,9 +317,10 @@ def test_ranks_over_nccl_train_as_one(tiny_f32, reference_python, tmp_path):
     micro-batches. Within the issue's "bf16 tolerance on GPUs", not the CPU test's. Measured on an H100
     (2026-12-05, GGML_CUDA_FA_BACK_DETERMINISTIC=1 on both sides): the plain run against itself 0 apart (printed),
     the one-rank launch against it 5.2e-6 of the loss at step 3 and weights up to 1.07% of the largest step
-    (blk.1.attn_k). With one rank the reduction is the identity (a copy to the host and back, a sum of one), so
-    the gap is CUDA's arithmetic in patch 0102's split graphs (the gradients into static accumulators, then the
-    step as a graph of its own) against the one graph of a step. Likely (not yet checked with
+    (blk.1.attn_k; the gradients went through the host then, on the GPU in place since). With one rank the
+    reduction is the identity (a sum of one, divided by one), so the gap is CUDA's arithmetic in patch 0102's split
+    graphs (the gradients into static accumulators, then the step as a graph of its own) against the one graph of
+    a step. Likely (not yet checked with
     GGML_CUDA_FUSE_GEMM_ADD=0): a weight's gradient added into its accumulator by cuBLAS (beta 1, ggml-cuda's
     GEMM + ADD fusion) sums in another order than the same product written alone (beta 0), and the BF16 inputs of
     the next steps' products turn such last-bit differences into BF16 roundings (2^-8); the CPU test shows none.
