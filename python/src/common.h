@@ -33,11 +33,11 @@ void log_to_python(enum ggml_log_level level, const char * text, void * user_dat
 void flush_logs();
 // The last error/warning lines that llama.cpp logged on this thread (drained by the call).
 std::string take_recent_errors();
+void clear_recent_errors();
 
 // DLPack's (device type, id) of a backend device's memory: (kDLCPU, 0) for host memory, (kDLCUDA, n) for CUDAn,
 // (0, 0) for devices DLPack does not name (graph_run.cpp)
 std::pair<int, int> dlpack_device(ggml_backend_dev_t dev);
-void clear_recent_errors();
 
 // ---- backends.cpp: build info, devices
 void register_backends(nb::module_ & m);
