@@ -24,9 +24,11 @@ static std::pair<int, int> dl_device_of(const ggml_tensor * t) {
 bool grad_reduce_host(ggml_tensor ** grads, int n_grads, void * userdata) {
     auto & r = *(GradReduce *) userdata;
     if (!r.error.empty()) return false;  // a failed reduction ends the run: no more steps
-    r.copies.assign(n_grads, {});
+    r.copies.resize(n_grads);            // kept from step to step: no allocation per step where the sizes stay
     for (int i = 0; i < n_grads; ++i) {  // the accumulators are F32 (ggml-opt makes them so)
-        if (dl_device_of(grads[i]).first == 0) {
+        if (dl_device_of(grads[i]).first != 0) {
+            r.copies[i].clear();  // (in place: no copy)
+        } else {
             r.copies[i].resize(ggml_nelements(grads[i]));
             ggml_backend_tensor_get(grads[i], r.copies[i].data(), 0, ggml_nbytes(grads[i]));
         }
