@@ -3,10 +3,13 @@
 compute split into forward, backward and optimizer ops, for the pin's way of running a batch (one
 window per graph, the graphs rebuilt for every window, token_embd frozen: "pin") beside this tree's
 (the batch's windows as sequences of one graph, graphs kept across steps, token_embd trained: "now"),
-and LoRA r8 on attn_q/attn_v over the F32 model ("lora") or over its Q4_0 original ("qlora").
+and LoRA (--lora-rank, default 8, on --lora-targets: qv, attn_q/attn_v, or all, every linear layer of a block) over
+the F32 model ("lora") or over its quantized original ("qlora"; with --qmodel alone, no F32 copy: the 8B and 70B
+shapes, issue 88).
 
     python bench/train_profile.py [--size 1b | --model GGUF] [--configs 256x8,2048x1] [-ngl 99]
         [--qmodel GGUF] [--steps 6] [--profile-steps 2] [--modes pin,now,lora,qlora] [--threads 8] [--out FILE.json]
+        [--lora-rank 8] [--lora-targets qv|all]
 
 Each (mode, ctx x batch) runs in its own process on random windows (a random-weight llama of
 bench/make_model.py's shape, F32, or an F32 GGUF given with --model), full fine-tune, AdamW lr 1e-5.
@@ -35,7 +38,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from train import GpuPeak  # noqa: E402 (bench/train.py: nvidia-smi's peak of a process)
+from train import GpuPeak, lora_targets  # noqa: E402 (bench/train.py: nvidia-smi's peak of a process, --lora-targets)
 
 
 def flops_per_token(path: str, ctx: int) -> tuple[float, dict]:
@@ -77,9 +80,10 @@ def worker(args) -> dict:
         kw = dict(ctx_size=ctx, batch_size=batch, grad_accum=batch if pin else 1, lr=1e-4 if lora else 1e-5,
                   train_embeddings=not pin, n_threads=args.threads, precision="f32" if f32 else "bf16",
                   flash_attn=flash)  # fmt: skip
-        if lora:  # LoRA r8 on attn_q/attn_v (bench/train.py's), over the F32 model or the quantized one
+        if lora:  # LoRA (bench/train.py's: alpha 2 x rank), over the F32 model or the quantized one
             adapter = Path(tempfile.mkdtemp()) / "lora.gguf"
-            train.lora_init(m, adapter, rank=8, alpha=16.0)
+            train.lora_init(m, adapter, rank=args.lora_rank, alpha=2.0 * args.lora_rank,
+                            targets=lora_targets(args.lora_targets))  # fmt: skip
             kw.update(params="lora", adapter=m.load_lora(adapter), train_embeddings=False)
         with train.Trainer(m, **kw) as t:
             t.step(wins)  # warm-up: first allocation, cuBLAS handles
@@ -119,12 +123,12 @@ def _memory(m, args, lora: bool, flash: bool) -> dict:
     graph's transient buffers and the CUDA context."""
     import gguf
 
-    r = gguf.GGUFReader(args.model)
+    r = gguf.GGUFReader(args.model or args.qmodel)
     n_head = int(r.fields["llama.attention.head_count"].contents())
     n_layer = int(r.fields["llama.block_count"].contents())
     shapes = {t.name: [int(n) for n in t.shape] for t in r.tensors}
-    q, v = shapes["blk.0.attn_q.weight"], shapes["blk.0.attn_v.weight"]  # [n_in, n_out]
-    n_trained = 8 * n_layer * (q[0] + q[1] + v[0] + v[1]) if lora else m.n_params  # LoRA r8 on attn_q, attn_v
+    mats = [shapes[f"blk.0.{t}.weight"] for t in lora_targets(args.lora_targets)]  # [n_in, n_out]
+    n_trained = args.lora_rank * n_layer * sum(a + b for a, b in mats) if lora else m.n_params
     mib = 2**20
     return dict(
         weights=m.size / mib, gradients=4 * n_trained / mib, adamw_moments=8 * n_trained / mib,
@@ -155,7 +159,9 @@ def main() -> int:
     ap.add_argument("--size", default="1b", help="bench/make_model.py shape (ignored with --model)")
     ap.add_argument("--model", default=None, help="an F32 GGUF instead of a random-weight llama")
     ap.add_argument("--configs", default="256x8,2048x1", help="ctx x batch, comma-separated")
-    ap.add_argument("--qmodel", default=None, help="the quantized GGUF of the qlora mode (with --model)")
+    ap.add_argument("--qmodel", default=None, help="the quantized GGUF of the qlora mode (alone: qlora only)")
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--lora-targets", default="qv", help="qv or all (every linear layer of a block)")
     ap.add_argument(
         "--modes",
         default="pin,now",
@@ -182,7 +188,9 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model, qmodel = args.model, args.qmodel
-        if model is None:
+        if model is None and qmodel is not None and args.modes == "qlora":
+            model = qmodel  # the shapes and FLOPs read from the quantized GGUF; no F32 copy
+        elif model is None:
             qmodel = qmodel or str(Path(tmp) / "q4_0.gguf")
             subprocess.run([sys.executable, str(HERE / "make_model.py"), "--size", args.size, "--type", "q4_0",
                             "-o", qmodel], check=True)  # fmt: skip
@@ -197,7 +205,8 @@ def main() -> int:
                 cmd = [sys.executable, __file__, "--worker", "--model", model, "--qmodel", str(qmodel), "--mode", mode,
                        "--ctx", str(ctx),
                        "--batch", str(batch), "-ngl", str(args.ngl), "--threads", str(args.threads),
-                       "--steps", str(args.steps), "--profile-steps", str(args.profile_steps)]  # fmt: skip
+                       "--steps", str(args.steps), "--profile-steps", str(args.profile_steps),
+                       "--lora-rank", str(args.lora_rank), "--lora-targets", args.lora_targets]  # fmt: skip
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 gpu = GpuPeak(proc)
                 stdout, stderr = proc.communicate()
@@ -209,7 +218,7 @@ def main() -> int:
                 r = json.loads(p.stdout.strip().splitlines()[-1])
                 r["memory"]["peak_gpu"] = gpu.peak_mb
                 tok_s = batch * ctx / (r["step_ms"] / 1e3)
-                if mode in ("lora", "qlora"):  # no weight gradients: 4 N + 8 L T d (bench/train.py's count)
+                if mode in ("lora", "qlora"):  # no base-weight gradients: 4 N + 8 L T d (bench/train.py's count)
                     f = 4 * shape["n_matmul_params"] + 8 * shape["n_layer"] * ctx * shape["n_embd"]
                 else:
                     f = fpt

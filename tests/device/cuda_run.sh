@@ -70,6 +70,8 @@
 # amx:    (LB_NO_CUDA=1; LB_AMX_STEP=build, then test) the CPU suite on the device's Intel Xeon with AMX_INT8.
 # pending: (carry .device/llama.cpp.tar.xz, whl, tokenizer.gguf, .device-s, .device-t; LB_NO_TOOLS=1) what the eleventh
 #         session left for a GPU, in one build: the NCCL one-rank test, GRPO's TRL parity on CUDA, fa_harness variants 3, 4.
+# profiles: (after pending, warm) bench/train_profile.py on the 8B QLoRA step (issue 88) and the 1B at 16k (issue 84),
+#         then the CLI example on the 8B Q4_K_M GGUF.
 # pack84: (carry .device/llama.cpp.tar.xz, whl, tokenizer.gguf and .device-s; LB_NO_TOOLS=1) issue 84: the build, the
 #         packing tests on CUDA0, bench/pack.py on the random-weight 1B (packed against padded windows).
 # chunk84: (as pack84) issue 84, item 3: the build, the chunked cross-entropy's tests on CUDA0, bench/pack.py's packed
@@ -83,7 +85,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: pending, amx, qlora88, ddp87, grpo85, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: pending, profiles, amx, qlora88, ddp87, grpo85, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -279,6 +281,24 @@ pending)
     -k equal_trls 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tail -30 | tee "$OUT/pending-grpo.txt"
   timeout 240 python3 tests/device/fa_harness.py --backward --variants 3,4 --reps 10 2>&1 | tail -40 \
     | tee "$OUT/pending-harness.txt"
+  ;;
+profiles)
+  # (after pending, warm: the build kept; LB_NO_TOOLS=1) where the time goes in the steps that miss their targets: the
+  # 8B shape's QLoRA r16 all-linear step over Q4_K_M at 2048 x 4 (issue 88: 1.10x bnb, target 1.3x) and the 1B full
+  # fine-tune at 16,384 x 1 (issue 84: 0.93x PyTorch), bench/train_profile.py's breakdown by phase and op (nodes one at a
+  # time, a synchronization each), then docs/finetune.md's CLI example on the 8B Q4_K_M GGUF (qlora88's LB_88_CLI)
+  cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
+  f8=$MODELS/llama-8b-q4_k_m-v128k.gguf
+  [ -f $f8.done ] || { python3 bench/make_model.py --size 8b --type q4_k_m --vocab 128256 -o $f8 \
+    --tokenizer-from /tmp/tokenizer.gguf > $f8.log 2>&1 && touch $f8.done; } &
+  start_1b_f32; wait
+  timeout ${LB_PROFILE_TIMEOUT:-200} python3 bench/train_profile.py --qmodel $f8 --modes qlora --lora-rank 16 \
+    --lora-targets all --configs ${LB_PROFILE_8B:-2048x4} -ngl 99 --threads 8 --steps 3 --profile-steps 1 --peak 989.5 \
+    --out "$OUT/train-profile-8b.json" 2>&1 | tee "$OUT/train-profile-8b.txt" | tail -40
+  timeout ${LB_PROFILE_TIMEOUT:-200} python3 bench/train_profile.py --model $MODELS/llama-1b-f32.gguf \
+    --configs ${LB_PROFILE_1B:-16384x1} -ngl 99 --modes bf16 --threads 8 --steps 3 --profile-steps 1 --peak 989.5 \
+    --out "$OUT/train-profile-1b.json" 2>&1 | tee "$OUT/train-profile-1b.txt" | tail -40
+  [ -n "${LB_NO_CLI:-}" ] || LB_NO_TESTS=1 LB_NO_BENCH= LB_88=none LB_88_PREP=none LB_88_CLI=8b:q4_k_m bash "$0" qlora88
   ;;
 grpo85)
   # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf, .device-s and .device-t: TRL 1.16, datasets,
