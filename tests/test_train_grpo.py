@@ -56,7 +56,7 @@ def _ours(path, tmp_path, case: dict, prompt: list[int], completions: list[list[
         lab[i, len(prompt) - 1 : len(seq) - 1] = c
         mask[i, : len(c)] = 1
     sel = mask > 0
-    with llamabind.Model(path, n_threads=2, repack=False, use_mmap=False, n_gpu_layers=0) as m:
+    with llamabind.Model(path, n_threads=2, repack=False, use_mmap=False) as m:  # offloaded in a GPU build
         tr = train.Trainer(m, ctx_size=W, batch_size=n, optimizer="sgd", lr=1.0, max_grad_norm=1e30, n_threads=2,
                            loss="grpo", beta=case["temperature"])  # fmt: skip
         with tr:
@@ -76,9 +76,10 @@ def _ours(path, tmp_path, case: dict, prompt: list[int], completions: list[list[
             norm = tr.optimizer.grad_norm()
         out = tmp_path / f"{case['name']}.gguf"
         m.save(out)
+        on_gpu = bool(m.output_offloaded)
     before, after = _tensors(path), _tensors(out)
     ours = dict(loss=tl.loss, logps=logp, grad_norm=norm, clipped=tl.clipped, loss_of=loss_of, coef=tl.coef,
-                grads={k: before[k] - after[k] for k in WEIGHTS})  # fmt: skip
+                grads={k: before[k] - after[k] for k in WEIGHTS}, on_gpu=on_gpu)  # fmt: skip
     rows = lambda x: None if x is None else [x[i, : len(c)].tolist() for i, c in enumerate(completions)]  # noqa: E731
     job = dict(name=case["name"], prompt=prompt, completions=completions, advantages=ADVANTAGES, old=rows(old),
                ref=rows(ref), loss_type=case["loss_type"], beta=case["beta"], epsilon=0.2,
@@ -105,7 +106,15 @@ def test_grpo_loss_and_gradient_equal_trls(smollm2_f32_cut, reference_python, tm
     - the gradient's global norm (ggml-opt's, patch 0094) within 1e-4 relative, and the gradients of three
       weights whose layout is the GGUF's (blk.0.attn_v, blk.1.ffn_down, output_norm: an SGD step at lr 1 reads
       them off as the weights' change, F32 weights of ~0.05 round the difference at ~3e-9) within 1e-3 of their
-      norm: F32 sums over 49,152 logits and 576-wide products in another order than PyTorch's."""
+      norm: F32 sums over 49,152 logits and 576-wide products in another order than PyTorch's.
+
+    In a GPU build the model is offloaded and trains as a user's would there (the defaults: BF16 products with F32
+    accumulation, flash attention) against TRL in F32, the issue's "on CUDA within bf16's tolerance": BF16 keeps 8
+    mantissa bits (operands rounded by up to 2^-9 = 2e-3 relative), which moves a 576-wide product of four blocks by
+    ~1e-2 of its scale: log-probabilities within 0.05 nats, our loss within 0.05 x sum |d loss / d logp| of TRL's (the
+    first-order bound above at that gap), the gradient norm within 2% and the three gradients within 5% of their norm
+    (cosine >= 0.9988); a wrong clip, mask or normalization moves them by 20-100%. Every case's gaps are printed before
+    any is asserted."""
     if os.environ.get("LLAMABIND_REFERENCE_PYTHON") and subprocess.run([str(reference_python), "-c", "import trl"],
                                                                       capture_output=True).returncode != 0:  # fmt: skip
         pytest.skip("the reference Python given by LLAMABIND_REFERENCE_PYTHON has no trl (carry its wheel)")
@@ -120,23 +129,28 @@ def test_grpo_loss_and_gradient_equal_trls(smollm2_f32_cut, reference_python, tm
         jobs.append(job)
     theirs = reference_job(reference_python, "grpo_reference.py", tmp_path, {"gguf": str(smollm2_f32_cut),
                                                                              "cases": jobs})  # fmt: skip
+    gaps = {}
     for case in CASES:
         name, o, t = case["name"], ours[case["name"]], theirs[case["name"]]
         lp = np.concatenate([o["logps"][i, : len(c)] for i, c in enumerate(completions)])
         rel = {k: np.linalg.norm(o["grads"][k] - np.asarray(t["grads"][h])) / np.linalg.norm(t["grads"][h])
                for k, h in WEIGHTS.items()}  # fmt: skip
-        d_lp = np.abs(lp - np.concatenate(t["logps"])).max()
-        print(f"{name}: loss {o['loss']:.8f} / TRL {t['loss']:.8f}; logps {d_lp:.1e}; grad_norm {o['grad_norm']:.6f} / "
-              f"{t['grad_norm']:.6f}; grads {rel}; clipped {o['clipped']}")  # fmt: skip
-        np.testing.assert_allclose(lp, np.concatenate(t["logps"]), atol=5e-5, err_msg=name)
         t_lp = np.zeros_like(o["logps"])
         for i, row in enumerate(t["logps"]):
             t_lp[i, : len(row)] = row
-        at_theirs = o["loss_of"](t_lp)
+        gaps[name] = (np.abs(lp - np.concatenate(t["logps"])).max(), o["loss_of"](t_lp), rel)
+        print(f"{name} ({'GPU' if o['on_gpu'] else 'CPU'}): loss {o['loss']:.8f} / TRL {t['loss']:.8f} (gap "
+              f"{abs(o['loss'] - t['loss']) / np.abs(o['coef']).sum():.1e} of sum |coef|); logps {gaps[name][0]:.1e}; "
+              f"grad_norm {o['grad_norm']:.6f} / {t['grad_norm']:.6f}; grads {rel}; clipped {o['clipped']}")  # fmt: skip
+    for case in CASES:
+        name, o, t = case["name"], ours[case["name"]], theirs[case["name"]]
+        d_lp, at_theirs, rel = gaps[name]
+        gpu = o["on_gpu"]
+        assert d_lp <= (5e-2 if gpu else 5e-5), name
         assert abs(at_theirs.loss - t["loss"]) <= 1e-5 * at_theirs.magnitude, name
-        assert abs(o["loss"] - t["loss"]) <= 5e-5 * np.abs(o["coef"]).sum() + 1e-7, name
-        assert o["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-4), name
-        assert max(rel.values()) <= 1e-3, (name, rel)
+        assert abs(o["loss"] - t["loss"]) <= (5e-2 if gpu else 5e-5) * np.abs(o["coef"]).sum() + 1e-7, name
+        assert o["grad_norm"] == pytest.approx(t["grad_norm"], rel=2e-2 if gpu else 1e-4), name
+        assert max(rel.values()) <= (5e-2 if gpu else 1e-3), (name, rel)
         if case["off_policy"]:
             assert o["clipped"][2] > 0, name
 
