@@ -141,7 +141,8 @@ def test_grpo_loss_and_gradient_equal_trls(smollm2_f32_cut, reference_python, tm
         gaps[name] = (np.abs(lp - np.concatenate(t["logps"])).max(), o["loss_of"](t_lp), rel)
         print(f"{name} ({'GPU' if o['on_gpu'] else 'CPU'}): loss {o['loss']:.8f} / TRL {t['loss']:.8f} (gap "
               f"{abs(o['loss'] - t['loss']) / np.abs(o['coef']).sum():.1e} of sum |coef|); logps {gaps[name][0]:.1e}; "
-              f"grad_norm {o['grad_norm']:.6f} / {t['grad_norm']:.6f}; grads {rel}; clipped {o['clipped']}")  # fmt: skip
+              f"grad_norm {o['grad_norm']:.6f} / {t['grad_norm']:.6f}; grads {rel}; "
+              f"clipped {o['clipped']}")  # fmt: skip
     for case in CASES:
         name, o, t = case["name"], ours[case["name"]], theirs[case["name"]]
         d_lp, at_theirs, rel = gaps[name]
