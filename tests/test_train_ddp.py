@@ -52,8 +52,11 @@ def test_grad_reduce_changes_the_step(tiny_f32, windows, tmp_path):
     """What grad_reduce leaves in the gradients is what the step takes: left as they are, the steps of the split
     graphs (the gradient graph, then the step's own) equal ggml-opt's one graph bit for bit; doubled, SGD's steps
     of twice the learning rate (bit for bit: x2 is exact); zeroed, no step at all. It sees every trained tensor's
-    gradient once per step: a list of float32 1-D DLPack arrays over the accumulators' own memory (numpy views of
-    it on the CPU: what they write is what the step reads), of the trained parameters' count in all."""
+    gradient once per step: float32 1-D DLPack arrays over the accumulators' own memory (numpy views of it on the
+    CPU: what they write is what the step reads), here one array over all of them (ggml-opt allocates them one
+    after the other in its static buffer: a reduction takes them whole, with no copy), whose size is the trained
+    parameters' count plus the padding between two accumulators (each under the CPU buffer's 32-byte alignment: at
+    most 7 floats a tensor)."""
     seen = []
 
     def double(grads):
@@ -73,8 +76,9 @@ def test_grad_reduce_changes_the_step(tiny_f32, windows, tmp_path):
         assert not np.array_equal(w, start[name]), name  # every weight trained
     with llamabind.Model(tiny_f32, use_mmap=False) as m:
         n_params = m.n_params
-    assert len(seen) == 2 and seen[0] == seen[1] and seen[0][-1] == n_params and len(seen[0]) - 1 == len(start)
-    assert set(seen[0][:-1]) == {(np.dtype(np.float32), 1)}
+    assert len(seen) == 2 and seen[0] == seen[1] and len(seen[0]) == 2, seen
+    assert n_params <= seen[0][-1] <= n_params + 7 * len(start), (seen, n_params)
+    assert seen[0][0] == (np.dtype(np.float32), 1)
 
     def zero(grads):
         for g in grads:

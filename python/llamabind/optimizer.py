@@ -37,9 +37,11 @@ class Optimizer:
     n_vocab] logits and their gradient never exist whole (a fused linear cross-entropy; llama_opt_params
     .ce_chunk_rows, patch 0098); None (default): automatic, chunks of <= 512 MiB of F32 logits where a window's
     exceed 2 GiB; 0: whole. ValueError for a negative value. ``grad_reduce``: called before each optimizer step as
-    ``grad_reduce(grads)``, ``grads`` a list of float32 (n_i,) arrays, one per trained tensor, each its gradient in
-    its own memory by DLPack (``np.from_dlpack`` / ``torch.from_dlpack`` without a copy: host memory, or a CUDA
-    device's, the backends synchronized; a host copy on other devices), valid during the call, to change in place:
+    ``grad_reduce(grads)``, ``grads`` a list of float32 (n_i,) arrays covering every trained tensor's gradient, in
+    ggml's own memory by DLPack (``np.from_dlpack`` / ``torch.from_dlpack`` without a copy: host memory, or a CUDA
+    device's, the backends synchronized; a host copy on other devices): one array over each run of gradients lying
+    one after the other in a buffer (ggml-opt allocates them so: typically one array in all, the padding between
+    two, under the buffer's alignment, included), valid during the call, to change in place element-wise:
     data parallelism's all-reduce (llama_opt_params.grad_reduce, patch 0102); what it raises is raised by
     :meth:`eval` as a RuntimeError, no step taken then or after. TypeError if not callable."""
 

@@ -4,6 +4,7 @@
 #include <ggml-backend.h>
 #include <nanobind/ndarray.h>
 
+#include <cstdint>
 #include <exception>
 #include <string>
 
@@ -19,6 +20,44 @@ static std::pair<int, int> dl_device_of(const ggml_tensor * t) {
     if (ggml_backend_buffer_is_host(b)) return { nb::device::cpu::value, 0 };
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(b));
     return dev == nullptr ? std::pair<int, int>{ 0, 0 } : dlpack_device(dev);
+}
+
+// the accumulators as DLPack arrays: where consecutive ones lie one after the other in one buffer DLPack names
+// (ggml-opt allocates them so: one array a buffer), one array over the run, the padding between two included
+// (less than the buffer's alignment: nothing else lies there); a gradient in other memory: its host copy
+static nb::list gradient_arrays(ggml_tensor ** grads, int n_grads, std::vector<std::vector<float>> & copies) {
+    struct Run {
+        ggml_backend_buffer_t buf;
+        char *                data;
+        char *                end;
+        std::pair<int, int>   dev;
+    };
+
+    std::vector<Run> runs;
+    for (int i = 0; i < n_grads; ++i) {
+        const auto dev = dl_device_of(grads[i]);
+        char *     data = dev.first ? (char *) grads[i]->data : (char *) copies[i].data();
+        char *     end  = data + ggml_nbytes(grads[i]);
+        if (dev.first && !runs.empty() && runs.back().dev == dev && runs.back().buf == grads[i]->buffer) {
+            char * const   base  = (char *) ggml_backend_buffer_get_base(grads[i]->buffer);
+            const size_t   align = ggml_backend_buffer_get_alignment(grads[i]->buffer);
+            const uint64_t next  = GGML_PAD((uint64_t) (runs.back().end - base), align);
+            if (data == base + next) {
+                runs.back().end = end;
+                continue;
+            }
+        }
+        runs.push_back({ dev.first ? grads[i]->buffer : nullptr, data, end,
+                         dev.first ? dev : std::pair<int, int>{ nb::device::cpu::value, 0 } });
+    }
+    nb::list arrays;  // views without an owner: valid during the call only
+    for (const Run & r : runs) {
+        const size_t shape[1] = { (size_t) (r.end - r.data) / sizeof(float) };
+        nb::ndarray<nb::array_api, float, nb::ndim<1>> view((float *) r.data, 1, shape, nb::handle(), nullptr,
+                                                            nb::dtype<float>(), r.dev.first, r.dev.second);
+        arrays.append(nb::cast(view, nb::rv_policy::reference));
+    }
+    return arrays;
 }
 
 bool grad_reduce_host(ggml_tensor ** grads, int n_grads, void * userdata) {
@@ -37,17 +76,7 @@ bool grad_reduce_host(ggml_tensor ** grads, int n_grads, void * userdata) {
     {
         nb::gil_scoped_acquire gil;
         try {
-            nb::list arrays;  // views without an owner: valid during the call only
-            for (int i = 0; i < n_grads; ++i) {
-                const size_t shape[1] = { (size_t) ggml_nelements(grads[i]) };
-                auto [type, id] = dl_device_of(grads[i]);
-                float * data = type ? (float *) grads[i]->data : r.copies[i].data();
-                if (!type) type = nb::device::cpu::value;
-                nb::ndarray<nb::array_api, float, nb::ndim<1>> view(data, 1, shape, nb::handle(), nullptr,
-                                                                    nb::dtype<float>(), type, id);
-                arrays.append(nb::cast(view, nb::rv_policy::reference));
-            }
-            r.fn(arrays);
+            r.fn(gradient_arrays(grads, n_grads, r.copies));
         } catch (nb::python_error & e) {  // kept, raised by opt_step: its type and message, not the traceback
             r.error = std::string(nb::str(e.type().attr("__name__")).c_str()) + ": " + nb::str(e.value()).c_str();
         } catch (const std::exception & e) {

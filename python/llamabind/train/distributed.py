@@ -29,8 +29,10 @@ BACKENDS = ("gloo", "nccl")
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 _BUCKET_BYTES = 256 << 20
-"""The most bytes of gradients one all-reduce takes (PyTorch DDP buckets by 25 MiB while the backward pass runs;
-here the reduction follows the whole backward pass, so fewer, larger calls, bounded for the bucket's copy)."""
+"""The most bytes of gradients packed into one all-reduce (PyTorch DDP buckets by 25 MiB while the backward pass
+runs; here the reduction follows the whole backward pass, so fewer, larger calls, bounded for the bucket's copy). The
+arrays of grad_reduce are typically one over all the accumulators (ggml-opt allocates them one after the other),
+reduced whole where it lies: no bucket, no copy."""
 
 
 def _buckets(tensors: list[Any], limit: int) -> list[list[Any]]:
@@ -83,20 +85,24 @@ class ProcessGroup:
 
     def all_reduce_mean_(self, grads: Sequence[Any]) -> None:
         """Replace the gradients in place by their mean over the ranks: ``grads`` the float32 DLPack arrays of
-        :class:`~llamabind.Optimizer`'s grad_reduce (each a trained tensor's gradient in its own memory, on the
-        host or a CUDA device), taken as torch tensors without a copy, packed into buckets of up to 256 MiB on
-        their device, each all-reduced (SUM) by torch.distributed and divided by world_size, and written back
-        (host memory under NCCL: through a copy on this rank's GPU); a CUDA device's stream is synchronized before
-        the step reads them. What the collective raises (a rank gone: its timeout) propagates: the training step
-        then takes no step and raises."""
+        :class:`~llamabind.Optimizer`'s grad_reduce (the gradients in their own memory, on the host or a CUDA
+        device: typically one array over all of them), taken as torch tensors without a copy; an array of 256 MiB or
+        more all-reduced where it lies, smaller ones packed into buckets of up to 256 MiB on their device; NCCL
+        averages them itself (ReduceOp.AVG: no pass of its own), gloo sums and they are divided by world_size; then
+        written back (host memory under NCCL: through a copy on this rank's GPU); a CUDA device's stream is
+        synchronized before the step reads them. What the collective raises (a rank gone: its timeout) propagates:
+        the training step then takes no step and raises."""
         torch = importlib.import_module("torch")
         dist = _torch_distributed()
         tensors = [torch.from_dlpack(g) for g in grads]
         for bucket in _buckets(tensors, _BUCKET_BYTES):
             flat = torch.cat(bucket) if len(bucket) > 1 else bucket[0]  # one tensor: reduced where it is
             on = flat.to(f"cuda:{self.local_rank}") if self.backend == "nccl" and not flat.is_cuda else flat
-            dist.all_reduce(on)
-            on /= self.world_size
+            if self.backend == "nccl":
+                dist.all_reduce(on, op=dist.ReduceOp.AVG)
+            else:
+                dist.all_reduce(on)
+                on /= self.world_size
             if on is not flat:
                 flat.copy_(on.cpu())
             if flat is not bucket[0]:
