@@ -28,20 +28,20 @@ static std::pair<int, int> dl_device_of(const ggml_tensor * t) {
 static nb::list gradient_arrays(ggml_tensor ** grads, int n_grads, std::vector<std::vector<float>> & copies) {
     struct Run {
         ggml_backend_buffer_t buf;
-        char *                data;
-        char *                end;
-        std::pair<int, int>   dev;
+        char * data;
+        char * end;
+        std::pair<int, int> dev;
     };
 
     std::vector<Run> runs;
     for (int i = 0; i < n_grads; ++i) {
         const auto dev = dl_device_of(grads[i]);
-        char *     data = dev.first ? (char *) grads[i]->data : (char *) copies[i].data();
-        char *     end  = data + ggml_nbytes(grads[i]);
+        char * data = dev.first ? (char *) grads[i]->data : (char *) copies[i].data();
+        char * end = data + ggml_nbytes(grads[i]);
         if (dev.first && !runs.empty() && runs.back().dev == dev && runs.back().buf == grads[i]->buffer) {
-            char * const   base  = (char *) ggml_backend_buffer_get_base(grads[i]->buffer);
-            const size_t   align = ggml_backend_buffer_get_alignment(grads[i]->buffer);
-            const uint64_t next  = GGML_PAD((uint64_t) (runs.back().end - base), align);
+            char * const base = (char *) ggml_backend_buffer_get_base(grads[i]->buffer);
+            const size_t align = ggml_backend_buffer_get_alignment(grads[i]->buffer);
+            const uint64_t next = GGML_PAD((uint64_t) (runs.back().end - base), align);
             if (data == base + next) {
                 runs.back().end = end;
                 continue;
