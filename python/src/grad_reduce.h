@@ -13,8 +13,7 @@
 namespace lb {
 
 struct GradReduce {
-    nanobind::object
-        fn;  // fn(grads): grads a list of float32 arrays (DLPack) over the gradients, changed in place
+    nanobind::object fn;  // fn(grads): grads a list of float32 arrays (DLPack) over the gradients, changed in place
     std::vector<std::vector<float>> copies;  // host copies of the gradients DLPack cannot name (valid during the call)
     std::string error;  // what fn raised (opt_step raises it as a RuntimeError after the step's evals)
     int64_t n_calls = 0;
