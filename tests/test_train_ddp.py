@@ -88,6 +88,50 @@ def test_grad_reduce_changes_the_step(tiny_f32, windows, tmp_path):
         assert np.array_equal(w, start[name]), name
 
 
+def test_gradient_buckets_are_handed_over_during_the_backward_pass(tiny_f32, windows, tmp_path):
+    """Patch 0104: a grad_reduce with ``ready`` and ``bucket_bytes`` (train.distributed.GradientReducer's protocol)
+    gets each bucket of about bucket_bytes of gradients from the step's backward pass as soon as the nodes that write
+    it have run (``ready``), in the order the backward pass finishes them, then the rest in the call at the end: the
+    buckets and the rest are disjoint and together every trained tensor's gradient (the trained parameters' count,
+    plus padding under the CPU buffer's alignment); each bucket's arrays are final when handed over (ggml writes
+    them no more: doubled there and in the rest, the steps are those of twice the learning rate, bit for bit); a
+    bucket of 0 bytes, or a grad_reduce without ``ready``, hands everything over at the end (the other test)."""
+
+    class Doubler:
+        def __init__(self, bucket_bytes):
+            self.bucket_bytes, self.calls = bucket_bytes, []
+
+        def ready(self, grads):
+            self.calls.append(("ready", self._double(grads)))
+
+        def __call__(self, grads):
+            self.calls.append(("end", self._double(grads)))
+
+        @staticmethod
+        def _double(grads):
+            arrays = [np.from_dlpack(g) for g in grads]
+            for a in arrays:
+                a *= 2
+            return sum(a.size for a in arrays), [a.ctypes.data for a in arrays]
+
+    with llamabind.Model(tiny_f32, use_mmap=False) as m:
+        n_params, n_tensors = m.n_params, len(m.tensor_info())
+    lr2 = _sgd_steps(tiny_f32, tmp_path / "lr2.gguf", windows, lr=2e-2)
+    for bucket_bytes, at_least in ((64 << 10, 3), (1, 10)):
+        d = Doubler(bucket_bytes)
+        twice = _sgd_steps(tiny_f32, tmp_path / f"b{bucket_bytes}.gguf", windows, d)
+        for name, w in lr2.items():
+            assert np.array_equal(w, twice[name]), (bucket_bytes, name)
+        ends = [i for i, (kind, _) in enumerate(d.calls) if kind == "end"]
+        assert len(ends) == 2 and ends[1] == len(d.calls) - 1, d.calls  # a call at the end of each of the 2 steps
+        step = d.calls[: ends[0] + 1]
+        assert len(step) - 1 >= at_least, (bucket_bytes, len(step))
+        assert n_params <= sum(n for _, (n, _) in step) <= n_params + 7 * n_tensors
+        starts = [p for _, (_, ps) in step for p in ps]
+        assert len(set(starts)) == len(starts)  # disjoint
+        assert [c[0] for c in d.calls[ends[0] + 1 :]] == [c[0] for c in step]  # the same buckets each step
+
+
 def test_a_reduction_that_fails_takes_no_step(tiny_f32, windows, tmp_path):
     """A grad_reduce that raises: the eval raises RuntimeError with its message, no step is taken (the weights and
     ggml-opt's step counter unchanged), and every later step refuses too (the ranks would have parted)."""
@@ -183,14 +227,18 @@ def test_two_ranks_train_as_one_with_the_global_batch(tiny_f32, reference_python
     micro-batches scaled before or after adding): losses within 1e-6 relative; each weight within 2 F32 ulps of
     its own value (a gradient a rounding apart moves the F32 sum w - lr g to the neighbouring float: measured 1 ulp,
     3.7e-9 at 0.03) plus 1e-5 of the largest step's size (the gradients' roundings, ~1e-7 relative, over 3
-    steps). Every rank returns the global numbers; rank 0 alone writes the log and the checkpoint."""
+    steps). Every rank returns the global numbers; rank 0 alone writes the log and the checkpoint. The ranks
+    all-reduce buckets of 64 KiB while their backward passes run (ddp_bucket_cap_mb, patch 0104: asynchronous gloo
+    all-reduces of the accumulators' own memory, beside ggml's threads)."""
     tokens = np.random.default_rng(1).integers(0, 49152, 128 * 16 + 1).tolist()
     args = dict(ctx_size=256, iters=3, lr=1e-2, optimizer="sgd", val_split=0.2, n_threads=1, progress=False, seed=3)
     job = dict(model=str(tiny_f32), tokens=tokens)
     torch_path = _torch_path(reference_python)
     one = _launch(dict(job, args=dict(args, batch_size=4, grad_accum=2)), tmp_path / "one", 0, torch_path)
     ckpt = dict(checkpoint_dir=str(tmp_path / "two" / "ckpt"), save_every=3, log=str(tmp_path / "two" / "log.jsonl"))
-    two = _launch(dict(job, args=dict(args, batch_size=2, **ckpt)), tmp_path / "two", 2, torch_path)
+    # buckets of 64 KiB: most of the gradients all-reduced by gloo while the backward pass runs (patch 0104)
+    two = _launch(dict(job, args=dict(args, batch_size=2, ddp_bucket_cap_mb=1 / 16, **ckpt)), tmp_path / "two", 2,
+                  torch_path)  # fmt: skip
     for p in one + two:
         assert p.returncode == 0, p.stderr[-3000:]
     r2 = [json.loads((tmp_path / "two" / f"result-{k}.json").read_text()) for k in (0, 1)]

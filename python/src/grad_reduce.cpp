@@ -4,6 +4,7 @@
 #include <ggml-backend.h>
 #include <nanobind/ndarray.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -22,7 +23,7 @@ static std::pair<int, int> dl_device_of(const ggml_tensor * t) {
     return dev == nullptr ? std::pair<int, int>{ 0, 0 } : dlpack_device(dev);
 }
 
-// the accumulators as DLPack arrays: where consecutive ones lie one after the other in one buffer DLPack names
+// the accumulators as DLPack arrays: where ones next by address lie one after the other in one buffer DLPack names
 // (ggml-opt allocates them so: one array a buffer), one array over the run, the padding between two included
 // (less than the buffer's alignment: nothing else lies there); a gradient in other memory: its host copy
 static nb::list gradient_arrays(ggml_tensor ** grads, int n_grads, std::vector<std::vector<float>> & copies) {
@@ -33,8 +34,11 @@ static nb::list gradient_arrays(ggml_tensor ** grads, int n_grads, std::vector<s
         std::pair<int, int> dev;
     };
 
+    std::vector<int> order(n_grads);  // by address: a bucket comes in the backward pass's order, the reverse
+    for (int i = 0; i < n_grads; ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return grads[a]->data < grads[b]->data; });
     std::vector<Run> runs;
-    for (int i = 0; i < n_grads; ++i) {
+    for (int i : order) {
         const auto dev = dl_device_of(grads[i]);
         char * data = dev.first ? (char *) grads[i]->data : (char *) copies[i].data();
         char * end = data + ggml_nbytes(grads[i]);
@@ -88,6 +92,39 @@ bool grad_reduce_host(ggml_tensor ** grads, int n_grads, void * userdata) {
         if (!r.copies[i].empty()) ggml_backend_tensor_set(grads[i], r.copies[i].data(), 0, ggml_nbytes(grads[i]));
     }
     return true;
+}
+
+bool grad_ready_host(ggml_tensor ** grads, int n_grads, void * userdata) {
+    auto & r = *(GradReduce *) userdata;
+    for (int i = 0; i < n_grads; ++i) {
+        if (dl_device_of(grads[i]).first == 0) return false;  // (host copies: grad_reduce_host's)
+    }
+    if (!r.error.empty()) return true;  // the step is refused already
+    nb::gil_scoped_acquire gil;
+    std::vector<std::vector<float>> none(n_grads);
+    try {
+        r.ready(gradient_arrays(grads, n_grads, none));
+    } catch (nb::python_error & e) {
+        r.error = std::string(nb::str(e.type().attr("__name__")).c_str()) + ": " + nb::str(e.value()).c_str();
+    } catch (const std::exception & e) {
+        r.error = e.what();
+    }
+    return true;
+}
+
+void grad_reduce_attach(llama_opt_params & p, std::unique_ptr<GradReduce> & r, nb::object fn) {
+    r = std::make_unique<GradReduce>();
+    r->fn = fn;
+    p.grad_reduce = grad_reduce_host;
+    p.grad_reduce_ud = r.get();
+    if (nb::hasattr(fn, "ready") && PyCallable_Check(fn.attr("ready").ptr()) && nb::hasattr(fn, "bucket_bytes")) {
+        const int64_t bytes = nb::cast<int64_t>(fn.attr("bucket_bytes"));
+        if (bytes > 0) {
+            r->ready = fn.attr("ready");
+            p.grad_ready = grad_ready_host;
+            p.grad_bucket_bytes = (size_t) bytes;
+        }
+    }
 }
 
 }  // namespace lb

@@ -207,11 +207,8 @@ static void opt_init(Context & c, const std::string & optimizer, float lr, float
         p.reuse_loss = pref_reuse_loss;  // the graphs kept while the rows repeat, the references an input
         p.set_loss_inputs = pref_set_inputs;
     }
-    if (!grad_reduce.is_none()) {  // patch 0102: the step follows the reduction of the period's gradients
-        st->reduce = std::make_unique<GradReduce>();
-        st->reduce->fn = grad_reduce;
-        p.grad_reduce = grad_reduce_host;
-        p.grad_reduce_ud = st->reduce.get();
+    if (!grad_reduce.is_none()) {  // patches 0102, 0104: the step follows the reduction of the period's gradients
+        grad_reduce_attach(p, st->reduce, grad_reduce);
     }
     std::string failed;  // e.g. the training graph's reservation (out of memory)
     {

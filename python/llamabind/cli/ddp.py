@@ -27,6 +27,13 @@ def add_ddp_options(f) -> None:
         default=None,
         help="torch.distributed backend of a data-parallel run (default: nccl on CUDA GPUs, gloo on the CPU)",
     )
+    f.add_argument(
+        "--ddp-bucket-cap-mb",
+        type=float,
+        default=128.0,
+        metavar="MIB",
+        help="MiB of gradients each all-reduce takes while the backward pass runs (default 128; 0: all after it)",
+    )
 
 
 def spawn(args) -> int | None:

@@ -154,6 +154,7 @@ def _training_args(args, ckpt_dir):
         checkpoint_dir=ckpt_dir, save_every=args.save_every, precision=precision, flash_attn=flash,
         gradient_checkpointing=args.gradient_checkpointing, max_grad_norm=args.max_grad_norm, pack=args.pack,
         loss_chunk_tokens=args.loss_chunk_tokens, ddp_backend=args.ddp_backend,
+        ddp_bucket_cap_mb=args.ddp_bucket_cap_mb,
     )  # fmt: skip
 
 

@@ -124,6 +124,11 @@ class TrainingArgs:
             Not used outside a launch.
         ddp_timeout: seconds a collective waits for the other ranks before the run fails with an error
             (transformers' ``ddp_timeout``).
+        ddp_bucket_cap_mb: MiB of gradients an all-reduce takes while the backward pass still runs, started as
+            the backward pass finishes them (transformers' ``ddp_bucket_cap_mb``, PyTorch DDP's buckets, whose
+            default is 25; here 128: the backward pass's GPU queue drains at each bucket, for the host to start
+            its all-reduce, so fewer, larger ones; patch 0104). The last bucket is all-reduced after the backward
+            pass. 0: all of them after it. ValueError if negative.
     """
 
     ctx_size: int = 256
@@ -159,6 +164,7 @@ class TrainingArgs:
     progress: bool = True
     ddp_backend: str | None = None
     ddp_timeout: int = 1800
+    ddp_bucket_cap_mb: float = 128.0
 
     @classmethod
     def of(cls, args: TrainingArgs | None = None, **settings: Any) -> TrainingArgs:
@@ -259,4 +265,5 @@ class TrainingArgs:
             progress=_bool(self.progress, "progress"),
             ddp_backend=None if self.ddp_backend is None else one_of(self.ddp_backend, "ddp_backend", BACKENDS),
             ddp_timeout=as_int(self.ddp_timeout, "ddp_timeout", 1),
+            ddp_bucket_cap_mb=as_float(self.ddp_bucket_cap_mb, "ddp_bucket_cap_mb", 0.0),
         )

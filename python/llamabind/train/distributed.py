@@ -111,6 +111,11 @@ class ProcessGroup:
             if flat.is_cuda:
                 torch.cuda.current_stream(flat.device).synchronize()
 
+    def reducer(self, bucket_cap_mb: float = 0.0) -> GradientReducer:
+        """The ``grad_reduce`` of :class:`~llamabind.Optimizer` that averages a step's gradients over the ranks:
+        with ``bucket_cap_mb`` > 0 (MiB) the gradient buckets' all-reduces start while the backward pass runs."""
+        return GradientReducer(self, int(bucket_cap_mb * 2**20))
+
     def all_reduce_sum(self, values: Sequence[float] | np.ndarray) -> np.ndarray:
         """float64 (len(values),): each value summed over the ranks (a loss's token-weighted sums)."""
         torch = importlib.import_module("torch")
@@ -134,6 +139,43 @@ class ProcessGroup:
     def barrier(self) -> None:
         """Wait for every rank (torch.distributed.barrier)."""
         _torch_distributed().barrier()
+
+
+class GradientReducer:
+    """A step's gradients averaged over a process group's ranks, as :class:`~llamabind.Optimizer`'s grad_reduce:
+    :meth:`ready` starts each bucket's all-reduce (asynchronous: torch.distributed's ``async_op``; NCCL averages,
+    gloo sums) as soon as the backward pass has finished it (patch 0104, buckets of ``bucket_bytes``), on the
+    bucket's own memory; the call at the end reduces what is left (:meth:`ProcessGroup.all_reduce_mean_`), waits
+    for the started ones, divides gloo's sums by world_size and synchronizes the CUDA stream before the step."""
+
+    def __init__(self, group: ProcessGroup, bucket_bytes: int) -> None:
+        self.group, self.bucket_bytes = group, bucket_bytes
+        self.n_buckets = 0  # buckets started during backward passes, all steps together
+        self._pending: list[tuple[Any, Any]] = []
+
+    def ready(self, grads: Sequence[Any]) -> None:
+        """Start the all-reduce of a bucket's float32 DLPack arrays (on the host or this rank's GPU)."""
+        torch = importlib.import_module("torch")
+        dist = _torch_distributed()
+        op = dist.ReduceOp.AVG if self.group.backend == "nccl" else dist.ReduceOp.SUM
+        for g in grads:
+            t = torch.from_dlpack(g)
+            self._pending.append((dist.all_reduce(t, op=op, async_op=True), t))
+        self.n_buckets += 1
+
+    def __call__(self, grads: Sequence[Any]) -> None:
+        """The rest of the step's gradients reduced, then every started bucket waited for and averaged."""
+        try:
+            if grads:
+                self.group.all_reduce_mean_(grads)
+            for work, t in self._pending:
+                work.wait()
+                if self.group.backend != "nccl":
+                    t /= self.group.world_size
+                if t.is_cuda:
+                    importlib.import_module("torch").cuda.current_stream(t.device).synchronize()
+        finally:
+            self._pending.clear()
 
 
 def reports(group: ProcessGroup | None) -> bool:

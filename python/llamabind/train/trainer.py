@@ -148,7 +148,7 @@ class Trainer:
                 self.optimizer = Optimizer(
                     self.context, a.optimizer, a.lr, a.weight_decay, params, self.grad_accum, a.train_embeddings,
                     precision, loss, beta, a.gradient_checkpointing, a.max_grad_norm, a.loss_chunk_tokens,
-                    None if group is None else group.all_reduce_mean_,
+                    None if group is None else group.reducer(a.ddp_bucket_cap_mb),
                 )  # fmt: skip
         except BaseException:
             self.context.close()
