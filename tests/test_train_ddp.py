@@ -378,7 +378,8 @@ def test_ranks_over_nccl_train_as_one(tiny_f32, reference_python, tmp_path):
     the next steps' products turn such last-bit differences into BF16 roundings (2^-8); the CPU test shows none.
     So: losses within 1e-4 relative, weights within 2% of the largest step (bf16's 2^-7 ~ 0.8% doubled); a
     reduction that summed two ranks without averaging, or dropped one's gradients, moves the steps by 100% or 50%
-    and fails."""
+    and fails. The same launch with 64 KiB buckets (NCCL's all-reduces started during the backward pass, patch
+    0104) within the same tolerances."""
     torch_path = _torch_path(reference_python)
     code = "import torch; print(torch.cuda.device_count())"
     env = dict(os.environ, PYTHONPATH=torch_path)
@@ -395,13 +396,18 @@ def test_ranks_over_nccl_train_as_one(tiny_f32, reference_python, tmp_path):
     again = _launch(plain, tmp_path / "again", 0, torch_path, env=det)
     two = _launch(dict(job, args=dict(args, batch_size=2, ddp_backend="nccl")), tmp_path / "two", world, torch_path,
                   env=det)  # fmt: skip
-    for p in one + again + two:
+    # NCCL's all-reduces started while the backward pass runs, on ggml's CUDA memory (patch 0104: 64 KiB buckets)
+    bucketed = dict(job, args=dict(args, batch_size=2, ddp_backend="nccl", ddp_bucket_cap_mb=1 / 16))
+    buckets = _launch(bucketed, tmp_path / "buckets", world, torch_path, env=det)
+    for p in one + again + two + buckets:
         assert p.returncode == 0, p.stderr[-3000:]
     print(
         f"loss gap: launch {_loss_gap(tmp_path / 'one', tmp_path / 'two'):.2e}, "
+        f"with buckets {_loss_gap(tmp_path / 'one', tmp_path / 'buckets'):.2e}, "
         f"plain run again {_loss_gap(tmp_path / 'one', tmp_path / 'again'):.2e}"
     )
-    _same_run(tmp_path / "one", tmp_path / "two", _weights(tiny_f32), rtol=1e-4, of_step=2e-2)
+    for run in ("two", "buckets"):
+        _same_run(tmp_path / "one", tmp_path / run, _weights(tiny_f32), rtol=1e-4, of_step=2e-2)
 
 
 def test_a_rank_that_dies_ends_the_run_on_the_others(tiny_f32, reference_python, tmp_path):

@@ -151,7 +151,7 @@ class GradientReducer:
     def __init__(self, group: ProcessGroup, bucket_bytes: int) -> None:
         self.group, self.bucket_bytes = group, bucket_bytes
         self.n_buckets = 0  # buckets started during backward passes, all steps together
-        self._pending: list[tuple[Any, Any]] = []
+        self._pending: list[tuple[Any, Any, Any]] = []
 
     def ready(self, grads: Sequence[Any]) -> None:
         """Start the all-reduce of a bucket's float32 DLPack arrays (on the host or this rank's GPU)."""
@@ -160,7 +160,8 @@ class GradientReducer:
         op = dist.ReduceOp.AVG if self.group.backend == "nccl" else dist.ReduceOp.SUM
         for g in grads:
             t = torch.from_dlpack(g)
-            self._pending.append((dist.all_reduce(t, op=op, async_op=True), t))
+            on = t.to(f"cuda:{self.group.local_rank}") if self.group.backend == "nccl" and not t.is_cuda else t
+            self._pending.append((dist.all_reduce(on, op=op, async_op=True), on, t))
         self.n_buckets += 1
 
     def __call__(self, grads: Sequence[Any]) -> None:
@@ -168,12 +169,14 @@ class GradientReducer:
         try:
             if grads:
                 self.group.all_reduce_mean_(grads)
-            for work, t in self._pending:
+            for work, on, t in self._pending:  # (on: t itself, or its copy on this rank's GPU under NCCL)
                 work.wait()
                 if self.group.backend != "nccl":
-                    t /= self.group.world_size
-                if t.is_cuda:
-                    importlib.import_module("torch").cuda.current_stream(t.device).synchronize()
+                    on /= self.group.world_size
+                if on is not t:
+                    t.copy_(on.cpu())
+                if on.is_cuda:
+                    importlib.import_module("torch").cuda.current_stream(on.device).synchronize()
         finally:
             self._pending.clear()
 
