@@ -6,6 +6,7 @@ kind: cuBLAS products, the F32 -> BF16 conversions of the products' operands, fl
 backward, cross-entropy, AdamW, and the rest (element-wise, norms, copies) by kernel name.
 
     python bench/kernel_times.py --model F32.gguf [--ctx 2048] [--batch 4] [--mode bf16|lora|qlora] [--out FILE.json]
+        [--lora-rank 8] [--lora-targets qv|all] [--trace FILE.json]
 
 The worker (the same script with --worker, started under `ncu --profile-from-start off`) times three
 unprofiled steps after two warm-up steps (the median is printed as "step ms"), then runs one step between
@@ -37,12 +38,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from train import lora_targets  # noqa: E402 (bench/train.py's --lora-targets)
 
 # kinds by kernel name, first match wins (cuBLAS's kernels on Hopper: nvjet_*, sm90_xmma_*, cutlass_*)
 KINDS = (
     ("flash attention backward", r"fa_back"),
     ("flash attention forward", r"flash_attn|fattn|fa_fwd"),
     ("matrix products (cuBLAS)", r"gemm|nvjet|xmma|cutlass|sm\d\d_"),
+    ("quantized products (MMQ, MMVQ), activations to Q8_1", r"mul_mat_q|mul_mat_vec_q|quantize_q8_1|quantize_mmq"),
+    ("dequantization of quantized weights", r"dequantize|convert_unary\w*<block_|k_get_rows_q"),
     ("F32 -> BF16 conversions", r"convert_unary\w*<float, (__)?nv_bfloat16>"),
     ("cross-entropy", r"cross_entropy"),
     ("AdamW", r"adamw"),
@@ -79,7 +84,8 @@ def worker(args) -> dict:
         kw = dict(ctx_size=args.ctx, batch_size=args.batch, lr=1e-5, n_threads=8)
         if lora:
             adapter = Path(tempfile.mkdtemp()) / "lora.gguf"
-            train.lora_init(m, adapter, rank=8, alpha=16.0)
+            train.lora_init(m, adapter, rank=args.lora_rank, alpha=2.0 * args.lora_rank,
+                            targets=lora_targets(args.lora_targets))  # fmt: skip
             kw.update(params="lora", adapter=m.load_lora(adapter), lr=1e-4)
         with train.Trainer(m, **kw) as t:
             for _ in range(2):
@@ -147,8 +153,11 @@ def _traced_steps(t, wins, path: str, n: int = 2) -> list[dict]:
             c[0] += 1
             c[1] += x["dur"] / 1e3
         top = sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]
+        kernels = [(e["name"], e["dur"] / 1e3) for e in ev
+                   if e.get("ph") == "X" and e.get("cat") == "kernel" and a <= e["ts"] < b]  # fmt: skip
         out.append(dict(wall_ms=s["dur"] / 1e3, gpu_busy_ms=busy / 1e3, tail_idle_ms=max(0.0, b - end) / 1e3,
-                        gaps=gaps, runtime_calls={k: [v[0], round(v[1], 2)] for k, v in top}))  # fmt: skip
+                        gaps=gaps, runtime_calls={k: [v[0], round(v[1], 2)] for k, v in top},
+                        kernels=summarize(kernels)))  # fmt: skip
     return out
 
 
@@ -219,9 +228,11 @@ def main() -> int:
         "--mode",
         default="bf16",
         choices=("bf16", "lora", "qlora"),
-        help="full fine-tune or LoRA r8 (qlora: over --model quantized), the defaults",
+        help="full fine-tune or LoRA (qlora: over --model quantized), the defaults",
     )
     ap.add_argument("--top", type=int, default=30, help="kernels listed")
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--lora-targets", default="qv", help="qv or all (every linear layer of a block), lora/qlora")
     ap.add_argument("--steps", type=int, default=5, help="unprofiled steps timed (after two warm-up steps)")
     ap.add_argument("--graph", action="store_true",
                     help="time the profiled step's CUDA graph as one workload (ncu --graph-profiling graph): its GPU "
@@ -244,6 +255,8 @@ def main() -> int:
             for g in st["gaps"][:25]:
                 print(f"  idle {g['ms']:.2f} ms at {g['at_ms']:.2f} ms (host in {g['host']})")
             print("  runtime calls (count, ms):", st["runtime_calls"])
+        last = res["trace"][-1]["kernels"]  # the last traced step's kernels, as CUPTI timed them (ggml's one stream)
+        _print(dict(res, **last, mode=args.mode, ctx=args.ctx, batch=args.batch), args.top)
         if args.out:
             Path(args.out).write_text(json.dumps(dict(args=vars(args), result=res), indent=1))
         return 0
@@ -256,7 +269,8 @@ def main() -> int:
                *(["--graph-profiling", "graph"] if args.graph else []), "--csv", "--print-units", "base",
                "--log-file", str(log), sys.executable, __file__, "--worker", "--model", args.model,
                "--ctx", str(args.ctx), "--batch", str(args.batch), "--mode", args.mode,
-               "--steps", str(args.steps)]  # fmt: skip
+               "--steps", str(args.steps), "--lora-rank", str(args.lora_rank),
+               "--lora-targets", args.lora_targets]  # fmt: skip
         p = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         if p.returncode != 0 or not lines:
@@ -279,7 +293,7 @@ def _print(r: dict, top: int) -> None:
     what = "CUDA graphs / workloads" if r.get("graph") else "kernels"
     print(f"\n{r['mode']} {r['ctx']}x{r['batch']}: step {r['step_ms']:.1f} ms unprofiled (median of "
           f"{len(r['step_ms_all'])}); {r['launches']} {what}, "
-          f"{r['total_ms']:.1f} ms on the GPU (serialized)")  # fmt: skip
+          f"{r['total_ms']:.1f} ms on the GPU (the kernels' sum)")  # fmt: skip
     print("per step, llama_opt_get_stats:", {k: round(v, 2) for k, v in r["opt_stats_ms"].items()})
     print("clocks while the unprofiled steps ran:", r.get("clocks"))
     print("\n| kind | ms per step | share |\n|---|---|---|")

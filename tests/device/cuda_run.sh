@@ -292,6 +292,14 @@ profiles)
   [ -f $f8.done ] || { python3 bench/make_model.py --size 8b --type q4_k_m --vocab 128256 -o $f8 \
     --tokenizer-from /tmp/tokenizer.gguf > $f8.log 2>&1 && touch $f8.done; } &
   start_1b_f32; wait
+  # first the kernels as CUPTI times them in an unprofiled step (fusions on, no synchronization per node), then
+  # train_profile's phases and ops (nodes one at a time); the 1B at 16k the same
+  timeout ${LB_PROFILE_TIMEOUT:-200} python3 bench/kernel_times.py --model $f8 --mode qlora --lora-rank 16 \
+    --lora-targets all --ctx 2048 --batch 4 --steps 3 --trace /tmp/trace-8b.json --out "$OUT/kernels-8b.json" 2>&1 \
+    | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/kernels-8b.txt" | tail -45
+  timeout ${LB_PROFILE_TIMEOUT:-200} python3 bench/kernel_times.py --model $MODELS/llama-1b-f32.gguf --mode bf16 \
+    --ctx 16384 --batch 1 --steps 3 --trace /tmp/trace-1b.json --out "$OUT/kernels-1b-16k.json" 2>&1 \
+    | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/kernels-1b-16k.txt" | tail -45
   timeout ${LB_PROFILE_TIMEOUT:-200} python3 bench/train_profile.py --qmodel $f8 --modes qlora --lora-rank 16 \
     --lora-targets all --configs ${LB_PROFILE_8B:-2048x4} -ngl 99 --threads 8 --steps 3 --profile-steps 1 --peak 989.5 \
     --out "$OUT/train-profile-8b.json" 2>&1 | tee "$OUT/train-profile-8b.txt" | tail -40
