@@ -69,9 +69,10 @@
 # pref58: (carry .device-b after build) issue 58: the preference tests on CUDA0, then bench/preference.py.
 # amx:    (LB_NO_CUDA=1; LB_AMX_STEP=build, then test) the CPU suite on the device's Intel Xeon with AMX_INT8.
 # pending: (carry .device/llama.cpp.tar.xz, whl, tokenizer.gguf, .device-s, .device-t; LB_NO_TOOLS=1) what the eleventh
-#         session left for a GPU, in one build: the NCCL one-rank test, GRPO's TRL parity on CUDA, fa_harness variants 3, 4.
-# profiles: (after pending, warm) bench/train_profile.py on the 8B QLoRA step (issue 88) and the 1B at 16k (issue 84),
-#         then the CLI example on the 8B Q4_K_M GGUF.
+#         and twelfth sessions left for a GPU, in one build: the NCCL one-rank test, GRPO's TRL parity on CUDA.
+# profiles: (after pending, warm) fa_harness's BULK_DQ variant (issue 84), bench/kernel_times.py --trace and
+#         bench/train_profile.py on the 8B QLoRA step (issue 88) and the 1B at 16k (issue 84), the CLI example on the
+#         8B Q4_K_M GGUF.
 # pack84: (carry .device/llama.cpp.tar.xz, whl, tokenizer.gguf and .device-s; LB_NO_TOOLS=1) issue 84: the build, the
 #         packing tests on CUDA0, bench/pack.py on the random-weight 1B (packed against padded windows).
 # chunk84: (as pack84) issue 84, item 3: the build, the chunked cross-entropy's tests on CUDA0, bench/pack.py's packed
@@ -270,17 +271,15 @@ qlora88)
   ;;
 pending)
   # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf, .device-s and .device-t; LB_NO_TOOLS=1) what
-  # the eleventh session (2026-12-05) left for a GPU, after one build: the NCCL one-rank test (issue 87: the gradients
-  # reduced on the GPU by DLPack, the 2% tolerance), GRPO's TRL parity on CUDA (issue 85: it prints its gaps; its F32
-  # tolerances may not hold in a GPU build), then the dK/dV kernel with dQ by bulk reductions against the atomics one
-  # (issue 84: fa_harness variants 3 and 4 against float64 and SDPA, nvcc on the unpacked tree)
+  # the eleventh and twelfth sessions (2026-12-05) left for a GPU, after one build: the NCCL one-rank test (issue 87:
+  # the gradients reduced on the GPU in place by DLPack, NCCL's AVG, buckets during the backward pass (patch 0104),
+  # the 2% tolerance), GRPO's TRL parity on CUDA (issue 85: the model offloaded, bf16 tolerances; every case's gaps
+  # printed first). Then "profiles" on the warm machine.
   [ -d .device-t ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-t/*.whl
-  LLAMABIND_REFERENCE_PYTHON=python3 LLAMABIND_REQUIRE_GPU=1 timeout 200 python3 -m pytest tests/test_train_ddp.py \
+  LLAMABIND_REFERENCE_PYTHON=python3 LLAMABIND_REQUIRE_GPU=1 timeout 300 python3 -m pytest tests/test_train_ddp.py \
     $PYTEST_ARGS -s -k nccl 2>&1 | grep -E "gap|passed|failed|Error" | tee "$OUT/pending-ddp.txt"
   LLAMABIND_REFERENCE_PYTHON=python3 timeout 300 python3 -m pytest tests/test_train_grpo.py $PYTEST_ARGS -s \
     -k equal_trls 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tail -30 | tee "$OUT/pending-grpo.txt"
-  timeout 240 python3 tests/device/fa_harness.py --backward --variants 3,4 --reps 10 2>&1 | tail -40 \
-    | tee "$OUT/pending-harness.txt"
   ;;
 profiles)
   # (after pending, warm: the build kept; LB_NO_TOOLS=1) where the time goes in the steps that miss their targets: the
@@ -289,9 +288,13 @@ profiles)
   # time, a synchronization each), then docs/finetune.md's CLI example on the 8B Q4_K_M GGUF (qlora88's LB_88_CLI)
   cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
   f8=$MODELS/llama-8b-q4_k_m-v128k.gguf
+  # issue 84 first (while the models are written): the dK/dV kernel with dQ by bulk reductions (variant 4) against
+  # the atomics one (3), against float64 and SDPA (nvcc on the unpacked tree)
+  timeout 240 python3 tests/device/fa_harness.py --backward --variants 3,4 --reps 10 2>&1 | tail -40 \
+    | tee "$OUT/harness-bulk-dq.txt" &
   [ -f $f8.done ] || { python3 bench/make_model.py --size 8b --type q4_k_m --vocab 128256 -o $f8 \
     --tokenizer-from /tmp/tokenizer.gguf > $f8.log 2>&1 && touch $f8.done; } &
-  start_1b_f32; wait
+  start_1b_f32; wait  # (the models and the harness)
   # first the kernels as CUPTI times them in an unprofiled step (fusions on, no synchronization per node), then
   # train_profile's phases and ops (nodes one at a time); the 1B at 16k the same
   timeout ${LB_PROFILE_TIMEOUT:-200} python3 bench/kernel_times.py --model $f8 --mode qlora --lora-rank 16 \
