@@ -29,14 +29,15 @@ def _weights(path: Path) -> dict[str, np.ndarray]:
     return {t.name: np.array(t.data, dtype=np.float64).reshape(-1) for t in r.tensors}
 
 
-def _sgd_steps(tiny_f32, out: Path, windows, grad_reduce=None, lr=1e-2, steps=2) -> dict[str, np.ndarray]:
-    """Weights after ``steps`` SGD steps over ``windows`` (a micro-batch of 2), one thread (saved to ``out``)."""
+def _sgd_steps(tiny_f32, out: Path, windows, grad_reduce=None, lr=1e-2, steps=2, **opt) -> dict[str, np.ndarray]:
+    """Weights after ``steps`` SGD evals over ``windows`` (a micro-batch of 2; Optimizer's ``opt``), one thread
+    (saved to ``out``)."""
     with llamabind.Model(tiny_f32, use_mmap=False, n_threads=1) as m:
         ctx = Context(m, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=2, n_threads=1, training=True)
         try:
-            opt = Optimizer(ctx, "sgd", lr, 0.0, grad_reduce=grad_reduce)
+            optimizer = Optimizer(ctx, "sgd", lr, 0.0, grad_reduce=grad_reduce, **opt)
             for _ in range(steps):
-                opt.eval(windows, True)
+                optimizer.eval(windows, True)
         finally:
             ctx.close()
         m.save(out)
@@ -88,14 +89,17 @@ def test_grad_reduce_changes_the_step(tiny_f32, windows, tmp_path):
         assert np.array_equal(w, start[name]), name
 
 
-def test_gradient_buckets_are_handed_over_during_the_backward_pass(tiny_f32, windows, tmp_path):
+@pytest.mark.parametrize("opt", [{}, {"recompute": True}, {"grad_accum": 2}], ids=["plain", "checkpointing", "accum"])
+def test_gradient_buckets_are_handed_over_during_the_backward_pass(tiny_f32, windows, tmp_path, opt):
     """Patch 0104: a grad_reduce with ``ready`` and ``bucket_bytes`` (train.distributed.GradientReducer's protocol)
     gets each bucket of about bucket_bytes of gradients from the step's backward pass as soon as the nodes that write
     it have run (``ready``), in the order the backward pass finishes them, then the rest in the call at the end: the
     buckets and the rest are disjoint and together every trained tensor's gradient (the trained parameters' count,
     plus padding under the CPU buffer's alignment); each bucket's arrays are final when handed over (ggml writes
     them no more: doubled there and in the rest, the steps are those of twice the learning rate, bit for bit); a
-    bucket of 0 bytes, or a grad_reduce without ``ready``, hands everything over at the end (the other test)."""
+    bucket of 0 bytes, or a grad_reduce without ``ready``, hands everything over at the end (the other test). The
+    same with gradient checkpointing (the backward pass's recomputed nodes) and with two micro-batches a step
+    (buckets from the last one's backward pass only: the first one's gradients are not final)."""
 
     class Doubler:
         def __init__(self, bucket_bytes):
@@ -116,10 +120,11 @@ def test_gradient_buckets_are_handed_over_during_the_backward_pass(tiny_f32, win
 
     with llamabind.Model(tiny_f32, use_mmap=False) as m:
         n_params, n_tensors = m.n_params, len(m.tensor_info())
-    lr2 = _sgd_steps(tiny_f32, tmp_path / "lr2.gguf", windows, lr=2e-2)
-    for bucket_bytes, at_least in ((64 << 10, 3), (1, 10)):
+    steps = 2 * opt.get("grad_accum", 1)  # two optimizer steps
+    lr2 = _sgd_steps(tiny_f32, tmp_path / "lr2.gguf", windows, lr=2e-2, steps=steps, **opt)
+    for bucket_bytes, at_least in ((64 << 10, 3), (1, 10)) if not opt else ((1, 10),):
         d = Doubler(bucket_bytes)
-        twice = _sgd_steps(tiny_f32, tmp_path / f"b{bucket_bytes}.gguf", windows, d)
+        twice = _sgd_steps(tiny_f32, tmp_path / f"b{bucket_bytes}.gguf", windows, d, steps=steps, **opt)
         for name, w in lr2.items():
             assert np.array_equal(w, twice[name]), (bucket_bytes, name)
         ends = [i for i, (kind, _) in enumerate(d.calls) if kind == "end"]
