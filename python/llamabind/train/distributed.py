@@ -29,10 +29,10 @@ BACKENDS = ("gloo", "nccl")
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 _BUCKET_BYTES = 256 << 20
-"""The most bytes of gradients packed into one all-reduce (PyTorch DDP buckets by 25 MiB while the backward pass
-runs; here the reduction follows the whole backward pass, so fewer, larger calls, bounded for the bucket's copy). The
-arrays of grad_reduce are typically one over all the accumulators (ggml-opt allocates them one after the other),
-reduced whole where it lies: no bucket, no copy."""
+"""The most bytes of small gradient arrays packed into one all-reduce by :meth:`ProcessGroup.all_reduce_mean_`
+(bounded for the packing's copy). Its arrays are typically one over all the accumulators (ggml-opt allocates them one
+after the other) or a few large ones, each reduced whole where it lies: no packing, no copy. (The buckets started
+during the backward pass are another thing: :class:`GradientReducer`, TrainingArgs.ddp_bucket_cap_mb.)"""
 
 
 def _buckets(tensors: list[Any], limit: int) -> list[list[Any]]:
