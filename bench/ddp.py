@@ -5,14 +5,16 @@ gloo on the CPU) beside PyTorch DDP (transformers' LlamaForCausalLM from the sam
 torch.nn.parallel.DistributedDataParallel, AdamW) on the same windows, for each --nproc, in one run.
 
     python bench/ddp.py [--size 1b | --model GGUF] [--ctx 2048] [--batch 4] [--nproc 1,2,4,8] [--steps 8]
-        [--runners full,lora] [--torch PYTHON] [--torch-path SITE] [--out FILE.json]
+        [--runners full,lora] [--bucket-cap-mb 0,128] [--torch PYTHON] [--torch-path SITE] [--out FILE.json]
 
 --batch windows per process and step (TRL's per_device_train_batch_size): a step takes batch x N windows, random
 token ids (throughput only). tokens/s: the global batch's tokens over the median step after the first two, from rank
 0's clock; scaling efficiency: tokens/s at N over N x tokens/s at 1. Full fine-tunes train every weight (AdamW lr
 1e-5), LoRA r8 on q/v (lr 1e-4) over the F32 weights on both sides. Each (runner, N) is one torchrun launch of this
 file in worker mode. --torch-path: a site-packages with torch for llamabind's processes where its Python has none
-(the CPU dry run: the reference venv's). Prints a table and writes bench/results/ddp-<host>-<date>.json (--out).
+(the CPU dry run: the reference venv's). --bucket-cap-mb: llamabind's rows for each TrainingArgs.ddp_bucket_cap_mb
+(0: the all-reduce after the backward pass; > 0: buckets all-reduced during it, patch 0104), PyTorch's once (DDP's
+default buckets). Prints a table and writes bench/results/ddp-<host>-<date>.json (--out).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def worker_llamabind(job_file: str) -> None:
             m, examples, ctx_size=cfg["ctx"], batch_size=cfg["batch"], iters=cfg["steps"], val_split=0.0,
             lr=LR_LORA if lora else LR_FULL, lora_rank=RANK if lora else None, shuffle=False, progress=False,
             n_threads=cfg["threads"], on_step=lambda step, loss: times.append(time.perf_counter()),
+            ddp_bucket_cap_mb=cfg["bucket_cap_mb"],
         )  # fmt: skip
     if rank == 0:
         Path(cfg["out"]).write_text(json.dumps(dict(times=times)))
@@ -130,6 +133,7 @@ def main() -> int:
     ap.add_argument("--nproc", default="1,2", help="process counts, comma-separated")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--runners", default="full", help="full, lora (comma-separated)")
+    ap.add_argument("--bucket-cap-mb", default="128", help="llamabind's ddp_bucket_cap_mb values, comma-separated")
     ap.add_argument("-ngl", type=int, default=None, help="layers on the GPU (default: all where there is one)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per process")
     ap.add_argument("--peak", type=float, default=989.5, help="dense peak TFLOP/s per GPU for MFU (H100 SXM BF16)")
@@ -159,16 +163,16 @@ def main() -> int:
         windows = np.random.default_rng(0).integers(100, 30000, (n_win, args.ctx + 1)).tolist()
         for runner in args.runners.split(","):
             lora = runner == "lora"
-            for n in counts:
-                row = dict(runner=runner, nproc=n, ctx=args.ctx, batch=args.batch)
+            for n, cap in ((n, float(c)) for n in counts for c in args.bucket_cap_mb.split(",")):
+                row = dict(runner=runner, nproc=n, ctx=args.ctx, batch=args.batch, bucket_cap_mb=cap)
                 job = dict(model=str(f32), ctx=args.ctx, batch=args.batch, steps=args.steps, lora=lora, rank=RANK,
                            lr=LR_LORA if lora else LR_FULL, windows=windows, ngl=ngl, threads=args.threads,
-                           out=str(tmpd / "result.json"))  # fmt: skip
+                           out=str(tmpd / "result.json"), bucket_cap_mb=cap)  # fmt: skip
                 (tmpd / "job.json").write_text(json.dumps(job))
                 tok_step = args.batch * n * args.ctx
                 launch(sys.executable, n, [str(Path(__file__).resolve()), "--worker", str(tmpd / "job.json")], env)
                 row["llamabind_tok_s"] = tok_s(json.loads((tmpd / "result.json").read_text())["times"], tok_step)
-                if args.torch:
+                if args.torch and cap == float(args.bucket_cap_mb.split(",")[0]):
                     (tmpd / "worker.py").write_text(TORCH_DDP_WORKER)
                     try:  # e.g. no peft for the LoRA row: the row stays, without PyTorch's number
                         launch(args.torch, n, [str(tmpd / "worker.py"), str(tmpd / "job.json")], dict(os.environ))
@@ -178,14 +182,15 @@ def main() -> int:
                 row["mfu"] = row["llamabind_tok_s"] * flops_per_token(f32, args.ctx, lora) / (n * args.peak * 1e12)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-    one = {r["runner"]: r for r in rows if r["nproc"] == 1}
-    print(f"{'runner':8} {'N':>3} {'llamabind tok/s':>16} {'scaling':>8} {'PyTorch DDP':>12} {'ratio':>6} {'MFU':>6}")
+    one = {(r["runner"], r["bucket_cap_mb"]): r for r in rows if r["nproc"] == 1}
+    print(f"{'runner':8} {'N':>3} {'buckets MiB':>11} {'llamabind tok/s':>16} {'scaling':>8} {'PyTorch DDP':>12} "
+          f"{'ratio':>6} {'MFU':>6}")  # fmt: skip
     for r in rows:
-        base = one.get(r["runner"])
+        base = one.get((r["runner"], r["bucket_cap_mb"]))
         eff = r["llamabind_tok_s"] / (r["nproc"] * base["llamabind_tok_s"]) if base else float("nan")
         t = r.get("torch_tok_s", float("nan"))
-        print(f"{r['runner']:8} {r['nproc']:>3} {r['llamabind_tok_s']:>16,.0f} {eff:>8.2f} {t:>12,.0f} "
-              f"{r['llamabind_tok_s'] / t:>6.2f} {r['mfu']:>6.1%}")  # fmt: skip
+        print(f"{r['runner']:8} {r['nproc']:>3} {r['bucket_cap_mb']:>11g} {r['llamabind_tok_s']:>16,.0f} {eff:>8.2f} "
+              f"{t:>12,.0f} {r['llamabind_tok_s'] / t:>6.2f} {r['mfu']:>6.1%}")  # fmt: skip
         r["scaling"] = eff
     out = Path(args.out or HERE / "results" / f"ddp-{socket.gethostname()}-{datetime.date.today()}.json")
     out.write_text(json.dumps(dict(args=vars(args), gpus=gpus, rows=rows), indent=1))
