@@ -445,6 +445,54 @@ def test_gpu_flash_attention_training_kernels_on_warpgroup_products(device, tmp_
         assert got.shape == mma.shape and ops.nmse(got, mma) < 1e-10, (name, ops.nmse(got, mma))
 
 
+_FA_BACK_RUN = """
+import logging, sys
+import numpy as np
+logging.basicConfig(level=logging.INFO)
+sys.path.insert(0, {tests!r})
+import test_ops_backends as t
+out = []
+for d in (64, 128):
+    out += list(t._flash_attention_gradients({device!r}, 2, 8, 2, 300, 300, d, np.float32, cpu=False)[0])
+np.savez({out!r}, *out)
+"""
+
+
+@pytest.mark.parametrize("device", [g for g in GPUS if g.startswith("CUDA")] or ["CUDA0"])
+def test_gpu_flash_attention_backward_with_bulk_dq(device, tmp_path):
+    """Patch 0100's dK/dV kernel on warpgroup products with dQ added by the TMA unit's bulk reductions
+    (fa_back_wgmma_dkdv<D, true>: cp.reduce.async.bulk .add.f32 of each step's 64 x 64 F32 chunk through the step's
+    spent Q and dO tiles, as FlashAttention-3 adds dQ), at head sizes 64 and 128 (CUDA, compute capability 9.0):
+    GGML_CUDA_FA_BACK_BULK_DQ=1 runs it and says so once at INFO, off by default (it replaces fa_back_mma_dkdv2 at 64
+    and the atomics kernel at 128 only once measured faster). Each run its own process: dq, dk, dv (two sequences of
+    300 rows, grouped-query heads, a last block of 44 keys, causal) within 1e-10 NMSE of the default kernels' (dQ
+    summed in F32 in whatever order the blocks reach it: ~1e-14), which test_gpu_flash_attention_gradients_match_cpu
+    checks against the CPU."""
+    if device not in GPUS:
+        pytest.skip(f"no {device}")
+    desc = next(d["description"] for d in ops.devices() if d["name"] == device)
+    if not any(x in desc for x in ("H100", "H200", "H800", "H20")):
+        pytest.skip(f"{desc}: not a Hopper GPU (compute capability 9.0)")
+    import os
+    import pathlib
+
+    from conftest import run_python
+
+    grads, logged = {}, {}
+    for on in ("1", "0"):
+        out = tmp_path / f"g{on}.npz"
+        code = _FA_BACK_RUN.format(tests=str(pathlib.Path(__file__).parent), device=device, out=str(out))
+        p = run_python(code, timeout=300, env={**os.environ, "GGML_CUDA_FA_BACK_BULK_DQ": on})
+        assert p.returncode == 0, p.stderr[-2000:]
+        with np.load(out) as z:
+            grads[on] = [z[f"arr_{i}"] for i in range(6)]
+        logged[on] = "the dK/dV kernel with dQ by bulk reductions on warp" in p.stderr
+    assert logged == {"1": True, "0": False}, logged
+    for i, (bulk, default) in enumerate(zip(grads["1"], grads["0"])):
+        what = ("dq", "dk", "dv")[i % 3], (64, 128)[i // 3]
+        assert bulk.shape == default.shape and ops.nmse(bulk, default) < 1e-10, (what, ops.nmse(bulk, default))
+
+
 @pytest.mark.parametrize("device", GPUS)
 @pytest.mark.parametrize("shape", [(600, 4100), (8, 4100), (3, 5001), (1, 49152), (2, 49153), (64, 49152)])
 def test_gpu_argmax_reads_four_columns_a_load_and_keeps_the_last_maximum(device, shape):

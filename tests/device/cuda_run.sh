@@ -70,6 +70,7 @@
 # amx:    (LB_NO_CUDA=1; LB_AMX_STEP=build, then test) the CPU suite on the device's Intel Xeon with AMX_INT8.
 # pending: (carry .device/llama.cpp.tar.xz, whl, tokenizer.gguf, .device-s, .device-t; LB_NO_TOOLS=1) what the eleventh
 #         and twelfth sessions left for a GPU, in one build: the NCCL one-rank test, GRPO's TRL parity on CUDA.
+# bulkdq: (after profiles, warm) GGML_CUDA_FA_BACK_BULK_DQ=1 against the defaults in 1B 16k and 8B 8k training steps.
 # profiles: (after pending, warm) fa_harness's BULK_DQ variant (issue 84), bench/kernel_times.py --trace and
 #         bench/train_profile.py on the 8B QLoRA step (issue 88) and the 1B at 16k (issue 84), the CLI example on the
 #         8B Q4_K_M GGUF.
@@ -86,7 +87,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: pending, profiles, amx, qlora88, ddp87, grpo85, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: pending, profiles, bulkdq, amx, qlora88, ddp87, grpo85, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -280,6 +281,22 @@ pending)
     $PYTEST_ARGS -s -k nccl 2>&1 | grep -E "gap|passed|failed|Error" | tee "$OUT/pending-ddp.txt"
   LLAMABIND_REFERENCE_PYTHON=python3 timeout 300 python3 -m pytest tests/test_train_grpo.py $PYTEST_ARGS -s \
     -k equal_trls 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tail -30 | tee "$OUT/pending-grpo.txt"
+  # patch 0100's BULK_DQ kernel launched by GGML_CUDA_FA_BACK_BULK_DQ=1 against the default kernels (issue 84)
+  LLAMABIND_REQUIRE_GPU=1 timeout 200 python3 -m pytest tests/test_ops_backends.py $PYTEST_ARGS -k "bulk_dq" 2>&1 \
+    | grep -vE "^(llama|load|print_info|common|ggml|init)" | tail -8 | tee "$OUT/pending-bulk-dq.txt"
+  ;;
+bulkdq)
+  # (after profiles, warm: its models) issue 84: GGML_CUDA_FA_BACK_BULK_DQ=1 (patch 0100's dK/dV kernel with dQ by bulk
+  # reductions) against the defaults in training steps: the 1B full fine-tune at 16,384 x 1 (head size 64) and the 8B
+  # QLoRA r16 all-linear at 8,192 x 1 (head size 128), bench/kernel_times.py --trace (step ms, kernels by kind)
+  for bulk in 0 1; do
+    GGML_CUDA_FA_BACK_BULK_DQ=$bulk timeout 200 python3 bench/kernel_times.py --model $MODELS/llama-1b-f32.gguf \
+      --mode bf16 --ctx 16384 --batch 1 --steps 3 --trace /tmp/trace-b.json --out "$OUT/bulk$bulk-1b-16k.json" 2>&1 \
+      | grep -E "step_ms|^\| (flash|matrix|element)" | tee -a "$OUT/bulkdq.txt"
+    GGML_CUDA_FA_BACK_BULK_DQ=$bulk timeout 200 python3 bench/kernel_times.py --model $MODELS/llama-8b-q4_k_m-v128k.gguf \
+      --mode qlora --lora-rank 16 --lora-targets all --ctx 8192 --batch 1 --steps 3 --trace /tmp/trace-b.json \
+      --out "$OUT/bulk$bulk-8b-8k.json" 2>&1 | grep -E "step_ms|^\| (flash|matrix|element)" | tee -a "$OUT/bulkdq.txt"
+  done
   ;;
 profiles)
   # (after pending, warm: the build kept; LB_NO_TOOLS=1) where the time goes in the steps that miss their targets: the
