@@ -280,7 +280,7 @@ def test_two_ranks_preference_tune_as_one_with_the_global_batch(tiny_f32, refere
         job = dict(model=str(tiny_f32), tokens=[0], pairs=pairs, method=method)
         one = _launch(dict(job, args=dict(args, batch_size=4, grad_accum=2)), tmp_path / method / "one", 0, torch_path)
         ckpt = dict(checkpoint_dir=str(tmp_path / method / "two" / "ckpt"), save_every=3)
-        # (the ranks' gradients all-reduced in 64 KiB buckets during the backward pass: patch 0104 under a caller's loss)
+        # (the ranks' gradients all-reduced in 64 KiB buckets during the backward pass: patch 0104, a caller's loss)
         two = _launch(dict(job, args=dict(args, batch_size=2, ddp_bucket_cap_mb=1 / 16, **ckpt)),
                       tmp_path / method / "two", 2, torch_path)  # fmt: skip
         for p in one + two:
