@@ -11,12 +11,15 @@
 #   .device-s/  smollm2-4l.gguf: SmolLM2 cut to its first CUT_LAYERS blocks (tests/gguf_tensors.cut, 41 MB), what the
 #               fine-tuning tests train (conftest's smollm2_f32_cut): carried beside .device, the build and those
 #               tests run in one call (cuda_run.sh's fa56 with LB_TRAIN_K)
+#   .device-q/  bitsandbytes 0.50.2 with its CUDA 13 libraries alone (7 MB: peft + bitsandbytes NF4, cuda_run.sh qlora88)
+#   .device-t/  TRL 1.16.0, datasets, dill, multiprocess (--no-deps; TRL's trainers beside llamabind's: grpo85, pending)
 # SmolLM2 Q4_1 (98 MB) is over the carry limit, so it travels in two calls (cuda_run.sh joins the parts
 # and checks its sha256). Both folders are git-ignored through .git/info/exclude.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-for d in /.device/ /.device-b/ /.device-v/ /.device-w/ /.device-s/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
-rm -rf .device .device-b .device-v .device-w .device-s && mkdir -p .device/whl .device-b/whl .device-v/debs .device-w/whl .device-s
+for d in /.device/ /.device-b/ /.device-v/ /.device-w/ /.device-s/ /.device-q/ /.device-t/; do grep -qxF "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+rm -rf .device .device-b .device-v .device-w .device-s .device-q .device-t
+mkdir -p .device/whl .device-b/whl .device-v/debs .device-w/whl .device-s .device-q .device-t
 # the tree's stamp must name the patches as they are now: a patch edited since the last sync (its header too) makes the
 # device's build unpack the pin again, which it cannot without a registry (seen 2026-12-01)
 if python3 vendor/vendor.py status | grep -q "older version of the patch"; then
@@ -57,4 +60,14 @@ head -c 55000000 "$model" > .device/smollm2.part-a
 tail -c +55000001 "$model" > .device-b/smollm2.part-b
 PYTHONPATH=tests ./dev python -c "import sys, conftest, gguf_tensors; gguf_tensors.cut(sys.argv[1], sys.argv[2], conftest.CUT_LAYERS)" \
   "$model" .device-s/smollm2-4l.gguf
-du -sh .device .device-b .device-v .device-w .device-s
+# .device-q: bitsandbytes for Python 3.12, its libraries for other CUDA versions and ROCm/XPU dropped (43 -> 7 MB)
+./dev python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .device-q \
+  --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 bitsandbytes==0.50.2
+for w in .device-q/*.whl; do
+  zip -q -d "$w" 'bitsandbytes/libbitsandbytes_cuda11*' 'bitsandbytes/libbitsandbytes_cuda12*' \
+    'bitsandbytes/libbitsandbytes_rocm*' 'bitsandbytes/libbitsandbytes_xpu*' 2>/dev/null || true
+done
+./dev python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .device-t \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any \
+  trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+du -sh .device .device-b .device-v .device-w .device-s .device-q .device-t
