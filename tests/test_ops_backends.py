@@ -404,6 +404,31 @@ def _training_forward(device):
     return outs
 
 
+def _hopper_runs(device, tmp_path, template: str, n: int, envs: dict[str, dict]) -> tuple[dict, dict]:
+    """For each name -> environment of ``envs``, ``template`` (a script writing ``n`` arrays to {out!r}) run on a
+    Hopper ``device`` in a process of its own: (name -> the arrays, name -> its stderr); skips on other GPUs."""
+    if device not in GPUS:
+        pytest.skip(f"no {device}")
+    desc = next(d["description"] for d in ops.devices() if d["name"] == device)
+    if not any(x in desc for x in ("H100", "H200", "H800", "H20")):
+        pytest.skip(f"{desc}: not a Hopper GPU (compute capability 9.0)")
+    import os
+    import pathlib
+
+    from conftest import run_python
+
+    arrays, stderr = {}, {}
+    for name, env in envs.items():
+        out = tmp_path / f"{name}.npz"
+        code = template.format(tests=str(pathlib.Path(__file__).parent), device=device, out=str(out))
+        p = run_python(code, timeout=300, env={**os.environ, **env})
+        assert p.returncode == 0, p.stderr[-2000:]
+        with np.load(out) as z:
+            arrays[name] = [z[f"arr_{i}"] for i in range(n)]
+        stderr[name] = p.stderr
+    return arrays, stderr
+
+
 @pytest.mark.parametrize("device", [g for g in GPUS if g.startswith("CUDA")] or ["CUDA0"])
 def test_gpu_flash_attention_training_kernels_on_warpgroup_products(device, tmp_path):
     """Patch 0099 (CUDA, compute capability 9.0): the training forward, and at head size 128 the backward's dK/dV
@@ -415,27 +440,10 @@ def test_gpu_flash_attention_training_kernels_on_warpgroup_products(device, tmp_
     sequences of 300 rows, grouped-query heads, a last block of 44 keys) within 1e-10 of each other (dQ, and dK and
     dV of the query heads, added by atomics in whatever order the blocks reach them: F32 rounding, ~1e-14);
     test_gpu_flash_attention_gradients_match_cpu checks the default's against the CPU."""
-    if device not in GPUS:
-        pytest.skip(f"no {device}")
-    desc = next(d["description"] for d in ops.devices() if d["name"] == device)
-    if not any(x in desc for x in ("H100", "H200", "H800", "H20")):
-        pytest.skip(f"{desc}: not a Hopper GPU (compute capability 9.0)")
-    import os
-    import pathlib
-
-    from conftest import run_python
-
-    outs, logged = {}, {}
-    for on in ("1", "0"):
-        out = tmp_path / f"o{on}.npz"
-        code = _FA_FWD_RUN.format(tests=str(pathlib.Path(__file__).parent), device=device, out=str(out))
-        env = {**os.environ, "GGML_CUDA_FA_FWD_WGMMA": on, "GGML_CUDA_FA_BACK_WGMMA": on}
-        p = run_python(code, timeout=300, env=env)
-        assert p.returncode == 0, p.stderr[-2000:]
-        with np.load(out) as z:
-            outs[on] = [z[f"arr_{i}"] for i in range(7)]
-        lines = ("the training forward on warpgroup", "the dK/dV kernel (D = 128) on warp")
-        logged[on] = [x in p.stderr for x in lines]
+    envs = {on: {"GGML_CUDA_FA_FWD_WGMMA": on, "GGML_CUDA_FA_BACK_WGMMA": on} for on in ("1", "0")}
+    outs, err = _hopper_runs(device, tmp_path, _FA_FWD_RUN, 7, envs)
+    lines = ("the training forward on warpgroup", "the dK/dV kernel (D = 128) on warp")
+    logged = {on: [x in err[on] for x in lines] for on in envs}
     assert logged == {"1": [True, True], "0": [False, False]}, logged
     for i, d in enumerate((64, 128)):
         got, mma, want = outs["1"][2 * i], outs["0"][2 * i], outs["1"][2 * i + 1]
@@ -468,25 +476,9 @@ def test_gpu_flash_attention_backward_with_bulk_dq(device, tmp_path):
     300 rows, grouped-query heads, a last block of 44 keys, causal) within 1e-10 NMSE of the default kernels' (dQ
     summed in F32 in whatever order the blocks reach it: ~1e-14), which test_gpu_flash_attention_gradients_match_cpu
     checks against the CPU."""
-    if device not in GPUS:
-        pytest.skip(f"no {device}")
-    desc = next(d["description"] for d in ops.devices() if d["name"] == device)
-    if not any(x in desc for x in ("H100", "H200", "H800", "H20")):
-        pytest.skip(f"{desc}: not a Hopper GPU (compute capability 9.0)")
-    import os
-    import pathlib
-
-    from conftest import run_python
-
-    grads, logged = {}, {}
-    for on in ("1", "0"):
-        out = tmp_path / f"g{on}.npz"
-        code = _FA_BACK_RUN.format(tests=str(pathlib.Path(__file__).parent), device=device, out=str(out))
-        p = run_python(code, timeout=300, env={**os.environ, "GGML_CUDA_FA_BACK_BULK_DQ": on})
-        assert p.returncode == 0, p.stderr[-2000:]
-        with np.load(out) as z:
-            grads[on] = [z[f"arr_{i}"] for i in range(6)]
-        logged[on] = "the dK/dV kernel with dQ by bulk reductions on warp" in p.stderr
+    envs = {on: {"GGML_CUDA_FA_BACK_BULK_DQ": on} for on in ("1", "0")}
+    grads, err = _hopper_runs(device, tmp_path, _FA_BACK_RUN, 6, envs)
+    logged = {on: "the dK/dV kernel with dQ by bulk reductions on warp" in err[on] for on in envs}
     assert logged == {"1": True, "0": False}, logged
     for i, (bulk, default) in enumerate(zip(grads["1"], grads["0"])):
         what = ("dq", "dk", "dv")[i % 3], (64, 128)[i // 3]
