@@ -146,7 +146,9 @@ class GradientReducer:
     :meth:`ready` starts each bucket's all-reduce (asynchronous: torch.distributed's ``async_op``; NCCL averages,
     gloo sums) as soon as the backward pass has finished it (patch 0104, buckets of ``bucket_bytes``), on the
     bucket's own memory; the call at the end reduces what is left (:meth:`ProcessGroup.all_reduce_mean_`), waits
-    for the started ones, divides gloo's sums by world_size and synchronizes the CUDA stream before the step."""
+    for the started ones, divides gloo's sums by world_size and synchronizes the CUDA stream before the step.
+    Arrays: 1-D float32 (DLPack: host memory or a CUDA device's), changed in place. What torch.distributed raises
+    (a rank gone: RuntimeError or its timeout) propagates: Optimizer.eval then raises and takes no step."""
 
     def __init__(self, group: ProcessGroup, bucket_bytes: int) -> None:
         self.group, self.bucket_bytes = group, bucket_bytes
