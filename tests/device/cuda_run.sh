@@ -155,7 +155,16 @@ start_1b_f32() {
   cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
   [ -f $MODELS/llama-1b-f32.gguf ] || { python3 bench/make_model.py --size 1b --type q4_0 -o $MODELS/llama-1b-q4_0.gguf \
     --tokenizer-from /tmp/tokenizer.gguf && python3 -c "from llamabind import train; \
-    train.to_f32('$MODELS/llama-1b-q4_0.gguf', '$MODELS/llama-1b-f32.gguf')"; } > $MODELS/make.log 2>&1 &
+    train.to_f32('$MODELS/llama-1b-q4_0.gguf', '$MODELS/llama-1b-f32.gguf.part')" \
+    && mv $MODELS/llama-1b-f32.gguf.part $MODELS/llama-1b-f32.gguf; } > $MODELS/make.log 2>&1 &
+}
+# the 8B shape over Q4_K_M with Llama-3.1's vocabulary size (issue 88's profiles), in the background; .done when whole
+# (a call's end kills what it started: a file without .done is written again)
+F8=$MODELS/llama-8b-q4_k_m-v128k.gguf
+start_8b_q4_k_m() {
+  cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
+  [ -f $F8.done ] || { python3 bench/make_model.py --size 8b --type q4_k_m --vocab 128256 -o $F8 \
+    --tokenizer-from /tmp/tokenizer.gguf > $F8.log 2>&1 && touch $F8.done; } &
 }
 # bench/preference.py for each spec of $1 (SIZE:CTX:BATCH; smollm2 for the real model), runners $2, PyTorch's DPO loop
 # LB_PREF_TORCH (default lora,full) beside them, LB_PREF_STEPS steps (default 12)
@@ -277,6 +286,8 @@ pending)
   # the 2% tolerance), GRPO's TRL parity on CUDA (issue 85: the model offloaded, bf16 tolerances; every case's gaps
   # printed first). Then "profiles" on the warm machine.
   [ -d .device-t ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-t/*.whl
+  # "profiles"' models written while the tests run (LB_PENDING_MODELS=0: not), waited for at the end
+  [ "${LB_PENDING_MODELS:-1}" = 1 ] && { start_8b_q4_k_m; start_1b_f32; }
   LLAMABIND_REFERENCE_PYTHON=python3 timeout 300 python3 -m pytest tests/test_train_grpo.py $PYTEST_ARGS -s \
     -k equal_trls 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tail -30 | tee "$OUT/pending-grpo.txt"
   # patch 0100's BULK_DQ kernel launched by GGML_CUDA_FA_BACK_BULK_DQ=1 against the default kernels (issue 84)
@@ -285,6 +296,7 @@ pending)
   # last, as it has the least to lose from the call's 600 s (issue 87 is blocked on its multi-GPU runs)
   LLAMABIND_REFERENCE_PYTHON=python3 LLAMABIND_REQUIRE_GPU=1 timeout ${LB_DDP_TIMEOUT:-300} python3 -m pytest \
     tests/test_train_ddp.py $PYTEST_ARGS -s -k nccl 2>&1 | grep -E "gap|passed|failed|Error" | tee "$OUT/pending-ddp.txt"
+  wait; ls -la $MODELS
   ;;
 bulkdq)
   # (after profiles, warm: its models) issue 84: GGML_CUDA_FA_BACK_BULK_DQ=1 (patch 0100's dK/dV kernel with dQ by bulk
@@ -304,15 +316,12 @@ profiles)
   # 8B shape's QLoRA r16 all-linear step over Q4_K_M at 2048 x 4 (issue 88: 1.10x bnb, target 1.3x) and the 1B full
   # fine-tune at 16,384 x 1 (issue 84: 0.93x PyTorch), bench/train_profile.py's breakdown by phase and op (nodes one at a
   # time, a synchronization each), then docs/finetune.md's CLI example on the 8B Q4_K_M GGUF (qlora88's LB_88_CLI)
-  cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
-  f8=$MODELS/llama-8b-q4_k_m-v128k.gguf
+  f8=$F8
   # issue 84 first (while the models are written): the dK/dV kernel with dQ by bulk reductions (variant 4) against
   # the atomics one (3), against float64 and SDPA (nvcc on the unpacked tree)
   timeout 240 python3 tests/device/fa_harness.py --backward --variants 3,4 --reps 10 2>&1 | tail -40 \
     | tee "$OUT/harness-bulk-dq.txt" &
-  [ -f $f8.done ] || { python3 bench/make_model.py --size 8b --type q4_k_m --vocab 128256 -o $f8 \
-    --tokenizer-from /tmp/tokenizer.gguf > $f8.log 2>&1 && touch $f8.done; } &
-  start_1b_f32; wait  # (the models and the harness)
+  start_8b_q4_k_m; start_1b_f32; wait  # (the models and the harness)
   # first the kernels as CUPTI times them in an unprofiled step (fusions on, no synchronization per node), then
   # train_profile's phases and ops (nodes one at a time); the 1B at 16k the same
   timeout ${LB_PROFILE_TIMEOUT:-200} python3 bench/kernel_times.py --model $f8 --mode qlora --lora-rank 16 \
