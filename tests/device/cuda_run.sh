@@ -101,6 +101,19 @@ PYTEST_ARGS="-q -p no:cacheprovider -p _hypothesis_pytestplugin -rs -o faulthand
 # chat templates (not carried), the notebook (nbformat is not in the image); the op tests run in "ops"
 # (and the fine-tuning parity with PyTorch: transformers is not in the image; the "train" phase runs the rest)
 SUITE_EXCLUDES=(--deselect tests/test_train.py::test_matches_pytorch --deselect tests/test_train.py::test_lora_matches_pytorch --deselect tests/test_train.py::test_finetune_notebook_executes --ignore=tests/test_embeddings.py --ignore=tests/test_ops.py --ignore=tests/test_ops_grad.py --ignore=tests/test_vendor.py --deselect tests/test_packaging.py::test_sdist_carries_the_patched_tree_and_needs_no_registry --deselect tests/test_packaging.py::test_ops_notebook_executes --deselect tests/test_chat.py::test_tool_call_parsing_with_a_tool_template --ignore=tests/test_portable.py --deselect tests/test_packaging.py::test_sdist_builds_a_wheel_offline --deselect tests/test_packaging.py::test_wheel_installs_into_a_fresh_venv_and_generates -k "not upstream_tokenizer_vectors and not four_named_vocabularies and not duplicate_token_texts")
+# the 8B shape over Q4_K_M with Llama-3.1's vocabulary size (issue 88's profiles), in the background; .done when whole
+# (a call's end kills what it started: a file without .done is written again)
+F8=$MODELS/llama-8b-q4_k_m-v128k.gguf
+start_8b_q4_k_m() {
+  cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
+  [ -f $F8.done ] || { python3 bench/make_model.py --size 8b --type q4_k_m --vocab 128256 -o $F8 \
+    --tokenizer-from /tmp/tokenizer.gguf > $F8.log 2>&1 && touch $F8.done || touch $F8.fail; } &
+}
+# pending: the 8B GGUF written while the build runs (gguf from the carried wheel); the call waits for it
+if [ "$phase" = pending ] && [ "${LB_PENDING_MODELS:-1}" = 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/whl/*.whl
+  export PYTHONPATH=/tmp/site; start_8b_q4_k_m
+fi
 {
 nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
 source tests/device/setup.sh
@@ -157,14 +170,6 @@ start_1b_f32() {
     --tokenizer-from /tmp/tokenizer.gguf && python3 -c "from llamabind import train; \
     train.to_f32('$MODELS/llama-1b-q4_0.gguf', '$MODELS/llama-1b-f32.gguf.part')" \
     && mv $MODELS/llama-1b-f32.gguf.part $MODELS/llama-1b-f32.gguf; } > $MODELS/make.log 2>&1 &
-}
-# the 8B shape over Q4_K_M with Llama-3.1's vocabulary size (issue 88's profiles), in the background; .done when whole
-# (a call's end kills what it started: a file without .done is written again)
-F8=$MODELS/llama-8b-q4_k_m-v128k.gguf
-start_8b_q4_k_m() {
-  cp .device/tokenizer.gguf /tmp/; mkdir -p $MODELS
-  [ -f $F8.done ] || { python3 bench/make_model.py --size 8b --type q4_k_m --vocab 128256 -o $F8 \
-    --tokenizer-from /tmp/tokenizer.gguf > $F8.log 2>&1 && touch $F8.done; } &
 }
 # bench/preference.py for each spec of $1 (SIZE:CTX:BATCH; smollm2 for the real model), runners $2, PyTorch's DPO loop
 # LB_PREF_TORCH (default lora,full) beside them, LB_PREF_STEPS steps (default 12)
@@ -286,17 +291,24 @@ pending)
   # the 2% tolerance), GRPO's TRL parity on CUDA (issue 85: the model offloaded, bf16 tolerances; every case's gaps
   # printed first). Then "profiles" on the warm machine.
   [ -d .device-t ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-t/*.whl
-  # "profiles"' models written while the tests run (LB_PENDING_MODELS=0: not), waited for at the end
-  [ "${LB_PENDING_MODELS:-1}" = 1 ] && { start_8b_q4_k_m; start_1b_f32; }
+  # "profiles"' models written while the tests run (LB_PENDING_MODELS=0: not; the 8B one since before the build)
+  [ "${LB_PENDING_MODELS:-1}" = 1 ] && start_1b_f32
   LLAMABIND_REFERENCE_PYTHON=python3 timeout 300 python3 -m pytest tests/test_train_grpo.py $PYTEST_ARGS -s \
     -k equal_trls 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tail -30 | tee "$OUT/pending-grpo.txt"
   # patch 0100's BULK_DQ kernel launched by GGML_CUDA_FA_BACK_BULK_DQ=1 against the default kernels (issue 84)
   LLAMABIND_REQUIRE_GPU=1 timeout 200 python3 -m pytest tests/test_ops_backends.py $PYTEST_ARGS -k "bulk_dq" 2>&1 \
     | grep -vE "^(llama|load|print_info|common|ggml|init)" | tail -8 | tee "$OUT/pending-bulk-dq.txt"
-  # last, as it has the least to lose from the call's 600 s (issue 87 is blocked on its multi-GPU runs)
-  LLAMABIND_REFERENCE_PYTHON=python3 LLAMABIND_REQUIRE_GPU=1 timeout ${LB_DDP_TIMEOUT:-300} python3 -m pytest \
+  # issue 88: the 8B QLoRA r16 all-linear step's kernels (CUPTI, an unprofiled step) once its GGUF is whole
+  while [ ! -f $F8.done ] && [ ! -f $F8.fail ] && [ $SECONDS -lt 420 ]; do sleep 5; done
+  [ -f $F8.done ] && timeout $((540 - SECONDS > 60 ? 540 - SECONDS : 60)) python3 bench/kernel_times.py --model $F8 \
+    --mode qlora --lora-rank 16 --lora-targets all --ctx 2048 --batch 4 --steps 3 --trace /tmp/trace-8b.json \
+    --out "$OUT/kernels-8b.json" 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/kernels-8b.txt" \
+    | tail -45
+  # last, in what is left of the call's 600 s (LB_CALL_S, default 580; issue 87 is blocked on its multi-GPU runs)
+  left=$((${LB_CALL_S:-580} - SECONDS))
+  [ $left -gt 60 ] && LLAMABIND_REFERENCE_PYTHON=python3 LLAMABIND_REQUIRE_GPU=1 timeout $left python3 -m pytest \
     tests/test_train_ddp.py $PYTEST_ARGS -s -k nccl 2>&1 | grep -E "gap|passed|failed|Error" | tee "$OUT/pending-ddp.txt"
-  wait; ls -la $MODELS
+  wait; ls -la $MODELS; echo "pending took $SECONDS s"
   ;;
 bulkdq)
   # (after profiles, warm: its models) issue 84: GGML_CUDA_FA_BACK_BULK_DQ=1 (patch 0100's dK/dV kernel with dQ by bulk
@@ -888,3 +900,4 @@ bench)
   ;;
 esac
 } 2>&1 | tee "$OUT/summary-$phase.log"
+wait  # what the phase started before its block (pending's 8B GGUF)
