@@ -293,10 +293,10 @@ pending)
   [ -d .device-t ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-t/*.whl
   # "profiles"' models written while the tests run (LB_PENDING_MODELS=0: not; the 8B one since before the build)
   [ "${LB_PENDING_MODELS:-1}" = 1 ] && start_1b_f32
-  LLAMABIND_REFERENCE_PYTHON=python3 timeout 300 python3 -m pytest tests/test_train_grpo.py $PYTEST_ARGS -s \
+  LLAMABIND_REFERENCE_PYTHON=python3 timeout 200 python3 -m pytest tests/test_train_grpo.py $PYTEST_ARGS -s \
     -k equal_trls 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" | tail -30 | tee "$OUT/pending-grpo.txt"
   # patch 0100's BULK_DQ kernel launched by GGML_CUDA_FA_BACK_BULK_DQ=1 against the default kernels (issue 84)
-  LLAMABIND_REQUIRE_GPU=1 timeout 200 python3 -m pytest tests/test_ops_backends.py $PYTEST_ARGS -k "bulk_dq" 2>&1 \
+  LLAMABIND_REQUIRE_GPU=1 timeout 100 python3 -m pytest tests/test_ops_backends.py $PYTEST_ARGS -k "bulk_dq" 2>&1 \
     | grep -vE "^(llama|load|print_info|common|ggml|init)" | tail -8 | tee "$OUT/pending-bulk-dq.txt"
   # issue 88: the 8B QLoRA r16 all-linear step's kernels (CUPTI, an unprofiled step) once its GGUF is whole
   while [ ! -f $F8.done ] && [ ! -f $F8.fail ] && [ $SECONDS -lt 420 ]; do sleep 5; done
