@@ -69,7 +69,8 @@
 # pref58: (carry .device-b after build) issue 58: the preference tests on CUDA0, then bench/preference.py.
 # amx:    (LB_NO_CUDA=1; LB_AMX_STEP=build, then test) the CPU suite on the device's Intel Xeon with AMX_INT8.
 # pending: (carry .device/llama.cpp.tar.xz, whl, tokenizer.gguf, .device-s, .device-t; LB_NO_TOOLS=1) what the eleventh
-#         and twelfth sessions left for a GPU, in one build: the NCCL one-rank test, GRPO's TRL parity on CUDA.
+#         and twelfth sessions left for a GPU, in one build: GRPO's TRL parity on CUDA, the BULK_DQ test, the 8B
+#         Q4_K_M QLoRA step's kernels (its GGUF written while the build runs), the NCCL one-rank test in what is left.
 # bulkdq: (after profiles, warm) GGML_CUDA_FA_BACK_BULK_DQ=1 against the defaults in 1B 16k and 8B 8k training steps.
 # profiles: (after pending, warm) fa_harness's BULK_DQ variant (issue 84), bench/kernel_times.py --trace and
 #         bench/train_profile.py on the 8B QLoRA step (issue 88) and the 1B at 16k (issue 84), the CLI example on the
