@@ -220,6 +220,8 @@ def _prepare(
     return body, None
 
 
+# One route table: its 101 lines are the OpenAI routes, each a few lines over ServerContext; split, they would be read
+# apart from the middleware they share.
 def create_app(core: ServerContext, *, api_key: str | None = None, max_body: int = MAX_BODY, max_pending: int = 256):
     """The ASGI application (Starlette) in front of ``core``: llama-server's routes, API-key check
     (``Authorization: Bearer KEY`` or ``X-Api-Key``; /health is public), bodies up to ``max_body``
@@ -384,6 +386,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 # (over 100 lines by its docstring alone: one table row for each of its 33 arguments, what the API reference renders;
 # the body is the argument checks and uvicorn's start)
+# Long by its argument list (one per llama-server flag) and their documentation; a ServerArgs dataclass shared with
+# ServerContext and the CLI would shorten it (a change of the public surface no issue has asked for yet).
 def serve(
     model: str | os.PathLike = "smollm2-135m-instruct",
     *,

@@ -55,6 +55,7 @@ class ServerContext:
     own); :meth:`close` stops it.
     """
 
+    # Long by its argument list (llama-server's flags, validated before common_params is filled); see serve().
     def __init__(
         self,
         model: str | os.PathLike,
