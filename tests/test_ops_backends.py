@@ -404,13 +404,14 @@ def _training_forward(device):
     return outs
 
 
-def _hopper_runs(device, tmp_path, template: str, n: int, envs: dict[str, dict]) -> tuple[dict, dict]:
+def _hopper_runs(device, tmp_path, template: str, n: int, envs: dict[str, dict], hopper=True) -> tuple[dict, dict]:
     """For each name -> environment of ``envs``, ``template`` (a script writing ``n`` arrays to {out!r}) run on a
-    Hopper ``device`` in a process of its own: (name -> the arrays, name -> its stderr); skips on other GPUs."""
+    Hopper ``device`` (any GPU with ``hopper=False``) in a process of its own: (name -> the arrays, name -> its
+    stderr); skips on other GPUs."""
     if device not in GPUS:
         pytest.skip(f"no {device}")
     desc = next(d["description"] for d in ops.devices() if d["name"] == device)
-    if not any(x in desc for x in ("H100", "H200", "H800", "H20")):
+    if hopper and not any(x in desc for x in ("H100", "H200", "H800", "H20")):
         pytest.skip(f"{desc}: not a Hopper GPU (compute capability 9.0)")
     import os
     import pathlib
@@ -483,6 +484,37 @@ def test_gpu_flash_attention_backward_with_bulk_dq(device, tmp_path):
     for i, (bulk, default) in enumerate(zip(grads["1"], grads["0"])):
         what = ("dq", "dk", "dv")[i % 3], (64, 128)[i // 3]
         assert bulk.shape == default.shape and ops.nmse(bulk, default) < 1e-10, (what, ops.nmse(bulk, default))
+
+
+@pytest.mark.parametrize("device", [g for g in GPUS if g.startswith("CUDA")] or ["CUDA0"])
+def test_gpu_flash_attention_backward_with_key_blocks_dispatched_fastest(device, tmp_path):
+    """Patch 0106 (CUDA): GGML_CUDA_FA_BACK_KB_MAJOR=1 dispatches the training backward's dK/dV blocks with the key
+    blocks fastest (fab_grid_kv: grid (key blocks, heads, sequences), each block its indices back from it), so that
+    the blocks running at once share their Q, dO and dQ tiles through the L2 cache, and says so once at INFO; off by
+    default. Each run its own process, at head sizes 64 and 128 (two sequences of 300 rows, grouped-query heads, a
+    last block of 44 keys, causal): with the default kernels (fa_back_mma_dkdv2 at 64; at 128 fa_back_wgmma_dkdv on
+    Hopper, else fa_back_mma_dkdv), with GGML_CUDA_FA_BACK_WGMMA=0 (fa_back_mma_dkdv at 128 on Hopper too), dq, dk,
+    dv within 1e-10 NMSE of the same kernels' in the heads-fastest order (dQ, and dK and dV of the query heads, added
+    by atomics in whatever order the blocks reach them: F32 rounding, ~1e-14); with GGML_CUDA_FA_BACK_DETERMINISTIC=1
+    (no atomics: dQ summed by its own kernel, a block per K/V head writes its dK and dV) equal bit for bit.
+    test_gpu_flash_attention_gradients_match_cpu checks the default order's against the CPU."""
+    base = {"default": {}, "mma": {"GGML_CUDA_FA_BACK_WGMMA": "0"}, "det": {"GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}}
+    envs = {}
+    for name, env in base.items():
+        envs[name] = {**env, "GGML_CUDA_FA_BACK_KB_MAJOR": "0"}
+        envs["kb-" + name] = {**env, "GGML_CUDA_FA_BACK_KB_MAJOR": "1"}
+    grads, err = _hopper_runs(device, tmp_path, _FA_BACK_RUN, 6, envs, hopper=False)
+    line = "dK/dV blocks dispatched with the key blocks fastest"
+    logged = {name: err[name].count(line) for name in envs}
+    assert logged == {name: int(name.startswith("kb-")) for name in envs}, logged
+    for name in base:
+        for i, (kb, heads) in enumerate(zip(grads["kb-" + name], grads[name])):
+            what = name, ("dq", "dk", "dv")[i % 3], (64, 128)[i // 3]
+            assert kb.shape == heads.shape and np.isfinite(kb).all(), what
+            if name == "det":
+                np.testing.assert_array_equal(kb, heads, err_msg=str(what))
+            else:
+                assert ops.nmse(kb, heads) < 1e-10, (what, ops.nmse(kb, heads))
 
 
 @pytest.mark.parametrize("device", GPUS)

@@ -119,12 +119,17 @@ int fah_fwd(int variant, int D, const void * Qb, const void * Kb, const void * V
 
 // the dK/dV kernel at D = 64 with its dQ (dq zeroed first; dk and dv too where hparts > 1, as fa_back_launch does):
 // variant 0: fa_back_mma_dkdv<64, true, true> (64 keys a block, 16 a warp); 1: fa_back_mma_dkdv2<64> (128 keys a
-// block, 32 a warp); 2: fa_back_mma_dkdv<64, true, false> (no dQ: what dQ costs; hparts must be 1)
+// block, 32 a warp); 2: fa_back_mma_dkdv<64, true, false> (no dQ: what dQ costs; hparts must be 1); 10 + v: variant v
+// with its blocks dispatched the key blocks fastest (fab_grid_kv's kb_major, GGML_CUDA_FA_BACK_KB_MAJOR=1)
 int fah_dkdv(int variant, const void * Qb, const void * Kb, const void * Vb, const void * dOb, const void * mask,
         int64_t nb1, int64_t nb2, int64_t nb3, int ne2, int ne3, const void * tiles, float * dq, float * dk, float * dv,
         const float * lse, const float * dsum, int N, int M, int H, int Hk, int S, int Sk, float scale, int hparts) {
     const fab_mask m = fah_mask(mask, nb1, nb2, nb3, ne2, ne3, tiles, N, M);
     const uint3 rh_fd = init_fastdiv_values(H/(Hk*hparts));
+    const bool kbm = variant >= 10;
+    variant %= 10;
+    const dim3 grid  = fab_grid_kv(Hk*hparts, Sk, (M + FAB_B - 1)/FAB_B, kbm);
+    const dim3 grid2 = fab_grid_kv(Hk*hparts, Sk, (M + FAB_B2 - 1)/FAB_B2, kbm);
     cudaError_t err = cudaMemsetAsync(dq, 0, int64_t(N)*H*S*64*sizeof(float));
     if (err == cudaSuccess && hparts > 1) {
         err = cudaMemsetAsync(dk, 0, int64_t(M)*Hk*Sk*64*sizeof(float));
@@ -140,8 +145,8 @@ int fah_dkdv(int variant, const void * Qb, const void * Kb, const void * Vb, con
             constexpr size_t smem = fab_smem_mma(64, true, true);
             err = fah_smem(fa_back_mma_dkdv<64, true, true>, smem);
             if (err == cudaSuccess) {
-                fa_back_mma_dkdv<64, true, true><<<dim3(Hk*hparts, Sk, (M + FAB_B - 1)/FAB_B), FAB_NT, smem>>>(Qb, Kb,
-                    Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk, S, Sk, scale, hparts, rh_fd);
+                fa_back_mma_dkdv<64, true, true><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N,
+                    M, H, Hk, S, Sk, scale, hparts, rh_fd, kbm);
             }
             break;
         }
@@ -149,8 +154,8 @@ int fah_dkdv(int variant, const void * Qb, const void * Kb, const void * Vb, con
             constexpr size_t smem = fab_smem_dkdv2(64);
             err = fah_smem(fa_back_mma_dkdv2<64>, smem);
             if (err == cudaSuccess) {
-                fa_back_mma_dkdv2<64><<<dim3(Hk*hparts, Sk, (M + FAB_B2 - 1)/FAB_B2), FAB_NT, smem>>>(Qb, Kb, Vb, dOb,
-                    m, dq, dk, dv, lse, dsum, N, M, H, Hk, S, Sk, scale, hparts, rh_fd);
+                fa_back_mma_dkdv2<64><<<grid2, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk,
+                    S, Sk, scale, hparts, rh_fd, kbm);
             }
             break;
         }
@@ -158,8 +163,8 @@ int fah_dkdv(int variant, const void * Qb, const void * Kb, const void * Vb, con
             constexpr size_t smem = fab_smem_mma(64, true, false);
             err = fah_smem(fa_back_mma_dkdv<64, true, false>, smem);
             if (err == cudaSuccess) {
-                fa_back_mma_dkdv<64, true, false><<<dim3(Hk*hparts, Sk, (M + FAB_B - 1)/FAB_B), FAB_NT, smem>>>(Qb,
-                    Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk, S, Sk, scale, hparts, rh_fd);
+                fa_back_mma_dkdv<64, true, false><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N,
+                    M, H, Hk, S, Sk, scale, hparts, rh_fd, kbm);
             }
             break;
         }
@@ -173,13 +178,16 @@ int fah_dkdv(int variant, const void * Qb, const void * Kb, const void * Vb, con
 
 // the dK/dV kernel with its dQ at head size D (dq zeroed first; dk and dv too where hparts > 1): variant 0:
 // fa_back_mma_dkdv<D, true, true> (mma.sync, 64 keys a block, 16 a warp, as ggml-cuda runs it at D = 128); 3:
-// fa_back_wgmma_dkdv<D> (sm_90a: the block's 4 warps as one warpgroup)
+// fa_back_wgmma_dkdv<D> (sm_90a: the block's 4 warps as one warpgroup); 10 + v: variant v with its blocks dispatched
+// the key blocks fastest (fab_grid_kv's kb_major)
 template <int D>
 static cudaError_t fah_dkdv_d(int variant, const void * Qb, const void * Kb, const void * Vb, const void * dOb,
         const fab_mask & m, float * dq, float * dk, float * dv, const float * lse, const float * dsum, int N, int M,
         int H, int Hk, int S, int Sk, float scale, int hparts) {
     const uint3 rh_fd = init_fastdiv_values(H/(Hk*hparts));
-    const dim3 grid(Hk*hparts, Sk, (M + FAB_B - 1)/FAB_B);
+    const bool kbm = variant >= 10;
+    variant %= 10;
+    const dim3 grid = fab_grid_kv(Hk*hparts, Sk, (M + FAB_B - 1)/FAB_B, kbm);
     cudaError_t err = cudaMemsetAsync(dq, 0, int64_t(N)*H*S*D*sizeof(float));
     if (err == cudaSuccess && hparts > 1) {
         err = cudaMemsetAsync(dk, 0, int64_t(M)*Hk*Sk*D*sizeof(float));
@@ -195,21 +203,21 @@ static cudaError_t fah_dkdv_d(int variant, const void * Qb, const void * Kb, con
         err = fah_smem(fa_back_mma_dkdv<D, true, true>, smem);
         if (err == cudaSuccess) {
             fa_back_mma_dkdv<D, true, true><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H,
-                Hk, S, Sk, scale, hparts, rh_fd);
+                Hk, S, Sk, scale, hparts, rh_fd, kbm);
         }
     } else if (variant == 3) {
         constexpr size_t smem = fab_smem_dkdv_wgmma(D);
         err = fah_smem(fa_back_wgmma_dkdv<D>, smem);
         if (err == cudaSuccess) {
             fa_back_wgmma_dkdv<D><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk, S,
-                Sk, scale, hparts, rh_fd);
+                Sk, scale, hparts, rh_fd, kbm);
         }
     } else if (variant == 4) { // variant 3 with dQ added by the TMA unit's bulk reductions (BULK_DQ)
         constexpr size_t smem = fab_smem_dkdv_wgmma(D);
         err = fah_smem(fa_back_wgmma_dkdv<D, true>, smem);
         if (err == cudaSuccess) {
             fa_back_wgmma_dkdv<D, true><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk,
-                S, Sk, scale, hparts, rh_fd);
+                S, Sk, scale, hparts, rh_fd, kbm);
         }
     } else {
         return cudaErrorInvalidValue;

@@ -165,7 +165,7 @@ class Case:
                 self.lse.data_ptr(),
                 self.dsum.data_ptr(),
                 *self._shape_args(),
-                self.H // self.Hk if variant != 2 else 1,
+                self.H // self.Hk if variant % 10 != 2 else 1,
             ),
             f"fah_dkdv({variant})",
         )
@@ -322,9 +322,10 @@ def forward_main(lib, a) -> int:
 
 
 def backward_main(lib, a) -> int:
-    """--backward: the dK/dV kernels with dQ (fah_dkdv_d: 0 mma.sync, 3 wgmma) at D = 64 and 128 against float64 (dQ,
-    dK, dV), then timed beside SDPA's flash backward (its forward + backward less its forward) at the 1B, 8B and 70B
-    heads, batch 1, causal; at D = 64 also patch 0088's kernel (fah_dkdv 1, ggml-cuda's default there)."""
+    """--backward: the dK/dV kernels with dQ (fah_dkdv_d: 0 mma.sync, 3 wgmma; 10 and 13 the same with the key blocks
+    dispatched fastest, GGML_CUDA_FA_BACK_KB_MAJOR=1) at D = 64 and 128 against float64 (dQ, dK, dV), then timed beside
+    SDPA's flash backward (its forward + backward less its forward) at the 1B, 8B and 70B heads, --batch sequences,
+    causal; at D = 64 also patch 0088's kernel (fah_dkdv 1, ggml-cuda's default there, and 11)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     report = {"device": torch.cuda.get_device_name(), "checks": [], "timing": []}
@@ -335,17 +336,22 @@ def backward_main(lib, a) -> int:
         for S, H, Hk, N, M, kind in CHECKS:
             c = Case(lib, S, H, Hk, N, M, kind, seed=N + M, d=d)
             _, dq_r, dk_r, dv_r = c.reference()
-            for var in (0, 3):
+            for var in (0, 3, 10, 13):
                 got = c.backward_d(var)
                 errors = dict(zip(("dQ", "dK", "dV"), (nmse(x, r) for x, r in zip(got, (dq_r, dk_r, dv_r)))))
                 failed += record_check(report, d, f"{S}x{H}({Hk})x{N}x{M} {kind}", var, errors)
             c = None
             torch.cuda.empty_cache()
-    print("\n| heads (kv) x D | ctx | SDPA flash bwd ms | mma.sync ms | wgmma ms | TFLOP/s SDPA / mma / wgmma |")
+    print(
+        f"\n{a.batch} sequence(s); kb: the key blocks dispatched fastest\n"
+        "| heads (kv) x D | ctx | SDPA flash bwd ms | mma.sync ms | wgmma ms | mma.sync kb ms | wgmma kb ms | "
+        "TFLOP/s SDPA / mma / wgmma / mma kb / wgmma kb |"
+    )
+    variants = (0, 3, 10, 13)
     for H, Hk, d in ((32, 8, 64), (32, 8, 128), (64, 8, 128)):
         for N in [int(x) for x in a.ctx.split(",")]:
-            c = Case(lib, 1, H, Hk, N, N, "causal", seed=1, d=d)
-            row = {"H": H, "Hk": Hk, "D": d, "ctx": N}
+            c = Case(lib, a.batch, H, Hk, N, N, "causal", seed=1, d=d)
+            row = {"H": H, "Hk": Hk, "D": d, "ctx": N, "batch": a.batch}
             q, k, v, do = (x.detach().requires_grad_() for x in (c.q, c.k, c.v, c.do))
 
             def fwd(q=q, k=k, v=v):
@@ -355,26 +361,29 @@ def backward_main(lib, a) -> int:
                 f = time_ms(fwd, a.reps)
                 fb = time_ms(lambda fwd=fwd, do=do: fwd().backward(do), a.reps)
             row["sdpa_flash_bwd_ms"] = fb - f
-            bufs = [torch.empty(1, x, N, d, device="cuda") for x in (H, Hk, Hk)]
+            bufs = [torch.empty(a.batch, x, N, d, device="cuda") for x in (H, Hk, Hk)]
             base = None
-            for var in (0, 3):
+            for var in variants:
                 row[f"v{var}_ms"] = time_ms(lambda c=c, var=var, bufs=bufs: c.backward_d(var, bufs), a.reps)
                 got = [x.clone() for x in c.backward_d(var, bufs)]
                 base = base or got
                 row[f"v{var}_nmse_vs_v0"] = [nmse(x, y) for x, y in zip(got, base)]
-            if d == 64:  # patch 0088's 128-key kernel, ggml-cuda's default at D = 64
-                dq, dk, dv = (torch.empty(1, x, N, 64, device="cuda") for x in (H, Hk, Hk))
-                row["v0088_ms"] = time_ms(lambda c=c, b=(dq, dk, dv): c.run_backward(1, *b), a.reps)
-            flops = 2.5 * 4 * N * N * d * H / 2
-            tf = [flops / row[k] / 1e9 for k in ("sdpa_flash_bwd_ms", "v0_ms", "v3_ms")]
+            extra = ""
+            if d == 64:  # patch 0088's 128-key kernel, ggml-cuda's default at D = 64 (and kb: 11)
+                dq, dk, dv = (torch.empty(a.batch, x, N, 64, device="cuda") for x in (H, Hk, Hk))
+                for var in (1, 11):
+                    row[f"v0088_{var}_ms"] = time_ms(lambda c=c, b=(dq, dk, dv), v=var: c.run_backward(v, *b), a.reps)
+                extra = f" | 0088: {row['v0088_1_ms']:.3f}, kb {row['v0088_11_ms']:.3f}"
+            flops = 2.5 * 4 * N * N * d * H / 2 * a.batch
+            tf = [flops / row[k] / 1e9 for k in ["sdpa_flash_bwd_ms"] + [f"v{v}_ms" for v in variants]]
             row["tflops"] = tf
             report["timing"].append(row)
-            extra = f" | 0088: {row['v0088_ms']:.3f}" if d == 64 else ""
             print(
-                f"| {H} ({Hk}) x {d} | {N} | {row['sdpa_flash_bwd_ms']:.3f} | {row['v0_ms']:.3f} | "
-                + f"{row['v3_ms']:.3f} | "
+                f"| {H} ({Hk}) x {d} | {N} | {row['sdpa_flash_bwd_ms']:.3f} | "
+                + " | ".join(f"{row[f'v{v}_ms']:.3f}" for v in variants)
+                + " | "
                 + " / ".join(f"{x:.0f}" for x in tf)
-                + f" |{extra} nmse {row['v3_nmse_vs_v0']}",
+                + f" |{extra} nmse vs v0 {[row[f'v{v}_nmse_vs_v0'] for v in variants[1:]]}",
                 flush=True,
             )
             c = q = k = v = do = bufs = base = None
@@ -391,6 +400,7 @@ def main() -> int:
     ap.add_argument("--so", default="/tmp/fa_harness.so")
     ap.add_argument("--variants", default="0,1,2", help="fah_dkdv's variants (fa_harness.cu)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=1, help="--backward: sequences in the timed cases")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     lib = build(a.ggml, a.so)
