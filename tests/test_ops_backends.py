@@ -487,34 +487,38 @@ def test_gpu_flash_attention_backward_with_bulk_dq(device, tmp_path):
 
 
 @pytest.mark.parametrize("device", [g for g in GPUS if g.startswith("CUDA")] or ["CUDA0"])
-def test_gpu_flash_attention_backward_with_key_blocks_dispatched_fastest(device, tmp_path):
-    """Patch 0106 (CUDA): GGML_CUDA_FA_BACK_KB_MAJOR=1 dispatches the training backward's dK/dV blocks with the key
-    blocks fastest (fab_grid_kv: grid (key blocks, heads, sequences), each block its indices back from it), so that
-    the blocks running at once share their Q, dO and dQ tiles through the L2 cache, and says so once at INFO; off by
-    default. Each run its own process, at head sizes 64 and 128 (two sequences of 300 rows, grouped-query heads, a
-    last block of 44 keys, causal): with the default kernels (fa_back_mma_dkdv2 at 64; at 128 fa_back_wgmma_dkdv on
-    Hopper, else fa_back_mma_dkdv), with GGML_CUDA_FA_BACK_WGMMA=0 (fa_back_mma_dkdv at 128 on Hopper too), dq, dk,
-    dv within 1e-10 NMSE of the same kernels' in the heads-fastest order (dQ, and dK and dV of the query heads, added
-    by atomics in whatever order the blocks reach them: F32 rounding, ~1e-14); with GGML_CUDA_FA_BACK_DETERMINISTIC=1
-    (no atomics: dQ summed by its own kernel, a block per K/V head writes its dK and dV) equal bit for bit.
-    test_gpu_flash_attention_gradients_match_cpu checks the default order's against the CPU."""
+def test_gpu_flash_attention_backward_with_its_blocks_in_chunks_of_key_blocks(device, tmp_path):
+    """Patch 0106 (CUDA): GGML_CUDA_FA_BACK_KB_CHUNK=C dispatches the training backward's dK/dV blocks in chunks of C
+    key blocks (a 1D grid: the heads fastest across chunks, the key blocks within one; each block decodes its head,
+    sequence and key block from its place, fab_kv_block), so that the blocks running at once share their Q, dO and
+    dQ tiles through the L2 cache, and says so once at INFO; unset or 0: the heads-fastest 3D grid, the default. Each
+    run its own process, at head sizes 64 and 128 (two sequences of 300 rows: 5 blocks of 64 keys, 3 of 128, grouped-
+    query heads, a last block of 44 keys, causal), C = 2 (a shorter last chunk) and "auto" (max(8, key blocks / 8):
+    here every key block of a head before the next): with the default kernels (fa_back_mma_dkdv2 at 64; at 128
+    fa_back_wgmma_dkdv on Hopper, else fa_back_mma_dkdv), with GGML_CUDA_FA_BACK_WGMMA=0 (fa_back_mma_dkdv at 128 on
+    Hopper too), dq, dk, dv within 1e-10 NMSE of the same kernels' in the heads-fastest order (dQ, and dK and dV of
+    the query heads, added by atomics in whatever order the blocks reach them: F32 rounding, ~1e-14); with
+    GGML_CUDA_FA_BACK_DETERMINISTIC=1 (no atomics: dQ summed by its own kernel, a block per K/V head writes its dK and
+    dV) equal bit for bit: a block that decoded a wrong key block or head, or two blocks the same one, would write
+    wrong or missing rows. test_gpu_flash_attention_gradients_match_cpu checks the default order's against the CPU."""
     base = {"default": {}, "mma": {"GGML_CUDA_FA_BACK_WGMMA": "0"}, "det": {"GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}}
-    envs = {}
-    for name, env in base.items():
-        envs[name] = {**env, "GGML_CUDA_FA_BACK_KB_MAJOR": "0"}
-        envs["kb-" + name] = {**env, "GGML_CUDA_FA_BACK_KB_MAJOR": "1"}
+    envs = {
+        f"{name}/{c}": {**env, "GGML_CUDA_FA_BACK_KB_CHUNK": c}
+        for name, env in base.items()
+        for c in ("0", "2", "auto")
+    }
     grads, err = _hopper_runs(device, tmp_path, _FA_BACK_RUN, 6, envs, hopper=False)
-    line = "dK/dV blocks dispatched with the key blocks fastest"
-    logged = {name: err[name].count(line) for name in envs}
-    assert logged == {name: int(name.startswith("kb-")) for name in envs}, logged
+    logged = {name: err[name].count("dK/dV blocks dispatched in chunks of") for name in envs}
+    assert logged == {name: int(not name.endswith("/0")) for name in envs}, logged
     for name in base:
-        for i, (kb, heads) in enumerate(zip(grads["kb-" + name], grads[name])):
-            what = name, ("dq", "dk", "dv")[i % 3], (64, 128)[i // 3]
-            assert kb.shape == heads.shape and np.isfinite(kb).all(), what
-            if name == "det":
-                np.testing.assert_array_equal(kb, heads, err_msg=str(what))
-            else:
-                assert ops.nmse(kb, heads) < 1e-10, (what, ops.nmse(kb, heads))
+        for c in ("2", "auto"):
+            for i, (got, heads) in enumerate(zip(grads[f"{name}/{c}"], grads[f"{name}/0"])):
+                what = name, c, ("dq", "dk", "dv")[i % 3], (64, 128)[i // 3]
+                assert got.shape == heads.shape and np.isfinite(got).all(), what
+                if name == "det":
+                    np.testing.assert_array_equal(got, heads, err_msg=str(what))
+                else:
+                    assert ops.nmse(got, heads) < 1e-10, (what, ops.nmse(got, heads))
 
 
 @pytest.mark.parametrize("device", GPUS)

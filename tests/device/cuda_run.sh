@@ -71,8 +71,8 @@
 # pending: (carry .device/llama.cpp.tar.xz, whl, tokenizer.gguf, .device-s, .device-t; LB_NO_TOOLS=1) what the
 #         2026-12-06 lease left for a GPU, in one build: GRPO's TRL parity on CUDA (TF32 and BF16), patch 0105's Q6_K
 #         kernel in the q6_K QLoRA tests, the 8B Q4_K_M QLoRA step's kernels without and with it.
-# kbmajor: (after pending, warm) patch 0106's dK/dV blocks with the key blocks fastest (GGML_CUDA_FA_BACK_KB_MAJOR=1):
-#         its test, fa_harness --backward in both orders against SDPA, the 1B 16k and 8B 2048 x 4 steps' kernels.
+# kbchunk: (after pending, warm) patch 0106's dK/dV blocks in chunks of key blocks (GGML_CUDA_FA_BACK_KB_CHUNK): its
+#         test, fa_harness --backward in each order against SDPA, the 1B 16k and 8B 2048 x 4 steps' kernels.
 # bulkdq: (after profiles, warm) GGML_CUDA_FA_BACK_BULK_DQ=1 against the defaults in 1B 16k and 8B 8k training steps.
 # profiles: (after pending, warm) fa_harness's BULK_DQ variant (issue 84), bench/kernel_times.py --trace and
 #         bench/train_profile.py on the 8B QLoRA step (issue 88) and the 1B at 16k (issue 84), the CLI example on the
@@ -90,7 +90,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/llamabind-out}
 mkdir -p "$OUT"
-phase=${1:?phase: pending, kbmajor, profiles, bulkdq, amx, qlora88, ddp87, grpo85, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
+phase=${1:?phase: pending, kbchunk, profiles, bulkdq, amx, qlora88, ddp87, grpo85, pref83b, pack84, chunk84, wgmma84, attn84, pref83, pref58, fa56, fa56ncu, fa67ab, fa69, fa69tests, fa56kernels, fa56profile, train42, train42b, train42c, multimodal, qlora, qlora1b, ctx, vulkanqlora, ops, models, train, trainbench, rss, cost, leak, build, opsarrays, server, e2e, vulkan or bench}
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS=/tmp/lb-models
@@ -308,26 +308,26 @@ pending)
   done
   wait; ls -la $MODELS; echo "pending took $SECONDS s"
   ;;
-kbmajor)
+kbchunk)
   # (after pending, warm: its build and models; LB_NO_TOOLS=1) issue 84, patch 0106: the training backward's dK/dV blocks
-  # dispatched with the key blocks fastest (GGML_CUDA_FA_BACK_KB_MAJOR=1) against the heads-fastest order: its CUDA
-  # test, fa_harness --backward (variants 0/3 and 10/13 against float64 and timed beside SDPA's flash backward at 8k-32k;
-  # LB_KB_CTX), then the training steps' kernels: the 1B full fine-tune at 16,384 x 1 and the 8B QLoRA r16 all-linear at
-  # 2048 x 4 (bench/kernel_times.py --trace), each order in its own process
+  # dispatched in chunks of key blocks (GGML_CUDA_FA_BACK_KB_CHUNK) against the heads-fastest order: its CUDA test,
+  # fa_harness --backward (each order against float64, then timed beside SDPA's flash backward; LB_KB_CTX, LB_KB_CHUNKS),
+  # then the training steps' kernels in each order of LB_KB_STEPS (default 0 and auto): the 1B full fine-tune at 16,384 x 1
+  # and the 8B QLoRA r16 all-linear at 2048 x 4 (bench/kernel_times.py --trace), each run its own process
   LLAMABIND_TEST_BACKEND=cuda LLAMABIND_REQUIRE_GPU=1 timeout 100 python3 -m pytest tests/test_ops_backends.py \
-    $PYTEST_ARGS -k "key_blocks_dispatched_fastest or flash_attention_gradients_match_cpu" 2>&1 | tail -5 \
-    | tee "$OUT/kbmajor-test.txt"
-  timeout 200 python3 tests/device/fa_harness.py --backward --reps 10 --ctx ${LB_KB_CTX:-8192,16384,32768} 2>&1 \
-    | tail -40 | tee "$OUT/harness-kbmajor.txt"
-  for kb in 0 1; do
-    [ -f $MODELS/llama-1b-f32.gguf ] && GGML_CUDA_FA_BACK_KB_MAJOR=$kb timeout 100 python3 bench/kernel_times.py \
+    $PYTEST_ARGS -k "in_chunks_of_key_blocks or flash_attention_gradients_match_cpu" 2>&1 | tail -5 \
+    | tee "$OUT/kbchunk-test.txt"
+  timeout 220 python3 tests/device/fa_harness.py --backward --reps 10 --ctx ${LB_KB_CTX:-8192,16384,32768} \
+    --chunks ${LB_KB_CHUNKS:-0,16,auto,max} 2>&1 | tail -40 | tee "$OUT/harness-kbchunk.txt"
+  for kc in ${LB_KB_STEPS:-0 auto}; do
+    [ -f $MODELS/llama-1b-f32.gguf ] && GGML_CUDA_FA_BACK_KB_CHUNK=$kc timeout 100 python3 bench/kernel_times.py \
       --model $MODELS/llama-1b-f32.gguf --mode bf16 --ctx 16384 --batch 1 --steps 3 --trace /tmp/trace-k.json \
-      --out "$OUT/kb$kb-1b-16k.json" 2>&1 | grep -E "step_ms|^\| (flash|matrix|element)" | tee -a "$OUT/kbmajor.txt"
-    [ -f $F8.done ] && GGML_CUDA_FA_BACK_KB_MAJOR=$kb timeout 100 python3 bench/kernel_times.py --model $F8 --mode qlora \
+      --out "$OUT/kc$kc-1b-16k.json" 2>&1 | grep -E "step_ms|^\| (flash|matrix|element)" | tee -a "$OUT/kbchunk.txt"
+    [ -f $F8.done ] && GGML_CUDA_FA_BACK_KB_CHUNK=$kc timeout 100 python3 bench/kernel_times.py --model $F8 --mode qlora \
       --lora-rank 16 --lora-targets all --ctx 2048 --batch 4 --steps 3 --trace /tmp/trace-k.json \
-      --out "$OUT/kb$kb-8b.json" 2>&1 | grep -E "step_ms|^\| (flash|matrix|element)" | tee -a "$OUT/kbmajor.txt"
+      --out "$OUT/kc$kc-8b.json" 2>&1 | grep -E "step_ms|^\| (flash|matrix|element)" | tee -a "$OUT/kbchunk.txt"
   done
-  echo "kbmajor took $SECONDS s"
+  echo "kbchunk took $SECONDS s"
   ;;
 bulkdq)
   # (after profiles, warm: its models) issue 84: GGML_CUDA_FA_BACK_BULK_DQ=1 (patch 0100's dK/dV kernel with dQ by bulk

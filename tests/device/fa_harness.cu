@@ -119,17 +119,20 @@ int fah_fwd(int variant, int D, const void * Qb, const void * Kb, const void * V
 
 // the dK/dV kernel at D = 64 with its dQ (dq zeroed first; dk and dv too where hparts > 1, as fa_back_launch does):
 // variant 0: fa_back_mma_dkdv<64, true, true> (64 keys a block, 16 a warp); 1: fa_back_mma_dkdv2<64> (128 keys a
-// block, 32 a warp); 2: fa_back_mma_dkdv<64, true, false> (no dQ: what dQ costs; hparts must be 1); 10 + v: variant v
-// with its blocks dispatched the key blocks fastest (fab_grid_kv's kb_major, GGML_CUDA_FA_BACK_KB_MAJOR=1)
+// block, 32 a warp); 2: fa_back_mma_dkdv<64, true, false> (no dQ: what dQ costs; hparts must be 1); kb_chunk > 0: the
+// blocks dispatched in chunks of kb_chunk key blocks (fab_kv_chunk, GGML_CUDA_FA_BACK_KB_CHUNK)
 int fah_dkdv(int variant, const void * Qb, const void * Kb, const void * Vb, const void * dOb, const void * mask,
         int64_t nb1, int64_t nb2, int64_t nb3, int ne2, int ne3, const void * tiles, float * dq, float * dk, float * dv,
-        const float * lse, const float * dsum, int N, int M, int H, int Hk, int S, int Sk, float scale, int hparts) {
+        const float * lse, const float * dsum, int N, int M, int H, int Hk, int S, int Sk, float scale, int hparts,
+        int kb_chunk) {
     const fab_mask m = fah_mask(mask, nb1, nb2, nb3, ne2, ne3, tiles, N, M);
     const uint3 rh_fd = init_fastdiv_values(H/(Hk*hparts));
-    const bool kbm = variant >= 10;
-    variant %= 10;
-    const dim3 grid  = fab_grid_kv(Hk*hparts, Sk, (M + FAB_B - 1)/FAB_B, kbm);
-    const dim3 grid2 = fab_grid_kv(Hk*hparts, Sk, (M + FAB_B2 - 1)/FAB_B2, kbm);
+    const int nkb  = (M + FAB_B - 1)/FAB_B;
+    const int nkb2 = (M + FAB_B2 - 1)/FAB_B2;
+    const int kc   = fab_kv_chunk(kb_chunk, Hk*hparts, Sk, nkb);
+    const int kc2  = fab_kv_chunk(kb_chunk, Hk*hparts, Sk, nkb2);
+    const dim3 grid  = fab_grid_kv(Hk*hparts, Sk, nkb, kc);
+    const dim3 grid2 = fab_grid_kv(Hk*hparts, Sk, nkb2, kc2);
     cudaError_t err = cudaMemsetAsync(dq, 0, int64_t(N)*H*S*64*sizeof(float));
     if (err == cudaSuccess && hparts > 1) {
         err = cudaMemsetAsync(dk, 0, int64_t(M)*Hk*Sk*64*sizeof(float));
@@ -146,7 +149,7 @@ int fah_dkdv(int variant, const void * Qb, const void * Kb, const void * Vb, con
             err = fah_smem(fa_back_mma_dkdv<64, true, true>, smem);
             if (err == cudaSuccess) {
                 fa_back_mma_dkdv<64, true, true><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N,
-                    M, H, Hk, S, Sk, scale, hparts, rh_fd, kbm);
+                    M, H, Hk, S, Sk, scale, hparts, rh_fd, kc);
             }
             break;
         }
@@ -155,7 +158,7 @@ int fah_dkdv(int variant, const void * Qb, const void * Kb, const void * Vb, con
             err = fah_smem(fa_back_mma_dkdv2<64>, smem);
             if (err == cudaSuccess) {
                 fa_back_mma_dkdv2<64><<<grid2, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk,
-                    S, Sk, scale, hparts, rh_fd, kbm);
+                    S, Sk, scale, hparts, rh_fd, kc2);
             }
             break;
         }
@@ -164,7 +167,7 @@ int fah_dkdv(int variant, const void * Qb, const void * Kb, const void * Vb, con
             err = fah_smem(fa_back_mma_dkdv<64, true, false>, smem);
             if (err == cudaSuccess) {
                 fa_back_mma_dkdv<64, true, false><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N,
-                    M, H, Hk, S, Sk, scale, hparts, rh_fd, kbm);
+                    M, H, Hk, S, Sk, scale, hparts, rh_fd, kc);
             }
             break;
         }
@@ -178,16 +181,14 @@ int fah_dkdv(int variant, const void * Qb, const void * Kb, const void * Vb, con
 
 // the dK/dV kernel with its dQ at head size D (dq zeroed first; dk and dv too where hparts > 1): variant 0:
 // fa_back_mma_dkdv<D, true, true> (mma.sync, 64 keys a block, 16 a warp, as ggml-cuda runs it at D = 128); 3:
-// fa_back_wgmma_dkdv<D> (sm_90a: the block's 4 warps as one warpgroup); 10 + v: variant v with its blocks dispatched
-// the key blocks fastest (fab_grid_kv's kb_major)
+// fa_back_wgmma_dkdv<D> (sm_90a: the block's 4 warps as one warpgroup); kb_chunk as fah_dkdv's
 template <int D>
 static cudaError_t fah_dkdv_d(int variant, const void * Qb, const void * Kb, const void * Vb, const void * dOb,
         const fab_mask & m, float * dq, float * dk, float * dv, const float * lse, const float * dsum, int N, int M,
-        int H, int Hk, int S, int Sk, float scale, int hparts) {
+        int H, int Hk, int S, int Sk, float scale, int hparts, int kb_chunk) {
     const uint3 rh_fd = init_fastdiv_values(H/(Hk*hparts));
-    const bool kbm = variant >= 10;
-    variant %= 10;
-    const dim3 grid = fab_grid_kv(Hk*hparts, Sk, (M + FAB_B - 1)/FAB_B, kbm);
+    const int kc = fab_kv_chunk(kb_chunk, Hk*hparts, Sk, (M + FAB_B - 1)/FAB_B);
+    const dim3 grid = fab_grid_kv(Hk*hparts, Sk, (M + FAB_B - 1)/FAB_B, kc);
     cudaError_t err = cudaMemsetAsync(dq, 0, int64_t(N)*H*S*D*sizeof(float));
     if (err == cudaSuccess && hparts > 1) {
         err = cudaMemsetAsync(dk, 0, int64_t(M)*Hk*Sk*D*sizeof(float));
@@ -203,21 +204,21 @@ static cudaError_t fah_dkdv_d(int variant, const void * Qb, const void * Kb, con
         err = fah_smem(fa_back_mma_dkdv<D, true, true>, smem);
         if (err == cudaSuccess) {
             fa_back_mma_dkdv<D, true, true><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H,
-                Hk, S, Sk, scale, hparts, rh_fd, kbm);
+                Hk, S, Sk, scale, hparts, rh_fd, kc);
         }
     } else if (variant == 3) {
         constexpr size_t smem = fab_smem_dkdv_wgmma(D);
         err = fah_smem(fa_back_wgmma_dkdv<D>, smem);
         if (err == cudaSuccess) {
             fa_back_wgmma_dkdv<D><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk, S,
-                Sk, scale, hparts, rh_fd, kbm);
+                Sk, scale, hparts, rh_fd, kc);
         }
     } else if (variant == 4) { // variant 3 with dQ added by the TMA unit's bulk reductions (BULK_DQ)
         constexpr size_t smem = fab_smem_dkdv_wgmma(D);
         err = fah_smem(fa_back_wgmma_dkdv<D, true>, smem);
         if (err == cudaSuccess) {
             fa_back_wgmma_dkdv<D, true><<<grid, FAB_NT, smem>>>(Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk,
-                S, Sk, scale, hparts, rh_fd, kbm);
+                S, Sk, scale, hparts, rh_fd, kc);
         }
     } else {
         return cudaErrorInvalidValue;
@@ -230,13 +231,13 @@ extern "C" {
 int fah_dkdv_d(int variant, int D, const void * Qb, const void * Kb, const void * Vb, const void * dOb,
         const void * mask, int64_t nb1, int64_t nb2, int64_t nb3, int ne2, int ne3, const void * tiles, float * dq,
         float * dk, float * dv, const float * lse, const float * dsum, int N, int M, int H, int Hk, int S, int Sk,
-        float scale, int hparts) {
+        float scale, int hparts, int kb_chunk) {
     const fab_mask m = fah_mask(mask, nb1, nb2, nb3, ne2, ne3, tiles, N, M);
     switch (D) {
         case 64:  return fah_dkdv_d<64>(variant, Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk, S, Sk, scale,
-                      hparts);
+                      hparts, kb_chunk);
         case 128: return fah_dkdv_d<128>(variant, Qb, Kb, Vb, dOb, m, dq, dk, dv, lse, dsum, N, M, H, Hk, S, Sk, scale,
-                      hparts);
+                      hparts, kb_chunk);
         default:  return cudaErrorInvalidValue;
     }
 }

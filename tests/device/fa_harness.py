@@ -57,8 +57,8 @@ def build(ggml: str, out: str) -> ctypes.CDLL:
     P, N, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float  # pointer, int, int64, float
     lib.fah_tiles.argtypes = [P, P, N, N, L, L, L, N, N]
     lib.fah_fwd.argtypes = [N, N, P, P, P, P, L, L, L, N, N, P, P, P, N, N, N, N, N, N, F]
-    lib.fah_dkdv.argtypes = [N, P, P, P, P, P, L, L, L, N, N, P, P, P, P, P, P, N, N, N, N, N, N, F, N]
-    lib.fah_dkdv_d.argtypes = [N, N, P, P, P, P, P, L, L, L, N, N, P, P, P, P, P, P, N, N, N, N, N, N, F, N]
+    lib.fah_dkdv.argtypes = [N, P, P, P, P, P, L, L, L, N, N, P, P, P, P, P, P, N, N, N, N, N, N, F, N, N]
+    lib.fah_dkdv_d.argtypes = [N, N, P, P, P, P, P, L, L, L, N, N, P, P, P, P, P, P, N, N, N, N, N, N, F, N, N]
     return lib
 
 
@@ -150,7 +150,7 @@ class Case:
         self.run_backward(variant, dq, dk, dv)
         return dq, dk, dv
 
-    def run_backward(self, variant, dq, dk, dv):
+    def run_backward(self, variant, dq, dk, dv, chunk=0):
         check(
             self.lib.fah_dkdv(
                 variant,
@@ -165,14 +165,16 @@ class Case:
                 self.lse.data_ptr(),
                 self.dsum.data_ptr(),
                 *self._shape_args(),
-                self.H // self.Hk if variant % 10 != 2 else 1,
+                self.H // self.Hk if variant != 2 else 1,
+                chunk,
             ),
-            f"fah_dkdv({variant})",
+            f"fah_dkdv({variant}, chunk {chunk})",
         )
 
-    def backward_d(self, variant: int, bufs=None):
+    def backward_d(self, variant: int, bufs=None, chunk: int = 0):
         """dq, dk, dv by fah_dkdv_d (0: fa_back_mma_dkdv<D, true, true>, 3: fa_back_wgmma_dkdv<D>) at this case's D, a
-        block per query head (hparts = H / Hk, as ggml-cuda runs it)."""
+        block per query head (hparts = H / Hk, as ggml-cuda runs it); chunk > 0: the blocks dispatched in chunks of
+        that many key blocks (GGML_CUDA_FA_BACK_KB_CHUNK), else the heads fastest."""
         S, H, Hk, N, M, d = self.S, self.H, self.Hk, self.N, self.M, self.d
         if bufs is None:
             bufs = [torch.full((S, x, n, d), float("nan"), device="cuda") for x, n in ((H, N), (Hk, M), (Hk, M))]
@@ -191,8 +193,9 @@ class Case:
                 self.dsum.data_ptr(),
                 *self._shape_args(),
                 H // Hk,
+                chunk,
             ),
-            f"fah_dkdv_d({variant}, {d})",
+            f"fah_dkdv_d({variant}, {d}, chunk {chunk})",
         )
         return dq, dk, dv
 
@@ -242,7 +245,7 @@ CHECKS = [  # S, H, Hk, N, M, mask
 ]
 
 
-def record_check(report: dict, d: int, name: str, variant: int, errors: dict) -> int:
+def record_check(report: dict, d: int, name: str, variant: int | str, errors: dict) -> int:
     """One row of a --forward / --backward check (each NMSE against float64 under NMSE_LIMIT) into report and the
     table; 1 if it failed."""
     bad = [k for k, x in errors.items() if not x < NMSE_LIMIT]
@@ -322,32 +325,35 @@ def forward_main(lib, a) -> int:
 
 
 def backward_main(lib, a) -> int:
-    """--backward: the dK/dV kernels with dQ (fah_dkdv_d: 0 mma.sync, 3 wgmma; 10 and 13 the same with the key blocks
-    dispatched fastest, GGML_CUDA_FA_BACK_KB_MAJOR=1) at D = 64 and 128 against float64 (dQ, dK, dV), then timed beside
-    SDPA's flash backward (its forward + backward less its forward) at the 1B, 8B and 70B heads, --batch sequences,
-    causal; at D = 64 also patch 0088's kernel (fah_dkdv 1, ggml-cuda's default there, and 11)."""
+    """--backward: the dK/dV kernels with dQ (fah_dkdv_d: 0 mma.sync, 3 wgmma) at D = 64 and 128, their blocks
+    dispatched the heads fastest (chunk 0) and in chunks of 3 and of all key blocks (GGML_CUDA_FA_BACK_KB_CHUNK),
+    against float64 (dQ, dK, dV); then timed beside SDPA's flash backward (its forward + backward less its forward)
+    at the 1B, 8B and 70B heads, --batch sequences, causal, in each order of --chunks ("max": every key block of a
+    head before the next; "auto": max(8, key blocks / 8)); at D = 64 also patch 0088's kernel (fah_dkdv 1,
+    ggml-cuda's default there)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     report = {"device": torch.cuda.get_device_name(), "checks": [], "timing": []}
     failed = 0
-    print("| D | case | variant | dQ | dK | dV |")
+    print("| D | case | variant, chunk | dQ | dK | dV |")
     print("|---|---|---|---|---|---|")
     for d in (64, 128):
         for S, H, Hk, N, M, kind in CHECKS:
             c = Case(lib, S, H, Hk, N, M, kind, seed=N + M, d=d)
             _, dq_r, dk_r, dv_r = c.reference()
-            for var in (0, 3, 10, 13):
-                got = c.backward_d(var)
-                errors = dict(zip(("dQ", "dK", "dV"), (nmse(x, r) for x, r in zip(got, (dq_r, dk_r, dv_r)))))
-                failed += record_check(report, d, f"{S}x{H}({Hk})x{N}x{M} {kind}", var, errors)
+            for var in (0, 3):
+                for chunk in (0, 3, 1 << 20):
+                    got = c.backward_d(var, chunk=chunk)
+                    errors = dict(zip(("dQ", "dK", "dV"), (nmse(x, r) for x, r in zip(got, (dq_r, dk_r, dv_r)))))
+                    failed += record_check(report, d, f"{S}x{H}({Hk})x{N}x{M} {kind}", f"{var}, {chunk}", errors)
             c = None
             torch.cuda.empty_cache()
-    print(
-        f"\n{a.batch} sequence(s); kb: the key blocks dispatched fastest\n"
-        "| heads (kv) x D | ctx | SDPA flash bwd ms | mma.sync ms | wgmma ms | mma.sync kb ms | wgmma kb ms | "
-        "TFLOP/s SDPA / mma / wgmma / mma kb / wgmma kb |"
-    )
-    variants = (0, 3, 10, 13)
+    chunks = [{"max": 1 << 20, "auto": -1}.get(x) or int(x) for x in a.chunks.split(",")]
+    label = {1 << 20: "max", -1: "auto"}
+    runs = [(v, ch) for v in (0, 3) for ch in chunks]  # (variant, chunk)
+    names = [f"{'mma' if v == 0 else 'wgmma'}/{label.get(ch, ch)}" for v, ch in runs]
+    print(f"\n{a.batch} sequence(s); ms of each (kernel / chunk), then TFLOP/s of SDPA and of each")
+    print("| heads (kv) x D | ctx | SDPA flash bwd | " + " | ".join(names) + " | TFLOP/s |")
     for H, Hk, d in ((32, 8, 64), (32, 8, 128), (64, 8, 128)):
         for N in [int(x) for x in a.ctx.split(",")]:
             c = Case(lib, a.batch, H, Hk, N, N, "causal", seed=1, d=d)
@@ -363,27 +369,30 @@ def backward_main(lib, a) -> int:
             row["sdpa_flash_bwd_ms"] = fb - f
             bufs = [torch.empty(a.batch, x, N, d, device="cuda") for x in (H, Hk, Hk)]
             base = None
-            for var in variants:
-                row[f"v{var}_ms"] = time_ms(lambda c=c, var=var, bufs=bufs: c.backward_d(var, bufs), a.reps)
-                got = [x.clone() for x in c.backward_d(var, bufs)]
+            for (var, ch), name in zip(runs, names):
+                fn = lambda c=c, var=var, bufs=bufs, ch=ch: c.backward_d(var, bufs, ch)  # noqa: E731
+                row[f"{name}_ms"] = time_ms(fn, a.reps)
+                got = [x.clone() for x in fn()]
                 base = base or got
-                row[f"v{var}_nmse_vs_v0"] = [nmse(x, y) for x, y in zip(got, base)]
+                row[f"{name}_nmse_vs_first"] = [nmse(x, y) for x, y in zip(got, base)]
             extra = ""
-            if d == 64:  # patch 0088's 128-key kernel, ggml-cuda's default at D = 64 (and kb: 11)
+            if d == 64:  # patch 0088's 128-key kernel, ggml-cuda's default at D = 64
                 dq, dk, dv = (torch.empty(a.batch, x, N, 64, device="cuda") for x in (H, Hk, Hk))
-                for var in (1, 11):
-                    row[f"v0088_{var}_ms"] = time_ms(lambda c=c, b=(dq, dk, dv), v=var: c.run_backward(v, *b), a.reps)
-                extra = f" | 0088: {row['v0088_1_ms']:.3f}, kb {row['v0088_11_ms']:.3f}"
+                for ch in chunks:
+                    fn = lambda c=c, b=(dq, dk, dv), ch=ch: c.run_backward(1, *b, chunk=ch)  # noqa: E731
+                    row[f"0088/{ch}_ms"] = time_ms(fn, a.reps)
+                extra = " | 0088: " + ", ".join(f"{ch}: {row[f'0088/{ch}_ms']:.3f}" for ch in chunks)
             flops = 2.5 * 4 * N * N * d * H / 2 * a.batch
-            tf = [flops / row[k] / 1e9 for k in ["sdpa_flash_bwd_ms"] + [f"v{v}_ms" for v in variants]]
+            tf = [flops / row[k] / 1e9 for k in ["sdpa_flash_bwd_ms"] + [f"{n}_ms" for n in names]]
             row["tflops"] = tf
             report["timing"].append(row)
+            worst = max(max(row[f"{n}_nmse_vs_first"]) for n in names)
             print(
                 f"| {H} ({Hk}) x {d} | {N} | {row['sdpa_flash_bwd_ms']:.3f} | "
-                + " | ".join(f"{row[f'v{v}_ms']:.3f}" for v in variants)
+                + " | ".join(f"{row[f'{n}_ms']:.3f}" for n in names)
                 + " | "
                 + " / ".join(f"{x:.0f}" for x in tf)
-                + f" |{extra} nmse vs v0 {[row[f'v{v}_nmse_vs_v0'] for v in variants[1:]]}",
+                + f" |{extra} nmse vs the first <= {worst:.1e}",
                 flush=True,
             )
             c = q = k = v = do = bufs = base = None
@@ -401,6 +410,9 @@ def main() -> int:
     ap.add_argument("--variants", default="0,1,2", help="fah_dkdv's variants (fa_harness.cu)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=1, help="--backward: sequences in the timed cases")
+    ap.add_argument(
+        "--chunks", default="0,16,auto,max", help="--backward: the dispatch orders timed (0: the heads fastest)"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     lib = build(a.ggml, a.so)
