@@ -6,7 +6,7 @@ kind: cuBLAS products, the F32 -> BF16 conversions of the products' operands, fl
 backward, cross-entropy, AdamW, and the rest (element-wise, norms, copies) by kernel name.
 
     python bench/kernel_times.py --model F32.gguf [--ctx 2048] [--batch 4] [--mode bf16|lora|qlora] [--out FILE.json]
-        [--lora-rank 8] [--lora-targets qv|all] [--trace FILE.json]
+        [--lora-rank 8] [--lora-targets qv|all] [--trace FILE.json [--launches REGEX]]
 
 The worker (the same script with --worker, started under `ncu --profile-from-start off`) times three
 unprofiled steps after two warm-up steps (the median is printed as "step ms"), then runs one step between
@@ -100,7 +100,7 @@ def worker(args) -> dict:
             clocks = _clock_summary(smi)
             s1 = t.stats()
             if args.trace:
-                traced = _traced_steps(t, wins, args.trace)
+                traced = _traced_steps(t, wins, args.trace, launches=args.launches)
             else:
                 rt = _cudart()
                 rt.cudaDeviceSynchronize()
@@ -115,11 +115,13 @@ def worker(args) -> dict:
                 opt_stats_ms=per, clocks=clocks, **({"trace": traced} if args.trace else {}))  # fmt: skip
 
 
-def _traced_steps(t, wins, path: str, n: int = 2) -> list[dict]:
+def _traced_steps(t, wins, path: str, n: int = 2, launches: str | None = None) -> list[dict]:
     """n steps traced by CUPTI through torch.profiler (it records every kernel, copy and CUDA runtime call of
     the process, ggml's included), the Chrome trace written to ``path``; per step: its wall time, the time the
     GPU was busy (the union of kernels, copies and memsets), the idle gaps over 0.2 ms (where, and the runtime
-    call the host was in then) and the host's runtime calls by total time."""
+    call the host was in then) and the host's runtime calls by total time; with ``launches`` (a regular
+    expression) also every launch of the kernels whose names match it, in order: its ms, grid and block, and the
+    names of the kernels just before and after it (what it feeds or follows)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -153,12 +155,34 @@ def _traced_steps(t, wins, path: str, n: int = 2) -> list[dict]:
             c[0] += 1
             c[1] += x["dur"] / 1e3
         top = sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]
-        kernels = [(e["name"], e["dur"] / 1e3) for e in ev
-                   if e.get("ph") == "X" and e.get("cat") == "kernel" and a <= e["ts"] < b]  # fmt: skip
-        out.append(dict(wall_ms=s["dur"] / 1e3, gpu_busy_ms=busy / 1e3, tail_idle_ms=max(0.0, b - end) / 1e3,
-                        gaps=gaps, runtime_calls={k: [v[0], round(v[1], 2)] for k, v in top},
-                        kernels=summarize(kernels)))  # fmt: skip
+        kev = [e for e in ev if e.get("ph") == "X" and e.get("cat") == "kernel" and a <= e["ts"] < b]
+        kev.sort(key=lambda e: e["ts"])
+        kernels = [(e["name"], e["dur"] / 1e3) for e in kev]
+        step = dict(wall_ms=s["dur"] / 1e3, gpu_busy_ms=busy / 1e3, tail_idle_ms=max(0.0, b - end) / 1e3,
+                    gaps=gaps, runtime_calls={k: [v[0], round(v[1], 2)] for k, v in top},
+                    kernels=summarize(kernels))  # fmt: skip
+        if launches:
+            names = [e["name"] for e in kev]
+            step["launches"] = [
+                dict(ms=e["dur"] / 1e3, grid=e.get("args", {}).get("grid"), block=e.get("args", {}).get("block"),
+                     before=names[i - 1] if i > 0 else None, after=names[i + 1] if i + 1 < len(names) else None)
+                for i, e in enumerate(kev) if re.search(launches, e["name"])
+            ]  # fmt: skip
+        out.append(step)
     return out
+
+
+def _print_launches(launches: list[dict], regex: str) -> None:
+    """--launches: the matching launches grouped by (grid, block, the kernel after them), the costliest first."""
+    groups: dict[tuple, list] = {}
+    for x in launches:
+        key = (str(x["grid"]), str(x["block"]), (x["after"] or "")[:70])
+        groups.setdefault(key, []).append(x["ms"])
+    print(f"\nlaunches of /{regex}/ in the last traced step: {len(launches)}, {sum(x['ms'] for x in launches):.2f} ms")
+    print("| grid | block | launches | ms | mean us | the kernel after |")
+    print("|---|---|---|---|---|---|")
+    for (grid, block, after), ms in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:40]:
+        print(f"| {grid} | {block} | {len(ms)} | {sum(ms):.2f} | {1e3 * sum(ms) / len(ms):.1f} | `{after}` |")
 
 
 def _clock_sampler():
@@ -241,6 +265,9 @@ def main() -> int:
     ap.add_argument("--trace", default=None, metavar="FILE.json",
                     help="no Nsight Compute: trace two steps with CUPTI (torch.profiler), write the Chrome trace "
                          "to FILE and print where the GPU was idle")  # fmt: skip
+    ap.add_argument("--launches", default=None, metavar="REGEX",
+                    help="with --trace: every launch of the kernels matching REGEX (e.g. convert_unary), grouped by "
+                         "grid, block and the kernel after it")  # fmt: skip
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -257,6 +284,8 @@ def main() -> int:
             print("  runtime calls (count, ms):", st["runtime_calls"])
         last = res["trace"][-1]["kernels"]  # the last traced step's kernels, as CUPTI timed them (ggml's one stream)
         _print(dict(res, **last, mode=args.mode, ctx=args.ctx, batch=args.batch), args.top)
+        if args.launches:
+            _print_launches(res["trace"][-1]["launches"], args.launches)
         if args.out:
             Path(args.out).write_text(json.dumps(dict(args=vars(args), result=res), indent=1))
         return 0

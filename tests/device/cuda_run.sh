@@ -286,7 +286,8 @@ pending)
   # (carry .device/llama.cpp.tar.xz, .device/whl, .device/tokenizer.gguf, .device-s and .device-t; LB_NO_TOOLS=1) what
   # the 2026-12-06 H100 lease left for a GPU, after one build: GRPO's TRL parity on CUDA with precision="f32" (TF32 products) and the BF16
   # defaults (issue 85), patch 0105's Q6_K -> BF16 kernel (issue 88: GGML_CUDA_Q6_K_BF16_X8=1) in the q6_K QLoRA tests,
-  # then the 8B Q4_K_M QLoRA step's kernels without and with it. Then "profiles" or "bulkdq" on the warm machine.
+  # then the 8B Q4_K_M QLoRA step's kernels without and with it (and where its F32 -> BF16 conversions are: --launches).
+  # Then "kbchunk" on the warm machine.
   [ -d .device-t ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-t/*.whl
   # the models written while the tests run (LB_PENDING_MODELS=0: not); the 8B one after the build: bench/make_model.py
   # imports llamabind (started before it, it failed at once on 2026-12-06)
@@ -303,8 +304,9 @@ pending)
   for x8 in 0 1; do
     [ -f $F8.done ] && GGML_CUDA_Q6_K_BF16_X8=$x8 timeout 100 python3 bench/kernel_times.py --model $F8 --mode qlora \
       --lora-rank 16 --lora-targets all --ctx 2048 --batch 4 --steps 3 --trace /tmp/trace-8b.json \
-      --out "$OUT/kernels-8b-q6k$x8.json" 2>&1 | grep -vE "^(llama|load|print_info|common|ggml|init)" \
-      | tee "$OUT/kernels-8b-q6k$x8.txt" | grep -E "step_ms|^\| (matrix|dequant|flash|element|F32)|q6_K"
+      --launches "convert_unary\w*<float" --out "$OUT/kernels-8b-q6k$x8.json" 2>&1 \
+      | grep -vE "^(llama|load|print_info|common|ggml|init)" | tee "$OUT/kernels-8b-q6k$x8.txt" \
+      | grep -E "step_ms|^\| (matrix|dequant|flash|element|F32)|q6_K"
   done
   wait; ls -la $MODELS; echo "pending took $SECONDS s"
   ;;
