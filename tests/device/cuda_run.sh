@@ -69,8 +69,9 @@
 # pref58: (carry .device-b after build) issue 58: the preference tests on CUDA0, then bench/preference.py.
 # amx:    (LB_NO_CUDA=1; LB_AMX_STEP=build, then test) the CPU suite on the device's Intel Xeon with AMX_INT8.
 # pending: (carry .device/llama.cpp.tar.xz, whl, tokenizer.gguf, .device-s, .device-t; LB_NO_TOOLS=1) what the
-#         2026-12-06 lease left for a GPU, in one build: GRPO's TRL parity on CUDA (TF32 and BF16), patch 0105's Q6_K
-#         kernel in the q6_K QLoRA tests, the 8B Q4_K_M QLoRA step's kernels without and with it.
+#         2026-12-06 lease left for a GPU, in one build: fa_harness's attention-backward orders (patch 0106) while it
+#         builds, GRPO's TRL parity on CUDA (TF32 and BF16), patch 0105's Q6_K kernel in the q6_K QLoRA tests, the
+#         8B Q4_K_M QLoRA step's kernels without and with it.
 # kbchunk: (after pending, warm) patch 0106's dK/dV blocks in chunks of key blocks (GGML_CUDA_FA_BACK_KB_CHUNK): its
 #         test, fa_harness --backward in each order against SDPA, the 1B 16k and 8B 2048 x 4 steps' kernels.
 # bulkdq: (after profiles, warm) GGML_CUDA_FA_BACK_BULK_DQ=1 against the defaults in 1B 16k and 8B 8k training steps.
@@ -112,6 +113,17 @@ start_8b_q4_k_m() {
   [ -f $F8.done ] || { python3 bench/make_model.py --size 8b --type q4_k_m --vocab 128256 -o $F8 \
     --tokenizer-from /tmp/tokenizer.gguf > $F8.log 2>&1 && touch $F8.done || touch $F8.fail; } &
 }
+# pending: fa_harness's dispatch orders of the attention backward (patch 0106) on the GPU, idle while the build runs
+# (the harness needs only nvcc, torch and the unpacked tree; the build takes two cores fewer); LB_EARLY_HARNESS=0: not
+HARNESS_PID=
+if [ "$phase" = pending ] && [ "${LB_EARLY_HARNESS:-1}" = 1 ]; then
+  [ -f vendor/llama.cpp/.llamabind-stamp.json ] || { mkdir -p vendor/llama.cpp \
+    && tar xJf .device/llama.cpp.tar.xz -C vendor/llama.cpp; }
+  export LB_BUILD_JOBS=$(( $(nproc) - 2 ))
+  timeout 400 python3 tests/device/fa_harness.py --backward --reps 10 --ctx ${LB_KB_CTX:-8192,16384,32768} \
+    --chunks ${LB_KB_CHUNKS:-0,16,auto,max} --out "$OUT" > "$OUT/harness-kbchunk.txt" 2>&1 &
+  HARNESS_PID=$!
+fi
 {
 nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
 source tests/device/setup.sh
@@ -289,6 +301,10 @@ pending)
   # then the 8B Q4_K_M QLoRA step's kernels without and with it (and where its F32 -> BF16 conversions are: --launches).
   # Then "kbchunk" on the warm machine.
   [ -d .device-t ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-t/*.whl
+  # the harness started before the build (patch 0106's orders) has the GPU to itself until it ends
+  # (the block runs in a subshell of the pipe to tee: not its child, so polled)
+  [ -n "$HARNESS_PID" ] && { while kill -0 $HARNESS_PID 2>/dev/null; do sleep 2; done
+    tail -30 "$OUT/harness-kbchunk.txt"; }
   # the models written while the tests run (LB_PENDING_MODELS=0: not); the 8B one after the build: bench/make_model.py
   # imports llamabind (started before it, it failed at once on 2026-12-06)
   [ "${LB_PENDING_MODELS:-1}" = 1 ] && { start_8b_q4_k_m; start_1b_f32; }
@@ -319,8 +335,10 @@ kbchunk)
   LLAMABIND_TEST_BACKEND=cuda LLAMABIND_REQUIRE_GPU=1 timeout 100 python3 -m pytest tests/test_ops_backends.py \
     $PYTEST_ARGS -k "in_chunks_of_key_blocks or flash_attention_gradients_match_cpu" 2>&1 | tail -5 \
     | tee "$OUT/kbchunk-test.txt"
-  timeout 220 python3 tests/device/fa_harness.py --backward --reps 10 --ctx ${LB_KB_CTX:-8192,16384,32768} \
-    --chunks ${LB_KB_CHUNKS:-0,16,auto,max} 2>&1 | tail -40 | tee "$OUT/harness-kbchunk.txt"
+  # (LB_KB_HARNESS=0: not, where pending ran it while it built)
+  [ "${LB_KB_HARNESS:-1}" = 1 ] && timeout 220 python3 tests/device/fa_harness.py --backward --reps 10 \
+    --ctx ${LB_KB_CTX:-8192,16384,32768} --chunks ${LB_KB_CHUNKS:-0,16,auto,max} 2>&1 | tail -40 \
+    | tee "$OUT/harness-kbchunk.txt"
   for kc in ${LB_KB_STEPS:-0 auto}; do
     [ -f $MODELS/llama-1b-f32.gguf ] && GGML_CUDA_FA_BACK_KB_CHUNK=$kc timeout 100 python3 bench/kernel_times.py \
       --model $MODELS/llama-1b-f32.gguf --mode bf16 --ctx 16384 --batch 1 --steps 3 --trace /tmp/trace-k.json \

@@ -13,7 +13,7 @@ fi
 # LB_FAST_BUILD=1: no flash-attention kernels and no tools (training with composed attention only);
 # LB_NO_TOOLS=1: no tools (training with flash attention, issue 56, needs the FA kernels)
 export CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real${LB_FAST_BUILD:+ -DGGML_CUDA_FA=OFF}" \
-  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) LLAMABIND_BUILD_TOOLS=$([ -n "${LB_FAST_BUILD:-}${LB_NO_TOOLS:-}" ] && echo OFF || echo ON)
+  CMAKE_BUILD_PARALLEL_LEVEL=${LB_BUILD_JOBS:-$(nproc)} LLAMABIND_BUILD_TOOLS=$([ -n "${LB_FAST_BUILD:-}${LB_NO_TOOLS:-}" ] && echo OFF || echo ON)
 if [ ! -f build/lb-cuda/.built ] && [ -z "${LB_NO_CUDA:-}" ]; then  # LB_NO_CUDA=1: Vulkan phases only
   t0=$SECONDS
   python3 -m pip install -v --no-build-isolation --no-deps --upgrade --target build/lb-cuda . > "$OUT/build.log" 2>&1 \
