@@ -404,7 +404,7 @@ def _training_forward(device):
     return outs
 
 
-def _hopper_runs(device, tmp_path, template: str, n: int, envs: dict[str, dict], hopper=True) -> tuple[dict, dict]:
+def _cuda_runs(device, tmp_path, template: str, n: int, envs: dict[str, dict], hopper=True) -> tuple[dict, dict]:
     """For each name -> environment of ``envs``, ``template`` (a script writing ``n`` arrays to {out!r}) run on a
     Hopper ``device`` (any GPU with ``hopper=False``) in a process of its own: (name -> the arrays, name -> its
     stderr); skips on other GPUs."""
@@ -442,7 +442,7 @@ def test_gpu_flash_attention_training_kernels_on_warpgroup_products(device, tmp_
     dV of the query heads, added by atomics in whatever order the blocks reach them: F32 rounding, ~1e-14);
     test_gpu_flash_attention_gradients_match_cpu checks the default's against the CPU."""
     envs = {on: {"GGML_CUDA_FA_FWD_WGMMA": on, "GGML_CUDA_FA_BACK_WGMMA": on} for on in ("1", "0")}
-    outs, err = _hopper_runs(device, tmp_path, _FA_FWD_RUN, 7, envs)
+    outs, err = _cuda_runs(device, tmp_path, _FA_FWD_RUN, 7, envs)
     lines = ("the training forward on warpgroup", "the dK/dV kernel (D = 128) on warp")
     logged = {on: [x in err[on] for x in lines] for on in envs}
     assert logged == {"1": [True, True], "0": [False, False]}, logged
@@ -478,7 +478,7 @@ def test_gpu_flash_attention_backward_with_bulk_dq(device, tmp_path):
     summed in F32 in whatever order the blocks reach it: ~1e-14), which test_gpu_flash_attention_gradients_match_cpu
     checks against the CPU."""
     envs = {on: {"GGML_CUDA_FA_BACK_BULK_DQ": on} for on in ("1", "0")}
-    grads, err = _hopper_runs(device, tmp_path, _FA_BACK_RUN, 6, envs)
+    grads, err = _cuda_runs(device, tmp_path, _FA_BACK_RUN, 6, envs)
     logged = {on: "the dK/dV kernel with dQ by bulk reductions on warp" in err[on] for on in envs}
     assert logged == {"1": True, "0": False}, logged
     for i, (bulk, default) in enumerate(zip(grads["1"], grads["0"])):
@@ -507,7 +507,7 @@ def test_gpu_flash_attention_backward_with_its_blocks_in_chunks_of_key_blocks(de
         for name, env in base.items()
         for c in ("0", "2", "auto")
     }
-    grads, err = _hopper_runs(device, tmp_path, _FA_BACK_RUN, 6, envs, hopper=False)
+    grads, err = _cuda_runs(device, tmp_path, _FA_BACK_RUN, 6, envs, hopper=False)
     logged = {name: err[name].count("dK/dV blocks dispatched in chunks of") for name in envs}
     assert logged == {name: int(not name.endswith("/0")) for name in envs}, logged
     for name in base:
