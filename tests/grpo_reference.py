@@ -5,11 +5,15 @@ venv with trl 1.16).
 
 WORK/job.json: {"gguf": the model (F32 GGUF), "cases": [{"name", "prompt": token ids, "completions": [token ids],
 "advantages", "old": per completion token log-probabilities or null, "ref": the same or null, "loss_type", "beta",
-"epsilon", "epsilon_high", "max_completion_length", "use_bias_correction_kl", "temperature"}]}. Each case builds a
-GRPOTrainer over transformers' LlamaForCausalLM (float32, from the GGUF) with those settings and calls its own
-``_compute_loss`` on the one prompt and its completions (right-padded, TRL's completion mask), then backward.
+"epsilon", "epsilon_high", "max_completion_length", "use_bias_correction_kl", "temperature", "ours": the caller's
+per completion token log-probabilities or null}]}. Each case builds a GRPOTrainer over transformers'
+LlamaForCausalLM (float32, from the GGUF) with those settings and calls its own ``_compute_loss`` on the one prompt
+and its completions (right-padded, TRL's completion mask), then backward.
 Writes WORK/result.json, per case: the loss, TRL's per-token log-probabilities and the gradient of every weight
-(by its GGUF name's transformers name, flattened)."""
+(by its GGUF name's transformers name, flattened). Where a case gives "ours", its old and reference log-probabilities
+are shifted by TRL's own log-probabilities minus those, so that TRL's ratios and log-ratios to the reference are the
+caller's (a BF16 caller's log-probabilities lie up to a few tenths of a nat from F32's, and the ratio carries that
+error exponentially into each token's coefficient: matched, what remains is the gradient's own error)."""
 
 from __future__ import annotations
 
@@ -65,20 +69,21 @@ def run(base: Path, tokenizer, case: dict, tmp: Path) -> dict:
             out[i, : len(row)] = torch.tensor(row)
         return out
 
-    inputs = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": comp,
-              "completion_mask": mask, "advantages": torch.tensor(case["advantages"], dtype=torch.float32),
-              "num_items_in_batch": mask.sum()}  # fmt: skip
-    if case["old"] is not None:
-        inputs["old_per_token_logps"] = per_token(case["old"])
-    if case["ref"] is not None:
-        inputs["ref_per_token_logps"] = per_token(case["ref"])
-    model.zero_grad()
-    loss = trainer._compute_loss(model, inputs)
-    loss.backward()
     with torch.no_grad():
         logps, _, _ = trainer._get_per_token_logps_and_entropies(
             model, torch.cat([prompt, comp], 1), torch.cat([torch.ones_like(prompt), mask], 1), T
         )
+    shift = 0.0 if case.get("ours") is None else (logps - per_token(case["ours"])) * mask
+    inputs = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": comp,
+              "completion_mask": mask, "advantages": torch.tensor(case["advantages"], dtype=torch.float32),
+              "num_items_in_batch": mask.sum()}  # fmt: skip
+    if case["old"] is not None:
+        inputs["old_per_token_logps"] = per_token(case["old"]) + shift
+    if case["ref"] is not None:
+        inputs["ref_per_token_logps"] = per_token(case["ref"]) + shift
+    model.zero_grad()
+    loss = trainer._compute_loss(model, inputs)
+    loss.backward()
     params = dict(model.named_parameters())
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params.values() if p.grad is not None)).item()
     return {"loss": loss.item(), "logps": [logps[i, : len(c)].tolist() for i, c in enumerate(case["completions"])],

@@ -336,7 +336,7 @@ def test_gpu_flash_attention_fixed_order_is_deterministic(device, monkeypatch):
         np.testing.assert_array_equal(a, b, err_msg=f"d{name}")
 
 
-_FA_BACK_RUN = """
+_FA_BACK_M32_RUN = """
 import json, logging, sys
 import numpy as np
 logging.basicConfig(level=logging.INFO)
@@ -366,7 +366,7 @@ def test_gpu_flash_attention_backward_takes_32_keys_a_warp_by_default(device, tm
     grads, logged = {}, {}
     for m32 in ("1", "0"):
         out = tmp_path / f"g{m32}.npy"
-        code = _FA_BACK_RUN.format(tests=str(pathlib.Path(__file__).parent), device=device, out=str(out))
+        code = _FA_BACK_M32_RUN.format(tests=str(pathlib.Path(__file__).parent), device=device, out=str(out))
         p = run_python(code, timeout=300, env={**os.environ, "GGML_CUDA_FA_BACK_M32": m32})
         assert p.returncode == 0, p.stderr[-2000:]
         grads[m32] = np.load(out)
@@ -405,9 +405,9 @@ def _training_forward(device):
 
 
 def _cuda_runs(device, tmp_path, template: str, n: int, envs: dict[str, dict], hopper=True) -> tuple[dict, dict]:
-    """For each name -> environment of ``envs``, ``template`` (a script writing ``n`` arrays to {out!r}) run on a
-    Hopper ``device`` (any GPU with ``hopper=False``) in a process of its own: (name -> the arrays, name -> its
-    stderr); skips on other GPUs."""
+    """For each name -> environment of ``envs`` (added to this process's; a variable set to None is removed),
+    ``template`` (a script writing ``n`` arrays to {out!r}) run on a Hopper ``device`` (any GPU with
+    ``hopper=False``) in a process of its own: (name -> the arrays, name -> its stderr); skips on other GPUs."""
     if device not in GPUS:
         pytest.skip(f"no {device}")
     desc = next(d["description"] for d in ops.devices() if d["name"] == device)
@@ -420,9 +420,10 @@ def _cuda_runs(device, tmp_path, template: str, n: int, envs: dict[str, dict], h
 
     arrays, stderr = {}, {}
     for name, env in envs.items():
-        out = tmp_path / f"{name}.npz"
+        out = tmp_path / f"{name.replace('/', '-')}.npz"  # (names such as "default/0")
         code = template.format(tests=str(pathlib.Path(__file__).parent), device=device, out=str(out))
-        p = run_python(code, timeout=300, env={**os.environ, **env})
+        full = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+        p = run_python(code, timeout=300, env=full)
         assert p.returncode == 0, p.stderr[-2000:]
         with np.load(out) as z:
             arrays[name] = [z[f"arr_{i}"] for i in range(n)]
@@ -491,27 +492,30 @@ def test_gpu_flash_attention_backward_with_its_blocks_in_chunks_of_key_blocks(de
     """Patch 0106 (CUDA): GGML_CUDA_FA_BACK_KB_CHUNK=C dispatches the training backward's dK/dV blocks in chunks of C
     key blocks (a 1D grid: the heads fastest across chunks, the key blocks within one; each block decodes its head,
     sequence and key block from its place, fab_kv_block), so that the blocks running at once share their Q, dO and
-    dQ tiles through the L2 cache, and says so once at INFO; unset or 0: the heads-fastest 3D grid, the default. Each
-    run its own process, at head sizes 64 and 128 (two sequences of 300 rows: 5 blocks of 64 keys, 3 of 128, grouped-
-    query heads, a last block of 44 keys, causal), C = 2 (a shorter last chunk) and "auto" (max(8, key blocks / 8):
-    here every key block of a head before the next): with the default kernels (fa_back_mma_dkdv2 at 64; at 128
-    fa_back_wgmma_dkdv on Hopper, else fa_back_mma_dkdv), with GGML_CUDA_FA_BACK_WGMMA=0 (fa_back_mma_dkdv at 128 on
-    Hopper too), dq, dk, dv within 1e-10 NMSE of the same kernels' in the heads-fastest order (dQ, and dK and dV of
-    the query heads, added by atomics in whatever order the blocks reach them: F32 rounding, ~1e-14); with
-    GGML_CUDA_FA_BACK_DETERMINISTIC=1 (no atomics: dQ summed by its own kernel, a block per K/V head writes its dK and
-    dV) equal bit for bit: a block that decoded a wrong key block or head, or two blocks the same one, would write
-    wrong or missing rows. test_gpu_flash_attention_gradients_match_cpu checks the default order's against the CPU."""
+    dQ tiles through the L2 cache, and says so once at INFO; 0: the heads-fastest 3D grid; unset (the default):
+    "auto" for the 64-key kernels, the heads fastest for the 128-key one at head size 64 (fa_back_mma_dkdv2), and an
+    INFO line that says so. Each run its own process, at head sizes 64 and 128 (two sequences of 300 rows: 5 blocks
+    of 64 keys, 3 of 128, grouped-query heads, a last block of 44 keys, causal), C = 2 (a shorter last chunk),
+    "auto" (max(8, key blocks / 8): here every key block of a head before the next) and unset: with the default
+    kernels (fa_back_mma_dkdv2 at 64; at 128 fa_back_wgmma_dkdv on Hopper, else fa_back_mma_dkdv), with
+    GGML_CUDA_FA_BACK_WGMMA=0 (fa_back_mma_dkdv at 128 on Hopper too), dq, dk, dv within 1e-10 NMSE of the same
+    kernels' in the heads-fastest order (dQ, and dK and dV of the query heads, added by atomics in whatever order
+    the blocks reach them: F32 rounding, ~1e-14); with GGML_CUDA_FA_BACK_DETERMINISTIC=1 (no atomics: dQ summed by
+    its own kernel, a block per K/V head writes its dK and dV) equal bit for bit: a block that decoded a wrong key
+    block or head, or two blocks the same one, would write wrong or missing rows.
+    test_gpu_flash_attention_gradients_match_cpu checks the default order's against the CPU."""
     base = {"default": {}, "mma": {"GGML_CUDA_FA_BACK_WGMMA": "0"}, "det": {"GGML_CUDA_FA_BACK_DETERMINISTIC": "1"}}
     envs = {
-        f"{name}/{c}": {**env, "GGML_CUDA_FA_BACK_KB_CHUNK": c}
+        f"{name}/{c or 'unset'}": {**env, "GGML_CUDA_FA_BACK_KB_CHUNK": c}
         for name, env in base.items()
-        for c in ("0", "2", "auto")
+        for c in ("0", "2", "auto", None)
     }
     grads, err = _cuda_runs(device, tmp_path, _FA_BACK_RUN, 6, envs, hopper=False)
     logged = {name: err[name].count("dK/dV blocks dispatched in chunks of") for name in envs}
     assert logged == {name: int(not name.endswith("/0")) for name in envs}, logged
+    assert all("at head size 64 the heads fastest" in err[f"{name}/unset"] for name in base)
     for name in base:
-        for c in ("2", "auto"):
+        for c in ("2", "auto", "unset"):
             for i, (got, heads) in enumerate(zip(grads[f"{name}/{c}"], grads[f"{name}/0"])):
                 what = name, c, ("dq", "dk", "dv")[i % 3], (64, 128)[i // 3]
                 assert got.shape == heads.shape and np.isfinite(got).all(), what

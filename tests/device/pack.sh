@@ -58,6 +58,8 @@ PY
   libglvnd0 libglx0 libgl1 libegl1 libopengl0 libgles2)
 head -c 55000000 "$model" > .device/smollm2.part-a
 tail -c +55000001 "$model" > .device-b/smollm2.part-b
+# conftest imports pytest, which ./dev setup alone does not install
+./dev python -c "import pytest" 2>/dev/null || ./dev python -m pip install -q pytest
 PYTHONPATH=tests ./dev python -c "import sys, conftest, gguf_tensors; gguf_tensors.cut(sys.argv[1], sys.argv[2], conftest.CUT_LAYERS)" \
   "$model" .device-s/smollm2-4l.gguf
 # .device-q: bitsandbytes for Python 3.12, its libraries for other CUDA versions and ROCm/XPU dropped (43 -> 7 MB)
